@@ -1,0 +1,147 @@
+"""The one interface through which orderings and estimators read a batch of per-example gradients.
+
+A batch of B per-example gradients g_1..g_B, each a vector in R^d, is only ever used through
+inner products: with itself (the Gram matrix), with a few fixed vectors (a running sum, a stale
+mean), and as weighted sums. ``GradientBatch`` names exactly those operations, so the same
+balancing code runs on
+
+* a dense (B, d) tensor (``DenseGradientBatch``: torch.func per-sample gradients, projections), and
+* statistics read from layer hooks without ever building a (B, d) tensor
+  (``grabkit.stats.PerSampleStats.gradient_batch()``).
+
+Vectors in R^d are flat tensors laid out as ``torch.cat([p.reshape(-1) for p in params])`` over the
+parameters that take part, in ``named_parameters()`` order. ``flat_to_named`` / ``named_to_flat``
+convert between that layout and a ``{name: tensor}`` dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "DenseGradientBatch",
+    "GradientBatch",
+    "flat_to_named",
+    "named_to_flat",
+]
+
+
+@runtime_checkable
+class GradientBatch(Protocol):
+    """B per-example gradients in R^d, accessed only through inner products.
+
+    Attributes:
+        size: B, the number of examples.
+        dim: d, the length of one flattened gradient.
+        dtype / device: of the vectors this batch accepts and returns.
+    """
+
+    size: int
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def gram(self) -> torch.Tensor:
+        """(B, B) matrix K with K[i, j] = <g_i, g_j>."""
+        ...
+
+    def norms_squared(self) -> torch.Tensor:
+        """(B,) vector with entries ||g_i||^2 (the diagonal of ``gram()``, usually cheaper)."""
+        ...
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Inner products with fixed vectors.
+
+        Args:
+            vectors: (d,) or (k, d).
+        Returns:
+            (B,) for a (d,) input, (B, k) for a (k, d) input: entry [i, j] = <g_i, v_j>.
+        """
+        ...
+
+    def total(self) -> torch.Tensor:
+        """(d,) vector sum_i g_i. Free in hook mode: autograd already computed the batch gradient."""
+        ...
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        """sum_i w_i g_i.
+
+        Args:
+            weights: (B,) or (B, k).
+        Returns:
+            (d,) for (B,) weights, (k, d) for (B, k) weights (row j uses column j of the weights).
+        """
+        ...
+
+
+class DenseGradientBatch:
+    """A ``GradientBatch`` backed by a dense (B, d) tensor.
+
+    Args:
+        matrix: (B, d) per-example gradients, one row per example.
+    """
+
+    def __init__(self, matrix: torch.Tensor) -> None:
+        if matrix.ndim != 2:
+            raise ValueError(
+                f"DenseGradientBatch expects a (B, d) matrix, but got shape {tuple(matrix.shape)}; "
+                "flatten each example's gradient into one row first."
+            )
+        self.matrix = matrix
+        self.size, self.dim = matrix.shape
+        self.dtype = matrix.dtype
+        self.device = matrix.device
+
+    def gram(self) -> torch.Tensor:
+        return self.matrix @ self.matrix.T  # (B, B)
+
+    def norms_squared(self) -> torch.Tensor:
+        return (self.matrix * self.matrix).sum(dim=1)  # (B,)
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return self.matrix @ vectors.T  # (B,) or (B, k)
+
+    def total(self) -> torch.Tensor:
+        return self.matrix.sum(dim=0)  # (d,)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights.T.to(self.dtype) @ self.matrix  # (d,) or (k, d)
+
+
+def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:
+    """Concatenate a ``{name: tensor}`` dict into the flat layout, keeping ``batch_dims`` leading dims.
+
+    With ``batch_dims=1`` a dict of (B, ...) per-example gradients (what
+    ``torch.func.vmap(torch.func.grad(f))`` returns) becomes a (B, d) matrix.
+    """
+    tensors = list(named.values())
+    if not tensors:
+        raise ValueError("cannot flatten an empty dict of tensors")
+    lead = tensors[0].shape[:batch_dims]
+    for name, t in named.items():
+        if t.shape[:batch_dims] != lead:
+            raise ValueError(
+                f"tensor {name!r} has leading shape {tuple(t.shape[:batch_dims])}, expected "
+                f"{tuple(lead)} like the first tensor: every entry must share its batch dims."
+            )
+    return torch.cat([t.reshape(*lead, -1) for t in tensors], dim=batch_dims)
+
+
+def flat_to_named(
+    flat: torch.Tensor, shapes: Mapping[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Split a flat (d,) vector into a dict of views shaped like ``shapes`` (name -> shape)."""
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        n = int(torch.Size(shape).numel())
+        out[name] = flat[offset : offset + n].view(shape)
+        offset += n
+    if offset != flat.shape[-1]:
+        raise ValueError(
+            f"flat vector has length {flat.shape[-1]} but the shapes add up to {offset}"
+        )
+    return out

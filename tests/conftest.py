@@ -1,0 +1,17 @@
+"""Shared fixtures: the location of the real datasets (tests that use them skip when absent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """Path to ``../shared/data``; skips the test when the folder is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real datasets not found at {SHARED_DATA}")
+    return SHARED_DATA
