@@ -1,4 +1,4 @@
-"""grabkit: gradient statistics that decide a training loop's order, grouping, stepping and noise scale.
+"""grabkit: gradient statistics that decide order, grouping, stepping and noise scale.
 
 Subpackages, one per concern:
 

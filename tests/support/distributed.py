@@ -47,7 +47,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, payload: Any, q
 def run_distributed(
     fn: Callable[[int, int, Any], Any], world_size: int, payload: Any = None, timeout: float = 120.0
 ) -> list[Any]:
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, payload)``; return results by rank."""
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, payload)``; results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

@@ -36,9 +36,9 @@ def two_batch_estimates(
     Returns:
         (grad_norm_sq, trace_sigma): each unbiased, either may come out negative on one draw.
     """
-    if isinstance(small_size, (int, float)) and isinstance(big_size, (int, float)):
-        if not 0 < small_size < big_size:
-            raise ValueError(
+    sizes_known = isinstance(small_size, (int, float)) and isinstance(big_size, (int, float))
+    if sizes_known and not 0 < small_size < big_size:
+        raise ValueError(
                 f"two_batch_estimates needs 0 < small_size < big_size, got "
                 f"small_size={small_size}, big_size={big_size}"
             )

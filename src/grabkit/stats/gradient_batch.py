@@ -63,7 +63,7 @@ class GradientBatch(Protocol):
         ...
 
     def total(self) -> torch.Tensor:
-        """(d,) vector sum_i g_i. Free in hook mode: autograd already computed the batch gradient."""
+        """(d,) vector sum_i g_i; free in hook mode, where autograd computed the batch gradient."""
         ...
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
@@ -112,7 +112,7 @@ class DenseGradientBatch:
 
 
 def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:
-    """Concatenate a ``{name: tensor}`` dict into the flat layout, keeping ``batch_dims`` leading dims.
+    """Concatenate a ``{name: tensor}`` dict into the flat layout, keeping ``batch_dims`` lead dims.
 
     With ``batch_dims=1`` a dict of (B, ...) per-example gradients (what
     ``torch.func.vmap(torch.func.grad(f))`` returns) becomes a (B, d) matrix.
