@@ -39,9 +39,9 @@ def two_batch_estimates(
     sizes_known = isinstance(small_size, (int, float)) and isinstance(big_size, (int, float))
     if sizes_known and not 0 < small_size < big_size:
         raise ValueError(
-                f"two_batch_estimates needs 0 < small_size < big_size, got "
-                f"small_size={small_size}, big_size={big_size}"
-            )
+            f"two_batch_estimates needs 0 < small_size < big_size, got "
+            f"small_size={small_size}, big_size={big_size}"
+        )
     grad_norm_sq = (big_size * big_norm_sq - small_size * small_norm_sq) / (big_size - small_size)
     trace_sigma = (small_norm_sq - big_norm_sq) / (1.0 / small_size - 1.0 / big_size)
     return grad_norm_sq, trace_sigma

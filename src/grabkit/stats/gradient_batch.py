@@ -130,9 +130,7 @@ def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> tor
     return torch.cat([t.reshape(*lead, -1) for t in tensors], dim=batch_dims)
 
 
-def flat_to_named(
-    flat: torch.Tensor, shapes: Mapping[str, torch.Size]
-) -> dict[str, torch.Tensor]:
+def flat_to_named(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Split a flat (d,) vector into a dict of views shaped like ``shapes`` (name -> shape)."""
     out: dict[str, torch.Tensor] = {}
     offset = 0
