@@ -1,10 +1,31 @@
-"""Per-sample gradient statistics without per-sample gradients."""
+"""Per-sample gradient statistics without per-sample gradients.
 
+``PerSampleStats`` attaches hooks to an ordinary model and, after ``loss.backward()``, reads the
+norms, Gram matrix, dots and weighted sums of the per-example gradients exactly, layer by layer,
+without building a (B, d) tensor. ``GradientBatch`` is the interface orderings consume; both
+``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it.
+"""
+
+from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
     GradientBatch,
     flat_to_named,
     named_to_flat,
 )
+from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.rules import LayerRule, register_rule, registered_rules
+from grabkit.stats.step import StepStatistics
 
-__all__ = ["DenseGradientBatch", "GradientBatch", "flat_to_named", "named_to_flat"]
+__all__ = [
+    "DenseGradientBatch",
+    "GradientBatch",
+    "HookGradientBatch",
+    "LayerRule",
+    "PerSampleStats",
+    "StepStatistics",
+    "flat_to_named",
+    "named_to_flat",
+    "register_rule",
+    "registered_rules",
+]

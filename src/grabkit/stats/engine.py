@@ -1,0 +1,356 @@
+"""``PerSampleStats``: exact per-example gradient statistics from an ordinary forward/backward.
+
+Attach once to a model. During the forward pass a hook on each layer that owns trainable
+parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
+anyway) and puts a hook on the layer's output tensor, which receives the gradient of that output
+during ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
+gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
+dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
+(see ``grabkit.stats.rules``), never building a (B, d) tensor.
+
+The first forward pass (with grad enabled) after a backward starts a new step and drops the
+previous step's references.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from grabkit.stats.factors import ParameterFactor
+from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.rules import LayerRule, find_rule
+from grabkit.stats.step import StepStatistics
+
+__all__ = ["PerSampleStats"]
+
+_LOSS_REDUCTIONS = ("mean", "sum")
+
+# module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+
+
+def _functorch_transform_active() -> bool:
+    """True inside torch.func transforms (vmap, grad): such calls are not this model's step."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+class _Call:
+    """One forward call of a tracked layer: what its rule kept, and its output's gradient."""
+
+    __slots__ = ("captured", "output_grad")
+
+    def __init__(self, captured: object) -> None:
+        self.captured = captured
+        self.output_grad: torch.Tensor | None = None
+
+
+class _TrackedLayer:
+    """A layer that owns trainable parameters: its rule and its parameters' full names."""
+
+    def __init__(self, name: str, module: nn.Module, rule: LayerRule, params: dict[str, str]):
+        self.name = name
+        self.module = module
+        self.rule = rule
+        self.params = params  # local name ("weight") -> full name ("encoder.0.weight")
+        self.calls: list[_Call] = []
+
+
+class PerSampleStats:
+    """Per-example gradient statistics of ``model`` read after each ``loss.backward()``.
+
+    Here g_i is the gradient of example i's own loss term l_i, over the model's trainable
+    parameters (frozen ones are skipped), where the batch loss is ``mean_i l_i``
+    (``loss_reduction="mean"``) or ``sum_i l_i`` (``"sum"``) and example i is row i of dim 0 of
+    every layer's input.
+
+    Args:
+        model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
+            (``grabkit.stats.rules.register_rule``), and no parameter may be shared by two layers.
+        loss_reduction: ``"mean"`` or ``"sum"``, how the batch loss combines the examples.
+
+    Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
+    ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
+    ``gradient_batch()`` (a ``GradientBatch`` in the flat layout of ``param_shapes``).
+
+    Example::
+
+        with PerSampleStats(model) as stats:
+            loss_fn(model(x), y).backward()
+            norms = stats.norms_squared()  # (B,)
+
+    BatchNorm in training mode is supported with its batch statistics treated as constants
+    (with a warning). A layer called several times in one forward is handled exactly (its
+    per-example gradient is the sum over the calls).
+    """
+
+    def __init__(self, model: nn.Module, loss_reduction: str = "mean") -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(
+                f"`loss_reduction` should be one of {_LOSS_REDUCTIONS}, but got "
+                f"loss_reduction={loss_reduction!r}"
+            )
+        self.model = model
+        self.loss_reduction = loss_reduction
+        self._check_not_attached(model)
+
+        names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+        if not names:
+            raise ValueError("the model has no parameters that require grad; nothing to measure")
+        first = next(p for p in model.parameters() if p.requires_grad)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.param_shapes: dict[str, torch.Size] = {
+            name: p.shape for name, p in model.named_parameters() if p.requires_grad
+        }
+        self._layers = self._find_layers(model, names)
+        self._handles: list[Any] = []
+        self._warned: set[nn.Module] = set()
+        self._new_step()
+        self._attach(model)
+
+    # -- attaching ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_not_attached(model: nn.Module) -> None:
+        for name, module in model.named_modules():
+            if module in _ATTACHED:
+                where = f"its submodule {name!r}" if name else "it"
+                raise RuntimeError(
+                    f"a PerSampleStats is already attached to this model ({where}); call "
+                    f"close() on the existing one (or leave its `with` block) before attaching "
+                    f"another."
+                )
+
+    @staticmethod
+    def _find_layers(model: nn.Module, names: dict[int, str]) -> list[_TrackedLayer]:
+        owner: dict[int, str] = {}
+        layers: list[_TrackedLayer] = []
+        seen: set[int] = set()
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            own = {
+                local: p for local, p in module.named_parameters(recurse=False) if p.requires_grad
+            }
+            if not own:
+                continue
+            for local, p in own.items():
+                full = f"{module_name}.{local}" if module_name else local
+                if id(p) in owner and owner[id(p)] != id(module):
+                    raise ValueError(
+                        f"parameter {names[id(p)]!r} is shared by two layers (also used as "
+                        f"{full!r}); per-example statistics of tied weights across layers are "
+                        f"not supported. Untie the weights or freeze the parameter "
+                        f"(requires_grad_(False))."
+                    )
+                owner[id(p)] = id(module)
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            rule = find_rule(module)
+            label = module_name or "<root>"
+            if rule is None:
+                raise ValueError(
+                    f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
+                    f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
+                    f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
+                    f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
+                    f"with grabkit.stats.register_rule({type(module).__name__}, rule)."
+                )
+            rule.check(module)
+            params = {local: names[id(p)] for local, p in own.items()}
+            layers.append(_TrackedLayer(label, module, rule, params))
+        return layers
+
+    def _attach(self, model: nn.Module) -> None:
+        for layer in self._layers:
+            hook = functools.partial(self._on_forward, layer)
+            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            _ATTACHED[layer.module] = self
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                hook = functools.partial(self._on_param_grad, name)
+                self._handles.append(p.register_hook(hook))
+        _ATTACHED[model] = self
+
+    def close(self) -> None:
+        """Remove every hook and drop the kept references; the object can no longer record."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for module in [self.model, *(layer.module for layer in self._layers)]:
+            if _ATTACHED.get(module) is self:
+                del _ATTACHED[module]
+        self._new_step()
+
+    def __enter__(self) -> PerSampleStats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- recording ---------------------------------------------------------------------------
+    def _new_step(self) -> None:
+        for layer in getattr(self, "_layers", []):
+            layer.calls = []
+        self._param_grads: dict[str, torch.Tensor] = {}
+        self._backward_seen = False
+        self._statistics: StepStatistics | None = None
+
+    def _on_forward(
+        self,
+        layer: _TrackedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        if not torch.is_grad_enabled() or _functorch_transform_active():
+            return
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        if self._backward_seen:
+            self._new_step()
+        if layer.rule.training_mode_warning and module.training and module not in self._warned:
+            self._warned.add(module)
+            warnings.warn(f"layer {layer.name!r}: {layer.rule.training_mode_warning}", stacklevel=2)
+        layer_input = args[0] if args else next(iter(kwargs.values()))
+        call = _Call(layer.rule.capture(module, layer_input.detach()))
+        layer.calls.append(call)
+        output.register_hook(functools.partial(self._on_output_grad, call))
+
+    def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
+        grad = grad.detach()
+        call.output_grad = grad if call.output_grad is None else call.output_grad + grad
+        self._backward_seen = True
+        self._statistics = None
+
+    def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
+        # A copy: autograd may adopt this very tensor as .grad and later change it in place
+        # (accumulation, clipping), which must not change this step's total.
+        previous = self._param_grads.get(name)
+        grad = grad.detach()
+        self._param_grads[name] = grad.clone() if previous is None else previous + grad
+        self._backward_seen = True
+        self._statistics = None
+
+    # -- reading -----------------------------------------------------------------------------
+    def statistics(self) -> StepStatistics:
+        """This step's statistics by parameter name (built on first read, then cached)."""
+        if self._statistics is None:
+            self._statistics = self._build()
+        return self._statistics
+
+    def _batch_size(self) -> int:
+        sizes = {
+            layer.name: call.output_grad.shape[0]
+            for layer in self._layers
+            for call in layer.calls
+            if call.output_grad is not None
+        }
+        if not sizes:
+            raise RuntimeError(
+                "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
+                "loss.backward() before reading."
+            )
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"layers saw different batch sizes in dim 0 ({sizes}); PerSampleStats needs "
+                f"the batch in dim 0 of every layer's input (use batch_first layouts)."
+            )
+        return next(iter(sizes.values()))
+
+    def _build(self) -> StepStatistics:
+        batch_size = self._batch_size()
+        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
+        for layer in self._layers:
+            wanted = set(layer.params)
+            for call in layer.calls:
+                if call.output_grad is None:
+                    continue
+                grad = call.output_grad * scale if scale != 1.0 else call.output_grad
+                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
+                for local, factor in made.items():
+                    full = layer.params[local]
+                    previous = factors[full]
+                    factors[full] = factor if previous is None else previous.merge(factor)
+        for name in self._param_grads:
+            if factors[name] is None:
+                raise RuntimeError(
+                    f"parameter {name!r} received a gradient in this backward, but its layer "
+                    f"never passed through its forward hook (it was used functionally, e.g. "
+                    f"through F.linear(x, layer.weight) or nn.MultiheadAttention's out_proj). "
+                    f"Call the layer as a module, or freeze the parameter."
+                )
+        totals = {
+            name: (self._param_grads[name] * scale).to(self.dtype)
+            if name in self._param_grads
+            else torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for name, shape in self.param_shapes.items()
+        }
+        return StepStatistics(
+            self.param_shapes, factors, totals, batch_size, self.dtype, self.device
+        )
+
+    def norms_squared(self) -> torch.Tensor:
+        """(B,) ||g_i||^2 over the trainable parameters."""
+        return self.statistics().norms_squared()
+
+    def gram(self) -> torch.Tensor:
+        """(B, B) <g_i, g_j>."""
+        return self.statistics().gram()
+
+    def dot(self, vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(B,) <v, g_i> for v given as {name: tensor shaped like the parameter}.
+
+        Names as in ``model.named_parameters()``; trainable parameters left out count as zero.
+        """
+        stacked = {name: v.unsqueeze(0) for name, v in self._check_named(vectors).items()}
+        return self.statistics().dot_stacked(stacked)[:, 0]
+
+    def weighted_sum(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: sum_i w_i g_i} for (B,) weights ``w``."""
+        stats = self.statistics()
+        if not isinstance(weights, torch.Tensor) or weights.shape != (stats.batch_size,):
+            shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights)
+            raise ValueError(
+                f"`weights` should be a tensor of shape ({stats.batch_size},), one weight per "
+                f"example, but got {shape}"
+            )
+        sums = stats.weighted_sum_stacked(weights.unsqueeze(1))
+        return {name: s[0] for name, s in sums.items()}
+
+    def total(self) -> dict[str, torch.Tensor]:
+        """{name: sum_i g_i}: the batch gradient autograd computed, rescaled to a sum."""
+        return dict(self.statistics().totals)
+
+    def gradient_batch(self) -> HookGradientBatch:
+        """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``."""
+        return HookGradientBatch(self.statistics())
+
+    def _check_named(self, vectors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        if not isinstance(vectors, Mapping):
+            raise TypeError(
+                f"`vectors` should be a dict name -> tensor (names as in "
+                f"model.named_parameters()), but got {type(vectors).__name__}"
+            )
+        for name, v in vectors.items():
+            if name not in self.param_shapes:
+                raise ValueError(
+                    f"`vectors` has an entry {name!r} that is not a trainable parameter of the "
+                    f"model; expected names among {list(self.param_shapes)}"
+                )
+            if tuple(v.shape) != tuple(self.param_shapes[name]):
+                raise ValueError(
+                    f"`vectors[{name!r}]` should have the parameter's shape "
+                    f"{tuple(self.param_shapes[name])}, but got {tuple(v.shape)}"
+                )
+        return vectors

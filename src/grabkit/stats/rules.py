@@ -1,0 +1,312 @@
+"""One rule per layer type: how a layer's kept input and output gradient factor its parameters.
+
+A rule sees one call of a layer: the input it was called with and the gradient of its output
+(already scaled so that row i is example i's own loss term). It returns, for each trainable
+parameter of that layer, a ``ParameterFactor`` (see ``grabkit.stats.factors``) that answers
+norms, Gram matrices, dots and weighted sums exactly.
+
+Built-in rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d`` / ``nn.Conv2d`` (via unfold; any
+stride, dilation, groups, padding mode), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``,
+``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d`` (training mode: batch statistics treated as
+constants). ``register_rule`` adds or replaces a rule for another layer type.
+
+The batch dimension is dim 0 of every layer's input (``batch_first`` layouts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit.stats.factors import (
+    EmbeddingFactor,
+    OuterProductFactor,
+    ParameterFactor,
+    PerExampleFactor,
+    compute_dtype,
+)
+
+__all__ = [
+    "LayerRule",
+    "find_rule",
+    "register_rule",
+    "registered_rules",
+]
+
+
+class LayerRule(ABC):
+    """Factor the per-example gradients of one layer type's parameters."""
+
+    #: Warn (once per engine) when the layer runs in training mode: for layers whose per-example
+    #: gradients are only defined up to a convention there (BatchNorm's batch statistics).
+    training_mode_warning: str | None = None
+
+    def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook, default accepts all)
+        """Raise ``ValueError`` at attach time for configurations the rule cannot make exact."""
+
+    def capture(self, module: nn.Module, layer_input: torch.Tensor) -> object:
+        """What to keep from a forward call (default: a reference to the input itself).
+
+        Called in the forward hook; the result comes back as ``layer_input`` in ``factors``.
+        Override to record forward-time state the layer's result depended on.
+        """
+        return layer_input
+
+    @abstractmethod
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
+        """Factors of the parameters named in ``wanted`` (local names such as ``"weight"``).
+
+        Args:
+            module: the layer.
+            layer_input: what ``capture`` kept: by default the first input of the call, (B, ...).
+            output_grad: gradient of this call's output, scaled per example, (B, ...).
+            wanted: local names of the layer's parameters that require grad.
+        """
+
+
+_RULES: dict[type[nn.Module], LayerRule] = {}
+
+
+def register_rule(module_type: type[nn.Module], rule: LayerRule) -> None:
+    """Use ``rule`` for layers of ``module_type`` and of subclasses that keep its ``forward``."""
+    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+        raise TypeError(f"module_type should be an nn.Module subclass, but got {module_type!r}")
+    if not isinstance(rule, LayerRule):
+        raise TypeError(f"rule should be a LayerRule instance, but got {type(rule).__name__}")
+    _RULES[module_type] = rule
+
+
+def registered_rules() -> dict[type[nn.Module], LayerRule]:
+    """A copy of the layer-type -> rule table."""
+    return dict(_RULES)
+
+
+def find_rule(module: nn.Module) -> LayerRule | None:
+    """The rule for ``module``'s type or nearest registered base class, if ``forward`` is kept.
+
+    A subclass that overrides ``forward`` may compute something else with the same parameters,
+    so it gets no inherited rule (register one for it explicitly).
+    """
+    for cls in type(module).__mro__:
+        rule = _RULES.get(cls)
+        if rule is not None:
+            return rule if type(module).forward is cls.forward else None
+    return None
+
+
+def _as_sequence(t: torch.Tensor, features: int) -> torch.Tensor:
+    """(B, ..., f) -> (B, T, 1, f), T the product of the middle dims (1 for plain vectors)."""
+    return t.reshape(t.shape[0], -1, 1, features)
+
+
+def _require_batched(module: nn.Module, layer_input: torch.Tensor, min_dim: int) -> None:
+    if layer_input.dim() < min_dim:
+        raise ValueError(
+            f"{type(module).__name__} got an input of shape {tuple(layer_input.shape)} without a "
+            f"batch dimension; per-example statistics need batched inputs (B, ...) with the "
+            f"batch in dim 0."
+        )
+
+
+class LinearRule(LayerRule):
+    """``y = x W^T + b`` over any leading dims: W's gradient is an outer product per position."""
+
+    def factors(self, module, layer_input, output_grad, wanted):
+        _require_batched(module, layer_input, 2)
+        out: dict[str, ParameterFactor] = {}
+        if "weight" in wanted:
+            out["weight"] = OuterProductFactor(
+                _as_sequence(layer_input, module.in_features),
+                _as_sequence(output_grad, module.out_features),
+                module.weight.shape,
+            )
+        if "bias" in wanted:
+            b = output_grad.shape[0]
+            per_example = output_grad.reshape(b, -1, module.out_features).sum(dim=1)
+            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+        return out
+
+
+class ConvRule(LayerRule):
+    """``nn.Conv1d`` / ``nn.Conv2d``: unfold the (padded) input into patches, then as Linear."""
+
+    def __init__(self, spatial_dims: int) -> None:
+        self.spatial_dims = spatial_dims
+
+    def factors(self, module, layer_input, output_grad, wanted):
+        _require_batched(module, layer_input, self.spatial_dims + 2)
+        b = layer_input.shape[0]
+        g = module.groups
+        c_out = module.out_channels
+        out: dict[str, ParameterFactor] = {}
+        if "weight" in wanted:
+            patches = self._patches(module, layer_input)  # (B, C_in k, L)
+            length = patches.shape[-1]
+            inputs = patches.reshape(b, g, -1, length).permute(0, 3, 1, 2)  # (B, L, G, p)
+            grads = output_grad.reshape(b, g, c_out // g, length).permute(0, 3, 1, 2)
+            out["weight"] = OuterProductFactor(inputs, grads, module.weight.shape)
+        if "bias" in wanted:
+            per_example = output_grad.reshape(b, c_out, -1).sum(dim=2)
+            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+        return out
+
+    def _patches(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+        if self.spatial_dims == 1:  # treat a length-L signal as a 1 x L image
+            x = x.unsqueeze(2)
+            kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
+        return F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)
+
+
+class EmbeddingRule(LayerRule):
+    """``nn.Embedding``: each example's gradient touches only the rows it looked up."""
+
+    def check(self, module):
+        if module.sparse:
+            raise ValueError(
+                "nn.Embedding(sparse=True) is not supported by PerSampleStats; "
+                "construct the embedding with sparse=False."
+            )
+        if module.scale_grad_by_freq:
+            raise ValueError(
+                "nn.Embedding(scale_grad_by_freq=True) couples examples through batch-wide "
+                "token counts, so per-example gradients are not defined; use "
+                "scale_grad_by_freq=False."
+            )
+
+    def factors(self, module, layer_input, output_grad, wanted):
+        if "weight" not in wanted:
+            return {}
+        _require_batched(module, layer_input, 1)
+        b = layer_input.shape[0]
+        indices = layer_input.reshape(b, -1)
+        grads = output_grad.reshape(b, indices.shape[1], module.embedding_dim)
+        if module.padding_idx is not None:
+            grads = grads * (indices != module.padding_idx).unsqueeze(-1)
+        return {"weight": EmbeddingFactor(indices, grads, module.weight.shape)}
+
+
+class _AffineNormRule(LayerRule):
+    """Normalisation layers ``y = xhat * weight + bias``: per-example sums of D xhat and D."""
+
+    @abstractmethod
+    def normalised(self, module: nn.Module, captured, dtype: torch.dtype) -> torch.Tensor:
+        """xhat in ``dtype``: the input normalised exactly as the layer's forward did it."""
+
+    def input_tensor(self, captured) -> torch.Tensor:
+        """The layer input within what ``capture`` kept."""
+        return captured
+
+    @abstractmethod
+    def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
+        """Dims of x summed away to reach the parameter's shape (after dim 0, the batch)."""
+
+    def factors(self, module, layer_input, output_grad, wanted):
+        x = self.input_tensor(layer_input)
+        _require_batched(module, x, 2)
+        dims = self.reduce_dims(module, x)
+        out: dict[str, ParameterFactor] = {}
+        grad = output_grad.to(compute_dtype(output_grad.dtype))
+        if "weight" in wanted:
+            xhat = self.normalised(module, layer_input, grad.dtype)
+            per_example = (grad * xhat).sum(dim=dims) if dims else grad * xhat
+            out["weight"] = PerExampleFactor(per_example, module.weight.shape)
+        if "bias" in wanted and getattr(module, "bias", None) is not None:
+            per_example = grad.sum(dim=dims) if dims else grad
+            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+        return out
+
+
+class LayerNormRule(_AffineNormRule):
+    def normalised(self, module, captured, dtype):
+        x = captured.to(dtype)
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+
+    def reduce_dims(self, module, x):
+        return tuple(range(1, x.dim() - len(module.normalized_shape)))
+
+
+class RMSNormRule(_AffineNormRule):
+    def normalised(self, module, captured, dtype):
+        x = captured.to(dtype)
+        return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+    def reduce_dims(self, module, x):
+        return tuple(range(1, x.dim() - len(module.normalized_shape)))
+
+
+class GroupNormRule(_AffineNormRule):
+    def normalised(self, module, captured, dtype):
+        x = captured.to(dtype)
+        return F.group_norm(x, module.num_groups, None, None, module.eps)
+
+    def reduce_dims(self, module, x):
+        return tuple(range(2, x.dim()))
+
+
+class _BatchNormCall(NamedTuple):
+    x: torch.Tensor
+    use_batch_stats: bool
+
+
+class BatchNormRule(_AffineNormRule):
+    """BatchNorm: in training mode the batch mean and variance are treated as constants.
+
+    The true gradient of example i's loss also flows through the batch statistics into every
+    other example, so "example i's gradient" has no exact meaning in training mode; the
+    statistics here use g_i = sum over positions of D_i * xhat_i (and D_i for the bias), the
+    convention of Opacus-style per-example methods. In eval mode (running statistics) it is exact.
+    """
+
+    training_mode_warning = (
+        "BatchNorm in training mode: PerSampleStats treats the batch mean and variance as "
+        "constants, so per-example statistics of its affine parameters ignore the coupling "
+        "through the batch statistics. Freeze the BatchNorm affine parameters, switch it to eval "
+        "mode, or use GroupNorm/LayerNorm for exact statistics."
+    )
+
+    def capture(self, module, layer_input):
+        # Which statistics normalised this call is fixed at forward time, not at read time.
+        return _BatchNormCall(layer_input, module.training or module.running_mean is None)
+
+    def input_tensor(self, captured):
+        return captured.x
+
+    def normalised(self, module, captured, dtype):
+        x = captured.x.to(dtype)
+        use_batch_stats = captured.use_batch_stats
+        return F.batch_norm(
+            x,
+            None if use_batch_stats else module.running_mean.to(x.dtype),
+            None if use_batch_stats else module.running_var.to(x.dtype),
+            training=use_batch_stats,
+            eps=module.eps,
+        )
+
+    def reduce_dims(self, module, x):
+        return tuple(range(2, x.dim()))
+
+
+register_rule(nn.Linear, LinearRule())
+register_rule(nn.Conv1d, ConvRule(spatial_dims=1))
+register_rule(nn.Conv2d, ConvRule(spatial_dims=2))
+register_rule(nn.Embedding, EmbeddingRule())
+register_rule(nn.LayerNorm, LayerNormRule())
+register_rule(nn.GroupNorm, GroupNormRule())
+for _bn in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    register_rule(_bn, BatchNormRule())
+if hasattr(nn, "RMSNorm"):
+    register_rule(nn.RMSNorm, RMSNormRule())

@@ -1,0 +1,98 @@
+"""The per-example gradient statistics of one backward pass, read by parameter name.
+
+``StepStatistics`` is what ``PerSampleStats`` hands out after a backward: one merged
+``ParameterFactor`` per trainable parameter (None where the parameter got no gradient) plus the
+batch gradient autograd computed. It owns no hooks, so it stays valid after the next forward pass
+starts a new step; ``HookGradientBatch`` reads it in the flat layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from grabkit.stats.factors import ParameterFactor
+
+__all__ = ["StepStatistics"]
+
+
+class StepStatistics:
+    """Per-example statistics g_1..g_B of one step, over the parameters in ``param_shapes``.
+
+    Args:
+        param_shapes: name -> shape of every trainable parameter, in flat-layout order.
+        factors: name -> factor of the per-example gradients (None: no gradient this step).
+        totals: name -> sum_i g_i (the batch gradient, rescaled to a sum over examples).
+        batch_size: B.
+        dtype / device: of the parameters (inputs are cast to it; statistics are returned in
+            at least float32).
+    """
+
+    def __init__(
+        self,
+        param_shapes: Mapping[str, torch.Size],
+        factors: Mapping[str, ParameterFactor | None],
+        totals: Mapping[str, torch.Tensor],
+        batch_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.param_shapes = dict(param_shapes)
+        self.factors = dict(factors)
+        self.totals = dict(totals)
+        self.batch_size = batch_size
+        self.dtype = dtype
+        self.device = device
+        self.stat_dtype = torch.promote_types(dtype, torch.float32)
+        self._gram: torch.Tensor | None = None
+        self._norms: torch.Tensor | None = None
+
+    def _present(self) -> list[tuple[str, ParameterFactor]]:
+        return [(name, f) for name, f in self.factors.items() if f is not None]
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
+
+    def norms_squared(self) -> torch.Tensor:
+        """(B,) ||g_i||^2 (the Gram diagonal when the Gram matrix was already read)."""
+        if self._norms is None:
+            if self._gram is not None:
+                self._norms = self._gram.diagonal().clone()
+            else:
+                total = self._zeros(self.batch_size)
+                for _, factor in self._present():
+                    total = total + factor.norms_squared().to(self.stat_dtype)
+                self._norms = total
+        return self._norms
+
+    def gram(self) -> torch.Tensor:
+        """(B, B) <g_i, g_j>."""
+        if self._gram is None:
+            total = self._zeros(self.batch_size, self.batch_size)
+            for _, factor in self._present():
+                total = total + factor.gram().to(self.stat_dtype)
+            self._gram = total
+        return self._gram
+
+    def dot_stacked(self, vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(B, k) <g_i, v_j> for k vectors given as name -> (k, *shape); absent names are zero."""
+        k = next(iter(vectors.values())).shape[0] if vectors else 1
+        total = self._zeros(self.batch_size, k)
+        for name, factor in self._present():
+            v = vectors.get(name)
+            if v is not None:
+                total = total + factor.dot(v).to(self.stat_dtype)
+        return total
+
+    def weighted_sum_stacked(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype."""
+        k = weights.shape[1]
+        out: dict[str, torch.Tensor] = {}
+        for name, shape in self.param_shapes.items():
+            factor = self.factors[name]
+            if factor is None:
+                out[name] = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
+            else:
+                out[name] = factor.weighted_sum(weights).to(self.dtype)
+        return out
