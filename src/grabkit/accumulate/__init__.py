@@ -1,1 +1,62 @@
-"""grabkit.accumulate."""
+"""Adaptive gradient accumulation: optimizer wrappers that decide after each microbatch whether
+the accumulated gradient is good enough to step on (torch-gqc compatible).
+
+* :mod:`~grabkit.accumulate.wrapper`      ``AdaptiveAccumulationWrapper``, the real optimizer
+* :mod:`~grabkit.accumulate.controllers`  the stepping rules, one knob each
+* :mod:`~grabkit.accumulate.gqc`          GQC's five wrappers by name
+* :mod:`~grabkit.accumulate.schedules`    schedules for the knobs
+"""
+
+from grabkit.accumulate.controllers import (
+    AlwaysStep,
+    Controller,
+    MetricHypothesisTest,
+    NoiseScaleController,
+    NormTest,
+    NormThreshold,
+    Observation,
+    RelativeNormThreshold,
+    ScheduledBatch,
+    window_noise_estimates,
+)
+from grabkit.accumulate.gqc import (
+    OptimizerWrapperGNR,
+    OptimizerWrapperGNS,
+    OptimizerWrapperGNTS,
+    OptimizerWrapperMHT,
+    OptimizerWrapperSBC,
+)
+from grabkit.accumulate.schedules import (
+    NormWarmupScheduler,
+    ValueSchedule,
+    get_curved_batch_schedule,
+    get_direct_cosine_annealing_with_warmup,
+    get_norm_threshold_cosine_annealing_with_warmup,
+    get_quadratic_batch_schedule,
+)
+from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
+
+__all__ = [
+    "AdaptiveAccumulationWrapper",
+    "AlwaysStep",
+    "Controller",
+    "MetricHypothesisTest",
+    "NoiseScaleController",
+    "NormTest",
+    "NormThreshold",
+    "NormWarmupScheduler",
+    "Observation",
+    "OptimizerWrapperGNR",
+    "OptimizerWrapperGNS",
+    "OptimizerWrapperGNTS",
+    "OptimizerWrapperMHT",
+    "OptimizerWrapperSBC",
+    "RelativeNormThreshold",
+    "ScheduledBatch",
+    "ValueSchedule",
+    "get_curved_batch_schedule",
+    "get_direct_cosine_annealing_with_warmup",
+    "get_norm_threshold_cosine_annealing_with_warmup",
+    "get_quadratic_batch_schedule",
+    "window_noise_estimates",
+]

@@ -1,0 +1,120 @@
+"""The accumulated gradient, kept in buffers of its own, away from ``.grad``.
+
+After each microbatch the wrapper folds ``count * p.grad`` into a per-parameter running sum and
+sets ``p.grad`` back to ``None``. So ``.grad`` only ever holds the one microbatch not yet folded:
+a user's ``zero_grad()``, a GradScaler's in-place unscaling or DDP's bucket views cannot touch
+the accumulation, and the next backward writes a fresh gradient instead of adding into an old one.
+When the wrapper steps, the exact weighted mean ``sum_i c_i g_i / sum_i c_i`` is written back into
+``.grad`` for the inner optimizer.
+
+Sums are float32 for float16/bfloat16 gradients (so that many small additions do not round
+away) and the gradient's own dtype otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GradientAccumulator", "squared_norm"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all entries of ``tensors`` as a 0-dim float64 tensor (no host sync)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(tensors)
+    return torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+
+
+def _sum_dtype(grad: torch.Tensor) -> torch.dtype:
+    return torch.float32 if grad.dtype in _LOW_PRECISION else grad.dtype
+
+
+class GradientAccumulator:
+    """Running sums ``S_p = sum_i c_i g_{i,p}`` for the parameters that received a gradient."""
+
+    def __init__(self) -> None:
+        self._sums: dict[torch.Tensor, torch.Tensor] = {}
+
+    @staticmethod
+    def pending_gradients(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(param, grad) for the params whose ``.grad`` holds an unfolded microbatch gradient."""
+        pending = []
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                raise TypeError(
+                    "adaptive accumulation supports dense gradients only, but a parameter of "
+                    f"shape {tuple(p.shape)} has a sparse gradient; use a dense embedding "
+                    "(sparse=False)"
+                )
+            pending.append((p, g))
+        return pending
+
+    def fold(
+        self, pending: list[tuple[torch.Tensor, torch.Tensor]], weight: float | torch.Tensor
+    ) -> None:
+        """Add ``weight * grad`` to each running sum, then clear the folded ``.grad``.
+
+        ``weight`` is the microbatch's count (times the inverse loss scale under a GradScaler);
+        a Python number costs one fused pass, a 0-dim tensor keeps it on the device.
+        """
+        fresh = [(p, g) for p, g in pending if p not in self._sums]
+        known = [(p, g) for p, g in pending if p in self._sums]
+        for p, g in fresh:
+            self._sums[p] = torch.mul(g.to(_sum_dtype(g)), weight)
+        if known:
+            sums = [self._sums[p] for p, _ in known]
+            grads = [
+                g if g.dtype == s.dtype else g.to(s.dtype)
+                for (_, g), s in zip(known, sums, strict=True)
+            ]
+            if isinstance(weight, torch.Tensor):
+                torch._foreach_add_(sums, torch._foreach_mul(grads, weight))
+            else:
+                torch._foreach_add_(sums, grads, alpha=weight)
+        for p, _ in pending:
+            p.grad = None
+
+    def sum_squared_norm(self) -> torch.Tensor:
+        """``|S|^2`` over the local parameters (float64, 0-dim, on the sums' device)."""
+        return squared_norm(list(self._sums.values()))
+
+    def write_mean(self, total_count: float | torch.Tensor) -> list[torch.Tensor]:
+        """Set ``p.grad = S_p / total_count`` (in the parameter's dtype); empty the sums."""
+        grads = []
+        for p, s in self._sums.items():
+            s.div_(total_count)
+            p.grad = s if s.dtype == p.dtype else s.to(p.dtype)
+            grads.append(p.grad)
+        self._sums = {}
+        return grads
+
+    def clear(self) -> None:
+        self._sums = {}
+
+    def state_dict(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """The running sums in ``params`` order (``None`` where a parameter has none yet)."""
+        return [None if p not in self._sums else self._sums[p].clone() for p in params]
+
+    def load_state_dict(self, sums: list[torch.Tensor | None], params: list[torch.Tensor]) -> None:
+        if len(sums) != len(params):
+            raise ValueError(
+                f"the checkpoint's accumulation holds {len(sums)} parameters but the optimizer "
+                f"has {len(params)}; load it into an optimizer over the same parameters"
+            )
+        loaded = {}
+        for index, (p, s) in enumerate(zip(params, sums, strict=True)):
+            if s is None:
+                continue
+            if s.shape != p.shape:
+                raise ValueError(
+                    f"the checkpoint's accumulated gradient for parameter {index} has shape "
+                    f"{tuple(s.shape)} but the parameter has shape {tuple(p.shape)}"
+                )
+            loaded[p] = s.to(device=p.device, copy=True)
+        self._sums = loaded

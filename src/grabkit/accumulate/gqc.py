@@ -1,0 +1,251 @@
+"""The five torch-gqc wrappers, same names and arguments, on grabkit's exact accumulation.
+
+Each is an :class:`~grabkit.accumulate.wrapper.AdaptiveAccumulationWrapper` with one controller;
+every one accepts the wrapper's keyword options (``default_count``, ``clip_grad_norm``,
+``process_group``, ``gradient_layout``). The value a GQC schedule drives (norm threshold, noise
+multiplier, error tolerance, target norm, logical batch size) is ``wrapper.scheduled_value``;
+the schedules in :mod:`grabkit.accumulate.schedules` set it, and stock LR schedulers attached to
+the wrapper act on the inner optimizer's learning rate, as they would without the wrapper.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from grabkit.accumulate.accumulator import squared_norm
+from grabkit.accumulate.controllers import (
+    AlwaysStep,
+    MetricHypothesisTest,
+    NoiseScaleController,
+    NormThreshold,
+    Observation,
+    ScheduledBatch,
+)
+from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
+
+__all__ = [
+    "OptimizerWrapperGNR",
+    "OptimizerWrapperGNS",
+    "OptimizerWrapperGNTS",
+    "OptimizerWrapperMHT",
+    "OptimizerWrapperSBC",
+]
+
+
+class _ScheduledKnob:
+    """``wrapper.scheduled_value`` and a named alias both read and write the controller's knob."""
+
+    @property
+    def scheduled_value(self) -> float:
+        return self.controller.scheduled_value
+
+    @scheduled_value.setter
+    def scheduled_value(self, value: float) -> None:
+        self.controller.scheduled_value = float(value)
+
+
+class OptimizerWrapperGNTS(_ScheduledKnob, AdaptiveAccumulationWrapper):
+    """Gradient Norm Threshold Scheduler: step when |mean gradient| <= ``norm_threshold``.
+
+    ``norm_threshold`` (default 1.0) is usually driven by
+    :func:`~grabkit.accumulate.schedules.get_norm_threshold_cosine_annealing_with_warmup`.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_batch_draws: int = 64,
+        *,
+        norm_threshold: float = 1.0,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            optimizer, NormThreshold(norm_threshold), max_batch_draws=max_batch_draws, **options
+        )
+
+    @property
+    def norm_threshold(self) -> float:
+        return self.controller.norm_threshold
+
+    @norm_threshold.setter
+    def norm_threshold(self, value: float) -> None:
+        self.controller.norm_threshold = float(value)
+
+
+class OptimizerWrapperGNS(_ScheduledKnob, AdaptiveAccumulationWrapper):
+    """Noise-scale controlled: step when the window's count reaches ``noise_multiplier * B_simple``.
+
+    B_simple is measured from the microbatch gradient norms and the window mean (see
+    :class:`~grabkit.accumulate.controllers.NoiseScaleController`); pass ``step(count=...)`` so
+    it is in examples or tokens.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        noise_multiplier: float = 1.0,
+        max_batch_draws: int = 64,
+        *,
+        update_rate: float = 0.2,
+        min_draws: int = 2,
+        **options: Any,
+    ) -> None:
+        controller = NoiseScaleController(noise_multiplier, update_rate, min_draws)
+        super().__init__(optimizer, controller, max_batch_draws=max_batch_draws, **options)
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.controller.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.controller.noise_multiplier = float(value)
+
+
+class OptimizerWrapperMHT(_ScheduledKnob, AdaptiveAccumulationWrapper):
+    """Metric hypothesis test: step when the loss is pinned down within ``error_tolerance``.
+
+    Call ``step(loss)`` (GQC's ``step(metric, closure=None)``); see
+    :class:`~grabkit.accumulate.controllers.MetricHypothesisTest` for the rule.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        confidence: float = 0.98,
+        error_tolerance: float = 0.03,
+        ema_alpha: float = 0.01,
+        max_batch_draws: int = 64,
+        **options: Any,
+    ) -> None:
+        controller = MetricHypothesisTest(confidence, error_tolerance, ema_alpha)
+        super().__init__(optimizer, controller, max_batch_draws=max_batch_draws, **options)
+
+    def step(  # type: ignore[override]
+        self,
+        metric: float | torch.Tensor | None = None,
+        closure: Callable[[], Any] | None = None,
+        *,
+        count: float | torch.Tensor | None = None,
+    ) -> bool:
+        return super().step(closure, count=count, metric=metric)
+
+    @property
+    def error_tolerance(self) -> float:
+        return self.controller.error_tolerance
+
+    @error_tolerance.setter
+    def error_tolerance(self, value: float) -> None:
+        self.controller.error_tolerance = float(value)
+
+    @property
+    def running_avg_metric(self) -> float | None:
+        avg = self.controller.running_avg_metric
+        return None if avg is None else float(avg)
+
+
+class OptimizerWrapperGNR(AdaptiveAccumulationWrapper):
+    """Gradient Norm Rescaler: step every microbatch with the gradient rescaled to ``target_norm``.
+
+    ``mode="global"`` scales the whole gradient to total norm ``target_norm``;
+    ``"independent"`` scales each parameter's gradient to that norm separately (replicated
+    gradients only: a shard does not know its parameter's full norm).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        mode: Literal["global", "independent"] = "global",
+        *,
+        target_norm: float = 1.0,
+        **options: Any,
+    ) -> None:
+        if mode not in ("global", "independent"):
+            raise ValueError(f"`mode` should be 'global' or 'independent', but got mode={mode!r}")
+        if options.get("gradient_layout") == "sharded" and mode == "independent":
+            raise ValueError("mode='independent' needs whole parameters; use mode='global'")
+        super().__init__(optimizer, AlwaysStep(), **options)
+        self.mode = mode
+        self.target_norm = target_norm
+
+    @property
+    def target_norm(self) -> float:
+        return self._target_norm
+
+    @target_norm.setter
+    def target_norm(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"`target_norm` should be a non-negative number, but got {value!r}")
+        self._target_norm = float(value)
+
+    scheduled_value = target_norm
+
+    def _transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
+        if not grads:
+            return
+        if self.mode == "global":
+            coef = self.target_norm / (obs.mean_norm_sq.sqrt() + 1e-12)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        else:
+            for g in grads:
+                g.mul_(self.target_norm / (squared_norm([g]).sqrt() + 1e-12).to(g.dtype))
+        super()._transform_mean_gradient(grads, obs)
+
+    def statistics(self) -> dict[str, Any]:
+        stats = super().statistics()
+        stats.update(target_norm=self.target_norm, mode=self.mode)
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["controller"] = {"target_norm": self.target_norm, "mode": self.mode}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        knob = state.get("controller", {})
+        if set(knob) != {"target_norm", "mode"}:
+            raise ValueError(f"OptimizerWrapperGNR state expected target_norm and mode, got {knob}")
+        state["controller"] = {}
+        super().load_state_dict(state)
+        self.target_norm, self.mode = knob["target_norm"], knob["mode"]
+
+
+class OptimizerWrapperSBC(_ScheduledKnob, AdaptiveAccumulationWrapper):
+    """Scheduled Batch Controller: accumulate up to a (scheduled) logical batch size.
+
+    Each microbatch counts ``physical_batch_size`` unless ``step(count=...)`` says otherwise.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        physical_batch_size: int,
+        initial_logical_batch_size: float | None = None,
+        max_batch_draws: int = 64,
+        **options: Any,
+    ) -> None:
+        if initial_logical_batch_size is None:
+            initial_logical_batch_size = physical_batch_size
+        controller = ScheduledBatch(physical_batch_size, initial_logical_batch_size)
+        options.setdefault("default_count", float(physical_batch_size))
+        super().__init__(optimizer, controller, max_batch_draws=max_batch_draws, **options)
+
+    @property
+    def physical_batch_size(self) -> float:
+        return self.controller.physical_batch_size
+
+    @property
+    def target_logical_batch_size(self) -> float:
+        return self.controller.target_logical_batch_size
+
+    @target_logical_batch_size.setter
+    def target_logical_batch_size(self, value: float) -> None:
+        self.controller.target_logical_batch_size = float(value)
+
+    @property
+    def target_draws(self) -> int:
+        return self.controller.target_draws

@@ -1,0 +1,226 @@
+"""Schedules for the wrappers' knobs: norm threshold, noise multiplier, tolerance, batch size.
+
+A GQC wrapper's threshold is not a learning rate, so grabkit schedules it with
+:class:`ValueSchedule`, which sets ``wrapper.scheduled_value = fn(t)`` (an absolute value) at
+construction (t = 0) and after every ``step()``; the learning rate stays with stock LR schedulers
+on the same wrapper or on the inner optimizer. ``t`` counts ``step()`` calls, i.e. microbatches
+in GQC's loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "NormWarmupScheduler",
+    "ValueSchedule",
+    "get_curved_batch_schedule",
+    "get_direct_cosine_annealing_with_warmup",
+    "get_norm_threshold_cosine_annealing_with_warmup",
+    "get_quadratic_batch_schedule",
+]
+
+
+def _count(name: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` should be an integer >= {minimum}, but got {name}={value!r}")
+    return value
+
+
+def _check_target(optimizer: Any) -> None:
+    if not hasattr(type(optimizer), "scheduled_value"):
+        raise TypeError(
+            f"this schedule drives a grabkit accumulation wrapper's threshold, but got "
+            f"{type(optimizer).__name__}; schedule a plain optimizer's learning rate with "
+            "torch.optim.lr_scheduler instead"
+        )
+
+
+class ValueSchedule:
+    """Set ``target.scheduled_value = value_fn(t)`` for t = 0, 1, 2, ... (one per ``step()``)."""
+
+    def __init__(self, optimizer: Any, value_fn: Callable[[int], float]) -> None:
+        _check_target(optimizer)
+        self.optimizer = optimizer
+        self.value_fn = value_fn
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        self.optimizer.scheduled_value = float(self.value_fn(self.last_epoch))
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def get_last_value(self) -> float:
+        return self.optimizer.scheduled_value
+
+    def get_last_lr(self) -> list[float]:
+        """Same as :meth:`get_last_value`, as a list: for loggers that expect LR schedulers."""
+        return [self.get_last_value()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != {"last_epoch"}:
+            raise ValueError(f"expected a ValueSchedule state with 'last_epoch', got {state_dict}")
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._apply()
+
+
+def _progress(step: int, start: int, end: int) -> float:
+    """Fraction of [start, end] covered at ``step``, clamped to [0, 1] (held after the end)."""
+    if end <= start:
+        return 1.0
+    return min(1.0, max(0.0, (step - start) / (end - start)))
+
+
+def _half_cosine(progress: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def get_norm_threshold_cosine_annealing_with_warmup(
+    optimizer: Any,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    start_norm: float = 1.0,
+    end_norm: float = 0.0,
+    warmup_multiplier: float = 10.0,
+) -> ValueSchedule:
+    """Inverse warm-up from ``start_norm * warmup_multiplier`` down to ``start_norm`` (linear,
+    ``num_warmup_steps``), then a half-cosine to ``end_norm`` at ``num_training_steps``, held at
+    ``end_norm`` afterwards. A norm threshold starts *high* (lenient) and tightens."""
+    _count("num_warmup_steps", num_warmup_steps)
+    _count("num_training_steps", num_training_steps)
+    if num_training_steps < num_warmup_steps:
+        raise ValueError(
+            f"`num_training_steps` should be >= num_warmup_steps, but got "
+            f"num_training_steps={num_training_steps}, num_warmup_steps={num_warmup_steps}"
+        )
+    warmup_start = start_norm * warmup_multiplier
+
+    def value(step: int) -> float:
+        if step < num_warmup_steps:
+            return warmup_start + (step / num_warmup_steps) * (start_norm - warmup_start)
+        progress = _progress(step, num_warmup_steps, num_training_steps)
+        return end_norm + (start_norm - end_norm) * _half_cosine(progress)
+
+    return ValueSchedule(optimizer, value)
+
+
+def get_direct_cosine_annealing_with_warmup(
+    optimizer: Any,
+    peak_value: float,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    min_value: float = 0.0,
+) -> ValueSchedule:
+    """Linear 0 -> ``peak_value`` over the warm-up, then half-cosine to ``min_value``, held."""
+    _count("num_warmup_steps", num_warmup_steps)
+    _count("num_training_steps", num_training_steps)
+
+    def value(step: int) -> float:
+        if step < num_warmup_steps:
+            return peak_value * step / num_warmup_steps
+        progress = _progress(step, num_warmup_steps, num_training_steps)
+        return min_value + (peak_value - min_value) * _half_cosine(progress)
+
+    return ValueSchedule(optimizer, value)
+
+
+def get_curved_batch_schedule(
+    optimizer: Any,
+    initial_batch_size: float,
+    final_batch_size: float,
+    num_training_steps: int,
+    polynomial_exponent: float = 2.0,
+) -> ValueSchedule:
+    """Logical batch size ``initial + (final - initial) * progress ** polynomial_exponent``."""
+    _count("num_training_steps", num_training_steps, minimum=1)
+    if not polynomial_exponent > 0:
+        raise ValueError(
+            f"`polynomial_exponent` should be positive, but got {polynomial_exponent!r}"
+        )
+
+    def value(step: int) -> float:
+        progress = _progress(step, 0, num_training_steps)
+        return initial_batch_size + (final_batch_size - initial_batch_size) * (
+            progress**polynomial_exponent
+        )
+
+    return ValueSchedule(optimizer, value)
+
+
+def get_quadratic_batch_schedule(
+    optimizer: Any, initial_batch_size: float, final_batch_size: float, num_training_steps: int
+) -> ValueSchedule:
+    """Logical batch size growing quadratically from ``initial`` to ``final``, then held."""
+    return get_curved_batch_schedule(
+        optimizer, initial_batch_size, final_batch_size, num_training_steps, 2.0
+    )
+
+
+class NormWarmupScheduler:
+    """Put an inverse linear warm-up in front of another schedule.
+
+    For t < ``num_warmup_steps`` the value is ``warmup_start + t / num_warmup_steps *
+    (warmup_end - warmup_start)``; from then on it is the wrapped schedule's. The wrapped
+    schedule advances on every ``step()`` either way (its clock is the run's clock).
+    """
+
+    def __init__(
+        self,
+        scheduler: ValueSchedule,
+        num_warmup_steps: int,
+        warmup_start: float = 10.0,
+        warmup_end: float = 1.0,
+    ) -> None:
+        if not isinstance(scheduler, ValueSchedule):
+            raise TypeError(
+                "`scheduler` should be a grabkit ValueSchedule (for example from "
+                "get_norm_threshold_cosine_annealing_with_warmup), but got "
+                f"{type(scheduler).__name__}"
+            )
+        self.scheduler = scheduler
+        self.optimizer = scheduler.optimizer
+        self.num_warmup_steps = _count("num_warmup_steps", num_warmup_steps)
+        self.warmup_start = float(warmup_start)
+        self.warmup_end = float(warmup_end)
+        self._apply()
+
+    @property
+    def last_epoch(self) -> int:
+        return self.scheduler.last_epoch
+
+    def _apply(self) -> None:
+        t = self.last_epoch
+        if t < self.num_warmup_steps:
+            fraction = t / self.num_warmup_steps
+            value = self.warmup_start + fraction * (self.warmup_end - self.warmup_start)
+            self.optimizer.scheduled_value = value
+
+    def step(self) -> None:
+        self.scheduler.step()
+        self._apply()
+
+    def get_last_value(self) -> float:
+        return self.optimizer.scheduled_value
+
+    def get_last_lr(self) -> list[float]:
+        return [self.get_last_value()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if set(state_dict) != {"scheduler"}:
+            raise ValueError(
+                f"expected a NormWarmupScheduler state with 'scheduler', got keys "
+                f"{sorted(state_dict)}"
+            )
+        self.scheduler.load_state_dict(state_dict["scheduler"])
+        self._apply()
