@@ -1,0 +1,100 @@
+"""A ``collate_fn`` that plans groups on the CPU (in DataLoader workers) and pads once.
+
+The minibatch is exactly the sampler's (any sampler, ``DistributedSampler`` included): only the
+computation is split, so SGD semantics are unchanged. Items are padded directly in group order,
+so on the device each group is a slice of one tensor and the merge is one gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import default_collate
+
+from .annotation import BATCH, LENGTH, MODEL, Dim, Signature
+from .grouped import GroupedBatch
+from .planning import GroupPlan, plan_groups
+from .plumbing import ConstantPadder, pad_stack
+
+__all__ = ["GroupingCollate"]
+
+
+class GroupingCollate:
+    """``collate_fn`` returning a :class:`GroupedBatch` (plus the other fields, collated).
+
+    Args:
+        length_dims: dims of each sequence tensor that vary between items (default: the first).
+        key: where the sequence sits in a sample: ``None`` when the sample is the tensor itself,
+            an int for a tuple/list sample, a str for a dict sample. Other fields are collated
+            with ``default_collate`` in the original order and stored in ``extras`` (a single
+            remaining field of a tuple sample is stored bare, e.g. the targets tensor).
+        pad_value: value of padded positions.
+        planning: keywords for :func:`plan_groups` (``cost``, ``alpha``, ``overhead``,
+            ``max_group_cost``, ``length_buckets``, ``size_buckets``).
+    """
+
+    def __init__(
+        self,
+        length_dims: Sequence[int] = (0,),
+        key: int | str | None = 0,
+        pad_value: float = 0.0,
+        **planning: Any,
+    ) -> None:
+        if not length_dims:
+            raise ValueError("length_dims should name at least one dim of the sequence tensor")
+        self.length_dims = tuple(int(d) for d in length_dims)
+        self.key = key
+        self.pad_value = pad_value
+        self.planning = planning
+        plan_groups([1], **planning)  # validate options early
+
+    def _split_sample(self, sample: Any) -> tuple[Tensor, Any]:
+        if self.key is None:
+            return sample, None
+        if isinstance(sample, Mapping):
+            rest = {k: v for k, v in sample.items() if k != self.key}
+            return sample[self.key], rest
+        if isinstance(sample, (tuple, list)):
+            rest = [v for i, v in enumerate(sample) if i != self.key]
+            return sample[self.key], rest
+        raise TypeError(
+            f"with key={self.key!r} each sample should be a tuple, list or dict, but got "
+            f"{type(sample).__name__}; use key=None for bare tensors"
+        )
+
+    def __call__(self, samples: Sequence[Any]) -> GroupedBatch:
+        if not samples:
+            raise ValueError("cannot collate an empty batch")
+        split = [self._split_sample(s) for s in samples]
+        tensors = [torch.as_tensor(t) for t, _ in split]
+        rank = tensors[0].dim()
+        dims = tuple(d % rank for d in self.length_dims) if rank else ()
+        if len(dims) != len(self.length_dims):
+            raise ValueError(f"length_dims {self.length_dims} do not fit items of rank {rank}")
+        lengths = torch.tensor([[t.shape[d] for d in dims] for t in tensors], dtype=torch.long)
+        plan: GroupPlan = plan_groups(lengths, **self.planning)
+        order = plan.order.tolist()
+        signature = Signature(
+            (
+                Dim(BATCH),
+                *tuple(
+                    Dim(LENGTH, f"l{d}") if d in dims else Dim(MODEL, f"m{d}") for d in range(rank)
+                ),
+            )
+        )
+        ordered = lengths[plan.order]
+        padded = pad_stack(
+            [tensors[i] for i in order], signature, ordered, ConstantPadder(self.pad_value)
+        )
+        extras = None
+        if self.key is not None:
+            rests = [rest for _, rest in split]
+            if isinstance(rests[0], list) and len(rests[0]) == 1:
+                rests = [rest[0] for rest in rests]
+            extras = default_collate(rests)
+        return GroupedBatch(
+            padded, ordered, plan, tuple(d + 1 for d in dims), extras, self.pad_value
+        )

@@ -1,0 +1,357 @@
+"""Run any ``nn.Module`` group by group on a padded batch, no annotations needed.
+
+``run_grouped(module, padded, lengths)`` plans groups on the CPU, runs ``module`` once per group
+on a gather of the rows narrowed to the group's longest item, and merges the outputs back into
+the original order. Output dims whose size differs between groups are zero-padded on merge; with
+``return_lengths=True`` every item's output lengths are inferred by shape propagation on the
+``meta`` device (so derived lengths such as ``(L - k) // s + 1`` need no declaration).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .collection import warn_if_batch_coupled
+from .planning import GroupPlan, plan_groups
+from .plumbing import length_mask, merge_groups
+
+__all__ = [
+    "GroupedBatch",
+    "backward_by_group",
+    "group_batch",
+    "infer_output_lengths",
+    "run_grouped",
+]
+
+_probe_cache: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+
+
+def _length_matrix(lengths: Tensor | Sequence[int], k: int) -> Tensor:
+    matrix = torch.as_tensor(lengths).to("cpu", torch.long)
+    if matrix.dim() == 1:
+        matrix = matrix[:, None]
+    if matrix.dim() != 2 or matrix.shape[1] != k:
+        raise ValueError(
+            f"lengths should be (n,) or (n, {k}) for {k} length dim(s), but got shape "
+            f"{tuple(matrix.shape)}"
+        )
+    return matrix
+
+
+def _call(module: Callable, x: Tensor, mask: Tensor | None, args: tuple, kwargs: dict) -> Tensor:
+    out = module(x, mask, *args, **kwargs) if mask is not None else module(x, *args, **kwargs)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"run_grouped merges one output tensor per group, but the module returned "
+            f"{type(out).__name__}; wrap it to return a single tensor"
+        )
+    return out
+
+
+@dataclass
+class GroupedBatch:
+    """A padded batch whose rows are ordered group after group, plus its plan.
+
+    ``padded``: rows in ``plan.order`` (so each group is a slice, a view); ``lengths``:
+    ``(n, k)`` int64 CPU in the same row order; ``plan``: groups of original item indices;
+    ``length_dims``: the padded tensor's length dims; ``extras``: whatever else the collate
+    function produced, in the original item order (targets, ids).
+    """
+
+    padded: Tensor
+    lengths: Tensor
+    plan: GroupPlan
+    length_dims: tuple[int, ...] = (1,)
+    extras: Any = None
+    pad_value: float = 0.0
+
+    def __len__(self) -> int:
+        return self.plan.size
+
+    def group_inputs(self) -> list[Tensor]:
+        """One view per group: a row slice narrowed (or padded) to the group's shape."""
+        out = []
+        for (start, stop), sizes, rows in zip(
+            self.plan.slices, self.plan.lengths, self.plan.rows, strict=False
+        ):
+            part = self.padded[start:stop]
+            spec: list[int] = []
+            for d in range(part.dim() - 1, -1, -1):
+                grow = 0
+                if d in self.length_dims:
+                    size = sizes[self.length_dims.index(d)]
+                    if size <= part.shape[d]:
+                        part = part.narrow(d, 0, size)
+                    else:
+                        grow = size - part.shape[d]
+                spec += [0, rows - (stop - start) if d == 0 else grow]
+            if any(spec):
+                part = F.pad(part, spec, value=self.pad_value)
+            out.append(part)
+        return out
+
+    def group_masks(self) -> list[Tensor]:
+        """``(rows_g, *L_g)`` bool masks, True at real positions (AND over length dims)."""
+        out = []
+        for (start, stop), sizes, rows in zip(
+            self.plan.slices, self.plan.lengths, self.plan.rows, strict=False
+        ):
+            lengths = self.lengths[start:stop]
+            if rows > stop - start:
+                lengths = F.pad(lengths, (0, 0, 0, rows - (stop - start)))
+            out.append(length_mask(lengths, sizes, self.padded.device))
+        return out
+
+    def merge(self, outputs: Sequence[Tensor]) -> Tensor:
+        """Group outputs (batch dim 0) -> one batch in the original item order."""
+        trimmed = [
+            o[: stop - start] for o, (start, stop) in zip(outputs, self.plan.slices, strict=False)
+        ]
+        shapes = {tuple(o.shape[1:]) for o in trimmed}
+        ragged = []
+        if len(shapes) > 1:
+            ranks = {len(s) for s in shapes}
+            if len(ranks) != 1:
+                raise ValueError(f"group outputs have different ranks: {sorted(shapes)}")
+            ragged = [
+                d + 1 for d, sizes in enumerate(zip(*shapes, strict=False)) if len(set(sizes)) > 1
+            ]
+        return merge_groups(trimmed, self.plan.inverse_order, 0, ragged)
+
+    def run(
+        self, module: Callable[..., Tensor], pass_mask: bool = False, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """``module`` on every group, outputs merged into the original order."""
+        if isinstance(module, nn.Module):
+            warn_if_batch_coupled(module, len(self.plan))
+        masks = self.group_masks() if pass_mask else [None] * len(self.plan)
+        outputs = [
+            _call(module, x, m, args, kwargs)
+            for x, m in zip(self.group_inputs(), masks, strict=False)
+        ]
+        return self.merge(outputs)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> GroupedBatch:
+        """The padded tensor (and tensor extras) on ``device``; plan and lengths stay on the CPU."""
+        extras = _map_tensors(self.extras, lambda t: t.to(device, non_blocking=non_blocking))
+        padded = self.padded.to(device, non_blocking=non_blocking)
+        return GroupedBatch(
+            padded, self.lengths, self.plan, self.length_dims, extras, self.pad_value
+        )
+
+    def pin_memory(self) -> GroupedBatch:
+        extras = _map_tensors(self.extras, lambda t: t.pin_memory())
+        return GroupedBatch(
+            self.padded.pin_memory(),
+            self.lengths,
+            self.plan,
+            self.length_dims,
+            extras,
+            self.pad_value,
+        )
+
+    def padding_efficiency(self) -> float:
+        """Real elements over computed elements (1.0 means no padding)."""
+        return float(self.lengths.prod(1).sum()) / max(1, self.plan.padded_elements())
+
+
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return value
+
+
+def group_batch(
+    padded: Tensor,
+    lengths: Tensor | Sequence[int],
+    plan: GroupPlan | None = None,
+    length_dims: Sequence[int] = (1,),
+    pad_value: float = 0.0,
+    **planning: Any,
+) -> GroupedBatch:
+    """Plan (unless ``plan`` is given) and reorder a padded batch (batch dim 0) into groups.
+
+    One ``index_select`` reorders the rows; groups are then slices. ``planning`` keywords go
+    to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``, ``max_group_cost``, buckets).
+    """
+    length_dims = tuple(int(d) % padded.dim() for d in length_dims)
+    if 0 in length_dims:
+        raise ValueError("the batch dim (0) cannot also be a length dim")
+    matrix = _length_matrix(lengths, len(length_dims))
+    if len(matrix) != padded.shape[0]:
+        raise ValueError(f"lengths has {len(matrix)} rows for a batch of {padded.shape[0]}")
+    for k, d in enumerate(length_dims):
+        if len(matrix) and int(matrix[:, k].max()) > padded.shape[d]:
+            raise ValueError(
+                f"a length {int(matrix[:, k].max())} exceeds the padded size {padded.shape[d]} "
+                f"of dim {d}"
+            )
+    if plan is None:
+        plan = plan_groups(matrix, **planning)
+    elif planning:
+        raise ValueError("give either a plan or planning options, not both")
+    order = plan.order
+    trivial = torch.equal(order, torch.arange(len(order)))
+    rows = padded if trivial else padded.index_select(0, order.to(padded.device))
+    return GroupedBatch(rows, matrix[order], plan, length_dims, None, pad_value)
+
+
+def run_grouped(
+    module: Callable[..., Tensor],
+    padded: Tensor,
+    lengths: Tensor | Sequence[int],
+    *args: Any,
+    plan: GroupPlan | None = None,
+    length_dims: Sequence[int] = (1,),
+    pass_mask: bool = False,
+    return_lengths: bool = False,
+    pad_value: float = 0.0,
+    planning: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Tensor | tuple[Tensor, dict[int, Tensor]]:
+    """``module(padded)`` computed group by group, with the same result at every real position.
+
+    Args:
+        module: any callable taking a ``(n_g, ...)`` tensor (and a ``(n_g, *L)`` bool mask
+            when ``pass_mask``) and returning one tensor with batch dim 0.
+        padded: ``(n, ...)`` padded batch; ``lengths``: ``(n,)`` or ``(n, k)`` per
+            ``length_dims``.
+        plan: a :class:`GroupPlan`; default: :func:`plan_groups` with ``planning`` options.
+        return_lengths: also return ``{output_dim: (n,) lengths}`` for output dims that
+            depend on the input length, inferred per distinct input length.
+        *args, **kwargs: passed to every call of ``module`` unchanged.
+
+    Positions beyond an item's (output) length are unspecified, as in the padded run.
+    """
+    batch = group_batch(padded, lengths, plan, length_dims, pad_value, **dict(planning or {}))
+    output = batch.run(module, pass_mask, *args, **kwargs)
+    if not return_lengths:
+        return output
+    matrix = _length_matrix(lengths, len(batch.length_dims))
+    example = padded[:1]
+    return output, infer_output_lengths(
+        module, example, matrix, batch.length_dims, output.shape, pass_mask, args, kwargs
+    )
+
+
+def _meta_call(module: Any, x: Tensor, mask: Tensor | None, args: tuple, kwargs: dict) -> Tensor:
+    if isinstance(module, nn.Module):
+        state = {
+            name: torch.empty_like(t, device="meta")
+            for name, t in (*module.named_parameters(), *module.named_buffers())
+        }
+        call_args = (x, mask, *args) if mask is not None else (x, *args)
+        return torch.func.functional_call(module, state, call_args, kwargs)
+    return _call(module, x, mask, args, kwargs)
+
+
+def _probe_shape(
+    module: Any,
+    example: Tensor,
+    sizes: tuple[int, ...],
+    length_dims: tuple[int, ...],
+    pass_mask: bool,
+    args: tuple,
+    kwargs: dict,
+) -> tuple[int, ...]:
+    """Output shape for one item whose length dims have ``sizes``."""
+    shape = list(example.shape)
+    for d, s in zip(length_dims, sizes, strict=False):
+        shape[d] = s
+    try:
+        x = torch.zeros(shape, dtype=example.dtype, device="meta")
+        mask = torch.ones((1, *sizes), dtype=torch.bool, device="meta") if pass_mask else None
+        return tuple(_meta_call(module, x, mask, args, kwargs).shape)
+    except Exception:  # an op without a meta kernel: run one real item instead
+        x = torch.zeros(shape, dtype=example.dtype, device=example.device)
+        mask = (
+            torch.ones((1, *sizes), dtype=torch.bool, device=example.device) if pass_mask else None
+        )
+        with torch.no_grad():
+            return tuple(_call(module, x, mask, args, kwargs).shape)
+
+
+def infer_output_lengths(
+    module: Any,
+    example: Tensor,
+    lengths: Tensor,
+    length_dims: Sequence[int],
+    output_shape: Sequence[int],
+    pass_mask: bool = False,
+    args: tuple = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> dict[int, Tensor]:
+    """Per-item output lengths for the output dims that vary with the input length.
+
+    Each distinct input length tuple is propagated once through ``module`` on the ``meta``
+    device (falling back to one real item for ops without meta kernels); results are cached
+    per module. Returns ``{output_dim: (n,) int64}`` for every dim where some item's size is
+    below ``output_shape``.
+    """
+    kwargs = dict(kwargs or {})
+    length_dims = tuple(length_dims)
+    cache = _probe_cache.setdefault(module, {}) if isinstance(module, nn.Module) else {}
+    signature = (tuple(example.shape), example.dtype, length_dims, pass_mask)
+    distinct, index = torch.unique(lengths, dim=0, return_inverse=True)
+    shapes = []
+    for sizes in map(tuple, distinct.tolist()):
+        key = (signature, sizes)
+        if key not in cache:
+            cache[key] = _probe_shape(module, example, sizes, length_dims, pass_mask, args, kwargs)
+        shapes.append(cache[key])
+    table = torch.tensor(shapes, dtype=torch.long)[index]
+    if table.shape[1] != len(output_shape):
+        raise ValueError(
+            f"a single item gives an output of rank {table.shape[1]} but the batch output has "
+            f"rank {len(output_shape)}"
+        )
+    return {
+        d: table[:, d]
+        for d in range(1, len(output_shape))
+        if bool((table[:, d] != output_shape[d]).any())
+    }
+
+
+def backward_by_group(
+    module: Callable[..., Tensor],
+    batch: GroupedBatch,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    pass_mask: bool = False,
+    reduction: str = "mean",
+) -> Tensor:
+    """Forward and backward one group at a time; peak activations are the largest group's.
+
+    ``loss_fn(output_g, items_g)`` returns the per-item losses ``(n_g,)`` of group ``g``, where
+    ``items_g`` are the original item indices (to pick targets). The accumulated gradient is
+    that of the whole batch's ``mean`` (or ``sum``) loss, which is returned detached.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction should be 'mean' or 'sum', but got {reduction!r}")
+    if isinstance(module, nn.Module):
+        warn_if_batch_coupled(module, len(batch.plan))
+    scale = 1.0 / len(batch) if reduction == "mean" else 1.0
+    masks = batch.group_masks() if pass_mask else [None] * len(batch.plan)
+    total = torch.zeros(())
+    for x, mask, items in zip(batch.group_inputs(), masks, batch.plan.groups, strict=False):
+        out = _call(module, x, mask, (), {})[: len(items)]
+        losses = loss_fn(out, items)
+        if losses.shape != (len(items),):
+            raise ValueError(
+                f"loss_fn should return per-item losses of shape ({len(items)},), but returned "
+                f"{tuple(losses.shape)}"
+            )
+        loss = losses.sum() * scale
+        loss.backward()
+        total = total + loss.detach().cpu()
+    return total

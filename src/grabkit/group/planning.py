@@ -1,0 +1,421 @@
+"""Choosing groups: an exact per-batch dynamic program, dataset-level thresholds, cost calibration.
+
+A group of ``n_g`` items padded to length ``L_g`` costs ``alpha + n_g * cost(L_g)``: ``alpha`` is
+the fixed price of one more module call (kernel launches, Python), ``cost(L)`` the price of one
+item at padded length ``L``. With ``cost`` non-decreasing, some optimal partition is contiguous
+in length order (swapping a long item of a short group with a short item of a long group never
+raises either maximum), so a dynamic program over the sorted lengths is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CostModel",
+    "GroupPlan",
+    "calibrate_cost",
+    "find_thresholds",
+    "plan_cost",
+    "plan_from_partition",
+    "plan_groups",
+    "resolve_cost",
+]
+
+CostLike = Callable[[int], float] | str
+
+
+def resolve_cost(cost: CostLike) -> Callable[[np.ndarray], np.ndarray]:
+    """A vectorised ``cost(L)``: ``"linear"`` (L), ``"quadratic"`` (L**2) or a callable."""
+    if cost == "linear":
+        return lambda x: np.asarray(x, dtype=np.float64)
+    if cost == "quadratic":
+        return lambda x: np.asarray(x, dtype=np.float64) ** 2
+    if isinstance(cost, str) or not callable(cost):
+        raise ValueError(f"cost should be 'linear', 'quadratic' or a callable, but got {cost!r}")
+
+    def vectorised(x: np.ndarray) -> np.ndarray:
+        return np.array([float(cost(int(v))) for v in np.asarray(x).ravel()], dtype=np.float64)
+
+    return vectorised
+
+
+@dataclass
+class GroupPlan:
+    """Which items form each group and the padded shape each group runs at.
+
+    ``groups[g]``: int64 item indices (into the batch); ``lengths[g]``: padded size per length
+    dim; ``rows[g]``: rows computed (the group size, or more when sizes are bucketed).
+    """
+
+    groups: list[Tensor]
+    lengths: list[list[int]]
+    rows: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.rows:
+            self.rows = [len(g) for g in self.groups]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    @property
+    def size(self) -> int:
+        return sum(len(g) for g in self.groups)
+
+    @property
+    def order(self) -> Tensor:
+        """Item indices group after group: row ``r`` of the concatenation is item ``order[r]``."""
+        return torch.cat(self.groups) if self.groups else torch.zeros(0, dtype=torch.long)
+
+    @property
+    def inverse_order(self) -> Tensor:
+        """Row of the concatenated groups that holds item ``i``."""
+        order = self.order
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return inverse
+
+    @property
+    def slices(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each group in the concatenated (``order``-sorted) batch."""
+        bounds = np.cumsum([0] + [len(g) for g in self.groups]).tolist()
+        return list(itertools.pairwise(bounds))
+
+    def padded_elements(self) -> int:
+        """Item slots computed: sum over groups of rows times the product of padded lengths."""
+        return int(
+            sum(r * int(np.prod(lens)) for r, lens in zip(self.rows, self.lengths, strict=False))
+        )
+
+    def partition(self) -> list[list[int]]:
+        return [g.tolist() for g in self.groups]
+
+
+def _as_length_matrix(lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> Tensor:
+    t = torch.as_tensor(lengths)
+    if t.dim() == 1:
+        t = t[:, None]
+    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(
+            "lengths should be a 1-D sequence of ints (or (n, k) for k length dims), but got "
+            f"shape {tuple(t.shape)} dtype {t.dtype}"
+        )
+    if len(t) and int(t.min()) < 0:
+        raise ValueError(f"lengths should be non-negative, but got min {int(t.min())}")
+    return t.to(torch.long)
+
+
+def _round_up(value: int, buckets: Sequence[int] | None) -> int:
+    if not buckets:
+        return value
+    i = bisect_left(buckets, value)
+    return buckets[i] if i < len(buckets) else value
+
+
+def _check_buckets(buckets: Sequence[int] | None, name: str) -> list[int] | None:
+    if buckets is None:
+        return None
+    out = sorted({int(b) for b in buckets})
+    if not out or out[0] < 1:
+        raise ValueError(f"{name} should be a non-empty list of positive ints, but got {buckets!r}")
+    return out
+
+
+def plan_from_partition(
+    partition: Sequence[Sequence[int]] | Sequence[Tensor],
+    lengths: Sequence[int] | Tensor,
+    length_buckets: Sequence[int] | None = None,
+    size_buckets: Sequence[int] | None = None,
+) -> GroupPlan:
+    """A :class:`GroupPlan` for a given partition; padded sizes are the group maxima (bucketed)."""
+    matrix = _as_length_matrix(lengths)
+    length_buckets = _check_buckets(length_buckets, "length_buckets")
+    size_buckets = _check_buckets(size_buckets, "size_buckets")
+    groups = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in partition]
+    groups = [g for g in groups if len(g)]
+    seen = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
+    if len(seen) != len(matrix) or not torch.equal(seen.sort().values, torch.arange(len(matrix))):
+        raise ValueError(
+            f"the partition should use every item index 0..{len(matrix) - 1} exactly once, but it "
+            f"holds {len(seen)} indices for {len(matrix)} items"
+        )
+    maxima = [matrix[g].max(0).values.tolist() for g in groups]
+    padded = [[_round_up(v, length_buckets) for v in m] for m in maxima]
+    rows = [_round_up(len(g), size_buckets) for g in groups]
+    return GroupPlan(groups, padded, rows)
+
+
+def plan_groups(
+    lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor,
+    cost: CostLike = "linear",
+    alpha: float | None = None,
+    overhead: float = 0.02,
+    max_group_cost: float | None = None,
+    length_buckets: Sequence[int] | None = None,
+    size_buckets: Sequence[int] | None = None,
+) -> GroupPlan:
+    """The exact cheapest grouping of one batch: minimise ``sum_g alpha + rows_g * cost(L_g)``.
+
+    Args:
+        lengths: ``(n,)`` item lengths, or ``(n, k)`` with the first column planned on (the
+            others are padded to their group maxima).
+        cost: price of one item at padded length ``L``: ``"linear"``, ``"quadratic"`` or a
+            callable (e.g. a :class:`CostModel` from :func:`calibrate_cost`).
+        alpha: price of one group (one module call) in ``cost`` units. ``None``: ``overhead``
+            times the cost of the whole batch padded to its longest item.
+        max_group_cost: optional cap on ``rows_g * cost(L_g)`` (e.g. an activation-memory budget).
+        length_buckets / size_buckets: allowed padded lengths / row counts (``torch.compile``
+            sees at most ``len(length_buckets) * len(size_buckets)`` shapes).
+
+    Exact over partitions contiguous in length order, which hold an optimum whenever sizes are
+    not bucketed. Runs on the CPU in ``O(n)`` numpy operations.
+    """
+    matrix = _as_length_matrix(lengths)
+    n = len(matrix)
+    if n == 0:
+        return GroupPlan([], [])
+    length_buckets = _check_buckets(length_buckets, "length_buckets")
+    size_buckets = _check_buckets(size_buckets, "size_buckets")
+    key = matrix[:, 0]
+    order = torch.sort(key, stable=True).indices
+    sorted_len = key[order].numpy()
+    padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
+    unit = resolve_cost(cost)(padded_len)
+    if np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
+        raise ValueError("cost should be non-decreasing in the length")
+    if alpha is None:
+        if overhead < 0:
+            raise ValueError(f"overhead should be non-negative, but got overhead={overhead}")
+        alpha = overhead * n * float(unit[-1])
+    if alpha < 0:
+        raise ValueError(f"alpha should be non-negative, but got alpha={alpha}")
+    if max_group_cost is not None and max_group_cost <= 0:
+        raise ValueError(f"max_group_cost should be positive, but got {max_group_cost}")
+
+    row_price = np.arange(n + 1, dtype=np.float64)
+    if size_buckets is not None:
+        row_price = np.array([_round_up(r, size_buckets) for r in range(n + 1)], np.float64)
+    exact_runs = max_group_cost is None and size_buckets is None
+    if exact_runs:  # boundaries only where the (bucketed) length changes
+        ends = np.flatnonzero(np.diff(padded_len)) + 1
+        cuts = np.concatenate([[0], ends, [n]])
+    else:
+        cuts = np.arange(n + 1)
+    best = np.full(len(cuts), np.inf)
+    back = np.zeros(len(cuts), dtype=np.int64)
+    best[0] = 0.0
+    for m in range(1, len(cuts)):
+        j = cuts[m]
+        sizes = j - cuts[:m]
+        price = best[:m] + alpha + row_price[sizes] * unit[j - 1]
+        if max_group_cost is not None:
+            price = np.where(row_price[sizes] * unit[j - 1] <= max_group_cost, price, np.inf)
+        back[m] = int(np.argmin(price))
+        best[m] = price[back[m]]
+    if not np.isfinite(best[-1]):
+        raise ValueError(
+            f"max_group_cost={max_group_cost} is below the cost of a single item of length "
+            f"{int(sorted_len[-1])} ({float(unit[-1])}); raise it"
+        )
+    bounds = [len(cuts) - 1]
+    while bounds[-1] != 0:
+        bounds.append(int(back[bounds[-1]]))
+    bounds.reverse()
+    partition = [order[cuts[a] : cuts[b]] for a, b in itertools.pairwise(bounds)]
+    return plan_from_partition(partition, matrix, length_buckets, size_buckets)
+
+
+def plan_cost(plan: GroupPlan, cost: CostLike = "linear", alpha: float = 0.0) -> float:
+    """``sum_g alpha + rows_g * cost(L_g)`` on the first length dim: what plan_groups minimises."""
+    unit = resolve_cost(cost)(np.array([lens[0] for lens in plan.lengths]))
+    return float(sum(alpha + r * u for r, u in zip(plan.rows, unit, strict=False)))
+
+
+def _distinct_counts(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    values = np.asarray(list(lengths), dtype=np.int64)
+    if values.ndim != 1 or len(values) == 0:
+        raise ValueError("lengths should be a non-empty 1-D sequence of ints")
+    if values.min() <= 0:
+        raise ValueError(f"lengths should be positive, but got min {int(values.min())}")
+    return np.unique(values, return_counts=True)
+
+
+def _exact_thresholds(xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int) -> list[int]:
+    """Minimise ``sum_g count_g * cost(max_g)`` over partitions into ``k + 1`` contiguous bins."""
+    d = len(xs)
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    # best[g, j]: first j distinct values in g + 1 bins; bin (i, j] costs (cum[j]-cum[i])*unit[j-1]
+    best = np.full((k + 1, d + 1), np.inf)
+    back = np.zeros((k + 1, d + 1), dtype=np.int64)
+    best[0, 1:] = cum[1:] * unit
+    for g in range(1, k + 1):
+        for j in range(g + 1, d + 1):
+            price = best[g - 1, g:j] + (cum[j] - cum[g:j]) * unit[j - 1]
+            back[g, j] = g + int(np.argmin(price))
+            best[g, j] = price[back[g, j] - g]
+    cuts, j = [], d
+    for g in range(k, 0, -1):
+        j = int(back[g, j])
+        cuts.append(j)
+    return [int(xs[c - 1]) for c in reversed(cuts)]
+
+
+def _balance_thresholds(
+    xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int, rng: random.Random, patience: int
+) -> tuple[list[int], float, str]:
+    """Local search that equalises neighbouring bin costs (``count * cost(max)``)."""
+    d = len(xs)
+    cum = np.concatenate([[0], np.cumsum(counts)])
+
+    def bin_costs(t: list[int]) -> np.ndarray:
+        edges = [0, *(i + 1 for i in t), d]
+        return np.array([(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)])
+
+    t = sorted(rng.sample(range(d - 1), k))
+    best_t, best_gap, stale, status = list(t), np.inf, 0, "patience"
+    for _ in range(4 * d * max(k, 1)):
+        diffs = np.diff(bin_costs(t))
+        j = int(np.argmax(np.abs(diffs)))
+        gap = float(abs(diffs[j]))
+        if gap < best_gap:
+            best_t, best_gap, stale = list(t), gap, 0
+        else:
+            stale += 1
+        if gap == 0:
+            status = "balanced"
+            break
+        step = 1 if diffs[j] > 0 else -1
+        moved = t[j] + step
+        lower = t[j - 1] + 1 if j > 0 else 0
+        upper = t[j + 1] - 1 if j + 1 < k else d - 2
+        if stale > patience or not lower <= moved <= upper:
+            status = "patience" if stale > patience else "boundary"
+            break
+        t[j] = moved
+    return [int(xs[i]) for i in best_t], best_gap, status
+
+
+def find_thresholds(
+    l: Sequence[int],
+    cost_fn: Callable[[int], float] | str,
+    k: int,
+    tolerate: int | None = None,
+    print_status: bool = False,
+    num_trials: int = 100,
+    return_max_diff: bool = False,
+    method: str = "exact",
+    seed: int | None = None,
+) -> list[int] | tuple[list[int], float]:
+    """Dataset-level thresholds for :class:`LengthThresholdGrouper` (``k`` of them, ascending).
+
+    A threshold closes a bin: bin ``g`` holds the lengths in ``(t_{g-1}, t_g]`` and the last one
+    everything above ``t_k``. ``method="exact"`` (default) minimises the dataset's padded cost
+    ``sum_g count_g * cost_fn(max_g)`` by dynamic programming; ``method="balance"`` is the
+    random-restart search that equalises ``count_g * cost_fn(max_g)`` across bins
+    (``num_trials`` restarts, ``tolerate`` non-improving steps each). ``return_max_diff`` also
+    returns the largest gap between neighbouring bin costs of the answer.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k should be a positive integer, but got k={k!r}")
+    xs, counts = _distinct_counts(l)
+    if len(xs) < k + 1:
+        raise ValueError(
+            f"k={k} thresholds need at least {k + 1} distinct lengths, but the data has "
+            f"{len(xs)}; use a smaller k"
+        )
+    unit = resolve_cost(cost_fn)(xs)
+    if method == "exact":
+        thresholds = _exact_thresholds(xs, counts, unit, k)
+        status_freq = {"exact": 1}
+    elif method == "balance":
+        if num_trials < 1:
+            raise ValueError(f"num_trials should be a positive integer, but got {num_trials}")
+        rng = random.Random(seed)
+        patience = 2 * len(xs) if tolerate is None else int(tolerate)
+        best: tuple[list[int], float] | None = None
+        status_freq = {}
+        for _ in range(num_trials):
+            t, gap, status = _balance_thresholds(xs, counts, unit, k, rng, patience)
+            status_freq[status] = status_freq.get(status, 0) + 1
+            if best is None or gap < best[1]:
+                best = (t, gap)
+        thresholds = best[0]
+    else:
+        raise ValueError(f"method should be 'exact' or 'balance', but got {method!r}")
+    if print_status:
+        print(status_freq)
+    if not return_max_diff:
+        return thresholds
+    index = np.searchsorted(xs, thresholds)
+    edges = [0, *(i + 1 for i in index), len(xs)]
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    costs = [(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)]
+    return thresholds, float(np.max(np.abs(np.diff(costs))))
+
+
+@dataclass
+class CostModel:
+    """Fitted timing model: one group of ``n`` items at length ``L`` takes ``alpha + n * cost(L)``.
+
+    ``cost(L) = c0 + c1 * L + c2 * L**2`` seconds per item; ``alpha`` seconds per module call.
+    Pass it as ``plan_groups(lengths, cost=model, alpha=model.alpha)``.
+    """
+
+    alpha: float
+    coefficients: tuple[float, float, float]
+
+    def __call__(self, length: int) -> float:
+        c0, c1, c2 = self.coefficients
+        return c0 + c1 * length + c2 * length * length
+
+
+def calibrate_cost(
+    run: Callable[[int, int], object],
+    lengths: Sequence[int],
+    sizes: Sequence[int] = (1, 8, 32),
+    repeats: int = 3,
+    synchronize: Callable[[], None] | None = None,
+) -> CostModel:
+    """Time ``run(n, L)`` (one module call on ``n`` items of length ``L``) and fit a CostModel.
+
+    Each grid point is run once to warm up, then ``repeats`` times; the median is fitted by
+    non-negative least squares on ``[1, n, n*L, n*L**2]``. ``synchronize`` (e.g.
+    ``torch.cuda.synchronize``) is called before reading the clock.
+    """
+    if not lengths or not sizes:
+        raise ValueError("calibrate_cost needs at least one length and one size")
+    rows, times = [], []
+    for n in sizes:
+        for length in lengths:
+            run(n, length)
+            samples = []
+            for _ in range(max(1, repeats)):
+                if synchronize:
+                    synchronize()
+                start = time.perf_counter()
+                run(n, length)
+                if synchronize:
+                    synchronize()
+                samples.append(time.perf_counter() - start)
+            rows.append([1.0, n, n * length, n * length * length])
+            times.append(float(np.median(samples)))
+    design, target = np.asarray(rows, np.float64), np.asarray(times, np.float64)
+    active = list(range(design.shape[1]))
+    coef = np.zeros(design.shape[1])
+    while active:  # non-negative least squares by dropping the most negative coefficient
+        sol, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return CostModel(float(coef[0]), (float(coef[1]), float(coef[2]), float(coef[3])))
