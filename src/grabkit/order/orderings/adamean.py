@@ -1,0 +1,58 @@
+"""``adamean``: stale-mean GraB in the geometry of an adaptive optimiser, (g_i - m) / v."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+
+__all__ = ["AdaMeanBalance"]
+
+
+class AdaMeanBalance(CentredBalance):
+    """Balance (g_i - m) / v: m the previous epoch's mean, v = sqrt(second moment) + eps.
+
+    The second moment is the optimiser's (Adam's ``exp_avg_sq``), handed over with
+    ``sampler.update_v(...)`` whenever convenient; until then v = 1 and this is ``mean``.
+    Per-coordinate scaling needs dense per-example gradients.
+    """
+
+    name = "adamean"
+    needs_coordinates = True
+
+    def __init__(self, n: int, *, eps: float = 1e-8, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.eps = float(eps)
+        self.mean = StaleMean()
+        self.scale: torch.Tensor | None = None  # (d,) v
+
+    def update_v(self, second_moment: torch.Tensor) -> None:
+        """Set v = sqrt(second_moment) + eps from a flat (d,) tensor."""
+        self.scale = second_moment.detach().sqrt() + self.eps
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.mean.roll()
+
+    def transform(self, batch: GradientBatch) -> GradientBatch:
+        X = dense_rows(batch, self.name)
+        if self.scale is not None and self.scale.shape[0] != X.shape[1]:
+            raise ValueError(
+                f"update_v() was given {self.scale.shape[0]} numbers but the gradients have "
+                f"{X.shape[1]} coordinates; pass the optimiser state of the same parameters."
+            )
+        centred = X - self.mean.current(X[0])
+        return DenseGradientBatch(centred if self.scale is None else centred / self.scale.to(X))
+
+    def record(self, batch: GradientBatch) -> None:
+        self.mean.add(batch.total(), batch.size)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"mean": self.mean.state_dict(), "scale": self.scale}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.mean.load_state_dict(state["mean"])
+        self.scale = state["scale"]

@@ -1,0 +1,135 @@
+"""The shared shape of the flat balancers: z_i = T(x_i) - m, balanced against one running sum.
+
+Subclasses choose the centre m (a stale mean, an EMA, nothing) and, when they need coordinates,
+a per-coordinate transform T (signs, Adam-style scaling). The running sum restarts every epoch;
+the next order is the GraB front/back placement of this epoch's signs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grabkit.order.orderings.base import (
+    FrontBackOrder,
+    Ordering,
+    balance_combinations,
+    check_state_keys,
+)
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+
+__all__ = ["CentredBalance", "StaleMean"]
+
+
+class StaleMean:
+    """The mean of the per-example gradients observed in the previous epoch (zero at first).
+
+    ``add`` takes a batch sum and a count; ``roll`` makes this epoch's mean the stale one. An
+    epoch that observed nothing keeps the previous mean.
+    """
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None  # (d,)
+        self.running_sum: torch.Tensor | None = None  # (d,)
+        self.count = 0
+
+    def current(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like) if self.value is None else self.value
+
+    def add(self, total: torch.Tensor, count: int) -> None:
+        self.running_sum = total.clone() if self.running_sum is None else self.running_sum + total
+        self.count += count
+
+    def roll(self) -> None:
+        if self.count:
+            self.value = self.running_sum / self.count
+        self.running_sum, self.count = None, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "running_sum": self.running_sum, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value, self.running_sum = state["value"], state["running_sum"]
+        self.count = int(state["count"])
+
+
+class CentredBalance(Ordering):
+    """Balance T(x_i) - m against one running sum; subclasses set the centre and transform.
+
+    ``sequential = False`` decides every sign of a batch against the running sum at the batch's
+    start (the "batch" ordering); otherwise decisions are exactly the sequential rule.
+    """
+
+    sequential = True
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.acc: torch.Tensor | None = None  # (1, d)
+        self.placement = FrontBackOrder()
+
+    # -- hooks for subclasses -------------------------------------------------------------
+    def transform(self, batch: GradientBatch) -> GradientBatch:
+        """T applied to every example (identity unless coordinates are needed)."""
+        return batch
+
+    def centre(self, batch: GradientBatch) -> torch.Tensor | None:
+        """The centre m (d,) for this batch, or None; must not change any state."""
+        return None
+
+    def record(self, batch: GradientBatch) -> None:
+        """Update running statistics with a batch known to be finite (raw gradients)."""
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    # -- Ordering --------------------------------------------------------------------------
+    def start_epoch(self, epoch: int) -> None:
+        self.placement.clear()
+        if self.acc is not None:
+            self.acc.zero_()
+
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        vectors = self.transform(batch)
+        if self.acc is None:
+            self.acc = torch.zeros(1, vectors.dim, dtype=vectors.dtype, device=vectors.device)
+        m = self.centre(batch)
+        fixed = None if m is None else m.reshape(1, -1)
+        fixed_weights = None if m is None else torch.ones(batch.size, 1).numpy()
+        signs, _ = balance_combinations(
+            vectors,
+            self.acc,
+            self.rule,
+            fixed=fixed,
+            fixed_weights=fixed_weights,
+            sequential=self.sequential,
+            before_update=lambda: self.record(batch),
+        )
+        self.placement.place(indices.tolist(), signs[:, 0])
+
+    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
+        return self.placement.build(order)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"acc": self.acc, "placement": self.placement.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(self.name, state, {"acc", "placement", *self.extra_state()})
+        self.acc = state["acc"]
+        self.placement.load_state_dict(state["placement"])
+        self.load_extra_state(state)
+
+
+def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
+    """The (B, d) matrix behind a dense batch; a clear error for hook-statistics batches."""
+    if isinstance(batch, DenseGradientBatch):
+        return batch.matrix
+    raise TypeError(
+        f'balance_type="{name}" transforms gradient coordinates, so it needs dense per-example '
+        f"gradients, but step() got a {type(batch).__name__} (inner products only). Pass the "
+        "(B, d) tensor or the dict of per-example gradients to step(), or choose an ordering that "
+        'works on hook statistics ("mean", "pair", "recursive", "batch", "ema", ...).'
+    )

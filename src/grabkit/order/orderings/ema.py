@@ -1,0 +1,73 @@
+"""``ema``: centre each batch by an exponential moving average of batch-mean gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grabkit.order.orderings.centred import CentredBalance
+from grabkit.stats.gradient_batch import GradientBatch
+
+__all__ = ["EMABalance", "VectorEMA"]
+
+
+class VectorEMA:
+    """Bias-corrected EMA of vectors: m_t = (1 - r) m_{t-1} + r x_t, reported m_t / (1 - (1-r)^t).
+
+    Args:
+        rate: r, the weight of the newest observation.
+    """
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.raw: torch.Tensor | None = None
+        self.decay_product = 1.0
+
+    def peek(self, x: torch.Tensor) -> torch.Tensor:
+        """The corrected average if ``x`` were added now (no state changes)."""
+        raw = self.rate * x if self.raw is None else (1 - self.rate) * self.raw + self.rate * x
+        return raw / (1.0 - self.decay_product * (1 - self.rate))
+
+    def add(self, x: torch.Tensor) -> None:
+        self.raw = self.rate * x if self.raw is None else (1 - self.rate) * self.raw + self.rate * x
+        self.decay_product *= 1 - self.rate
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"raw": self.raw, "decay_product": self.decay_product}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.raw, self.decay_product = state["raw"], float(state["decay_product"])
+
+
+def check_rate(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"`{name}` should be a number in (0, 1], but got {name}={value!r}")
+    return float(value)
+
+
+class EMABalance(CentredBalance):
+    """Balance g_i - m_t, m_t the EMA of batch means including the current batch.
+
+    Unlike the stale mean it follows the gradient within the epoch, which helps when the model
+    moves a lot per epoch. ``ema_decay`` is the weight of the newest batch mean (grab-sampler's
+    name and default, 0.1). Works on hook statistics (the batch mean is ``total() / B``).
+    """
+
+    name = "ema"
+
+    def __init__(self, n: int, *, ema_decay: float = 0.1, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.ema = VectorEMA(check_rate("ema_decay", ema_decay))
+
+    def centre(self, batch: GradientBatch) -> torch.Tensor | None:
+        return self.ema.peek(batch.total() / batch.size)
+
+    def record(self, batch: GradientBatch) -> None:
+        self.ema.add(batch.total() / batch.size)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"ema": self.ema.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.ema.load_state_dict(state["ema"])

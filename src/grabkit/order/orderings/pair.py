@@ -1,0 +1,104 @@
+"""``pair``: balance differences of consecutive examples, so no stale mean is needed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from grabkit.order.balance import fetch_inner_products
+from grabkit.order.orderings.base import (
+    FrontBackOrder,
+    Ordering,
+    balance_combinations,
+    check_state_keys,
+)
+from grabkit.stats.gradient_batch import GradientBatch
+
+__all__ = ["PairBalance"]
+
+
+class PairBalance(Ordering):
+    """Pair balance (Lu et al., 2022; Cooper et al., 2023): visit examples two at a time and
+    balance z = g_first - g_second. On +1 the first goes to the front and the second to the back,
+    on -1 the other way round. The difference cancels the mean, so none is estimated.
+
+    A batch of odd size leaves one example waiting; it is paired with the first example of the
+    next batch (its gradient is kept as one (d,) vector, read through ``weighted_sum``, so this
+    works on hook statistics too). With an odd number of examples in an epoch the last one stays
+    unpaired and goes between the front and the back part.
+    """
+
+    name = "pair"
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.acc: torch.Tensor | None = None  # (1, d)
+        self.pending: torch.Tensor | None = None  # (d,) gradient of the example waiting
+        self.pending_index = -1
+        self.placement = FrontBackOrder()
+
+    def start_epoch(self, epoch: int) -> None:
+        self.placement.clear()
+        self.pending, self.pending_index = None, -1
+        if self.acc is not None:
+            self.acc.zero_()
+
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        if self.acc is None:
+            self.acc = torch.zeros(1, batch.dim, dtype=batch.dtype, device=batch.device)
+        carried = self.pending is not None
+        items = ([self.pending_index] if carried else []) + indices.tolist()
+        rows = list(range(-1 if carried else 0, batch.size))  # -1 stands for the carried vector
+        k = len(items) // 2
+        leftover = len(items) % 2 == 1
+        if k == 0:
+            fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
+        else:
+            W = np.zeros((k, batch.size))
+            U = np.zeros((k, 1))
+            for j in range(k):
+                first, second = rows[2 * j], rows[2 * j + 1]
+                if first == -1:
+                    U[j, 0] = -1.0  # z = -U v: +pending
+                else:
+                    W[j, first] = 1.0
+                W[j, second] = -1.0
+            signs, _ = balance_combinations(
+                batch,
+                self.acc,
+                self.rule,
+                weights=W,
+                fixed=self.pending.reshape(1, -1) if carried else None,
+                fixed_weights=U if carried else None,
+            )
+            for j, eps in enumerate(signs[:, 0].tolist()):
+                first, second = items[2 * j], items[2 * j + 1]
+                plus, minus = (first, second) if eps > 0 else (second, first)
+                self.placement.front.append(plus)
+                self.placement.back.append(minus)
+        if leftover:
+            one_hot = torch.zeros(batch.size, dtype=batch.dtype, device=batch.device)
+            one_hot[-1] = 1.0
+            self.pending = batch.weighted_sum(one_hot).to(self.acc.dtype)
+            self.pending_index = items[-1]
+        else:
+            self.pending, self.pending_index = None, -1
+
+    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
+        return self.placement.build(order)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "acc": self.acc,
+            "pending": self.pending,
+            "pending_index": self.pending_index,
+            "placement": self.placement.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(self.name, state, {"acc", "pending", "pending_index", "placement"})
+        self.acc, self.pending = state["acc"], state["pending"]
+        self.pending_index = int(state["pending_index"])
+        self.placement.load_state_dict(state["placement"])

@@ -1,0 +1,95 @@
+"""``recursive``: recursive balance, a tree of herding problems that refines the order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grabkit.order.orderings.base import Ordering, balance_combinations, check_state_keys
+from grabkit.order.orderings.centred import StaleMean
+from grabkit.stats.gradient_batch import GradientBatch
+
+__all__ = ["RecursiveBalance"]
+
+
+class RecursiveBalance(Ordering):
+    """Each example walks a binary tree of depth ``depth``: at every node it is balanced against
+    that node's running sum and goes left on +1, right on -1. A leaf keeps its +1 examples in visit
+    order and its -1 examples in reverse; the next order reads the leaves left to right. Depth 0
+    is ``mean``. Vectors are centred by the previous epoch's mean. The tree holds
+    2^(depth+1) - 1 running sums of size d (grab-sampler's default depth 5: 63 of them).
+    """
+
+    name = "recursive"
+
+    def __init__(self, n: int, *, depth: int = 5, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 16:
+            raise ValueError(f"`depth` should be an integer in [0, 16], but got depth={depth!r}")
+        self.depth = depth
+        self.num_nodes = 2 ** (depth + 1) - 1
+        self.first_leaf = 2**depth - 1
+        self.acc: torch.Tensor | None = None  # (num_nodes, d)
+        self.mean = StaleMean()
+        self.leaf_front: dict[int, list[int]] = {}
+        self.leaf_back: dict[int, list[int]] = {}
+
+    def start_epoch(self, epoch: int) -> None:
+        self.mean.roll()
+        self.leaf_front, self.leaf_back = {}, {}
+        if self.acc is not None:
+            self.acc.zero_()
+
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        if self.acc is None:
+            self.acc = torch.zeros(
+                self.num_nodes, batch.dim, dtype=batch.dtype, device=batch.device
+            )
+        m = self.mean.value
+        signs, leaves = balance_combinations(
+            batch,
+            self.acc,
+            self.rule,
+            fixed=None if m is None else m.reshape(1, -1),
+            fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
+            depth=self.depth,
+            before_update=lambda: self.mean.add(batch.total(), batch.size),
+        )
+        decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
+        for index, leaf, eps in decided:
+            side = self.leaf_front if eps > 0 else self.leaf_back
+            side.setdefault(leaf, []).append(index)
+
+    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
+        halves: list[list[int]] = [[], []]
+        for leaf in range(self.first_leaf, self.num_nodes):
+            half = halves[0 if leaf - self.first_leaf < 2 ** max(self.depth - 1, 0) else 1]
+            half.extend(self.leaf_front.get(leaf, []))
+            half.extend(self.leaf_back.get(leaf, [])[::-1])
+        if self.depth == 0:  # a single leaf: front part, then the back part
+            front = self.leaf_front.get(0, [])
+            halves = [front, self.leaf_back.get(0, [])[::-1]]
+        placed = set(halves[0]) | set(halves[1])
+        middle = [i for i in order.tolist() if i not in placed]
+        return torch.tensor(halves[0] + middle + halves[1], dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, Any]:
+        leaves = sorted(set(self.leaf_front) | set(self.leaf_back))
+        return {
+            "acc": self.acc,
+            "mean": self.mean.state_dict(),
+            "leaf_front": {
+                str(k): torch.tensor(self.leaf_front.get(k, []), dtype=torch.int64) for k in leaves
+            },
+            "leaf_back": {
+                str(k): torch.tensor(self.leaf_back.get(k, []), dtype=torch.int64) for k in leaves
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(self.name, state, {"acc", "mean", "leaf_front", "leaf_back"})
+        self.acc = state["acc"]
+        self.mean.load_state_dict(state["mean"])
+        self.leaf_front = {int(k): [int(i) for i in v] for k, v in state["leaf_front"].items()}
+        self.leaf_back = {int(k): [int(i) for i in v] for k, v in state["leaf_back"].items()}

@@ -1,0 +1,39 @@
+"""``sign``: balance the coordinate signs of the centred gradients, sign(g_i - m)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+
+__all__ = ["SignBalance"]
+
+
+class SignBalance(CentredBalance):
+    """One bit per coordinate: herding on sign(g_i - m), m the previous epoch's mean. Robust to a
+    few huge coordinates; needs dense per-example gradients."""
+
+    name = "sign"
+    needs_coordinates = True
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.mean = StaleMean()
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.mean.roll()
+
+    def transform(self, batch: GradientBatch) -> GradientBatch:
+        X = dense_rows(batch, self.name)
+        return DenseGradientBatch(X.sub(self.mean.current(X[0])).sign())
+
+    def record(self, batch: GradientBatch) -> None:
+        self.mean.add(batch.total(), batch.size)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"mean": self.mean.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.mean.load_state_dict(state["mean"])

@@ -1,0 +1,70 @@
+"""Keep every example's (dense) gradient of an epoch, for orderings that decide offline."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from grabkit.order.orderings.centred import dense_rows
+from grabkit.stats.gradient_batch import GradientBatch
+
+__all__ = ["MEMORY_WARNING_BYTES", "ExampleGradientStore", "warn_memory"]
+
+#: offline orderings warn when what they keep exceeds this many bytes
+MEMORY_WARNING_BYTES = 1 << 30
+
+
+def warn_memory(what: str, nbytes: int, advice: str) -> None:
+    """Warn (ResourceWarning) that ``what`` needs ``nbytes`` when that is a lot."""
+    if nbytes >= MEMORY_WARNING_BYTES:
+        warnings.warn(
+            f"{what} needs {nbytes / 2**30:.1f} GiB of memory. {advice}",
+            ResourceWarning,
+            stacklevel=4,
+        )
+
+
+class ExampleGradientStore:
+    """An (n, d) table of the latest gradient of each example (rows of unseen examples unused).
+
+    Args:
+        n: number of examples.
+        name: the ordering, for messages.
+    """
+
+    def __init__(self, n: int, name: str) -> None:
+        self.n, self.name = n, name
+        self.table: torch.Tensor | None = None
+        self.seen = torch.zeros(n, dtype=torch.bool)
+
+    def clear(self) -> None:
+        self.seen.zero_()
+
+    def add(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        rows = dense_rows(batch, self.name)
+        if not torch.isfinite(rows).all():
+            from grabkit.order.balance import NON_FINITE_HELP
+
+            raise ValueError(NON_FINITE_HELP)
+        if self.table is None:
+            warn_memory(
+                f'balance_type="{self.name}" keeps one gradient per example: an '
+                f"({self.n}, {rows.shape[1]}) table that",
+                self.n * rows.shape[1] * rows.element_size(),
+                "Pass projection= with a small projection_dim to shrink it.",
+            )
+            self.table = rows.new_zeros(self.n, rows.shape[1])
+        self.table[indices.to(self.table.device)] = rows.to(self.table.dtype)
+        self.seen[indices] = True
+
+    def observed(self, order: torch.Tensor) -> torch.Tensor:
+        """The examples of ``order`` with a stored gradient, in that order."""
+        return order[self.seen[order]]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table": self.table, "seen": self.seen.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.table, self.seen = state["table"], state["seen"].clone()
