@@ -123,10 +123,10 @@ class PerSampleStats:
     def _check_not_attached(model: nn.Module) -> None:
         for name, module in model.named_modules():
             if module in _ATTACHED:
-                where = f"its submodule {name!r}" if name else "it"
+                where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
-                    f"a PerSampleStats is already attached to this model ({where}); call "
-                    f"close() on the existing one (or leave its `with` block) before attaching "
+                    f"a PerSampleStats is already attached to {where}; call close() on the "
+                    f"existing one (or leave its `with` block) before attaching "
                     f"another."
                 )
 
@@ -267,7 +267,22 @@ class PerSampleStats:
             )
         return next(iter(sizes.values()))
 
+    def _check_gradients_came_through_layers(self) -> None:
+        for layer in self._layers:
+            if any(call.output_grad is not None for call in layer.calls):
+                continue
+            for name in layer.params.values():
+                if name in self._param_grads:
+                    raise RuntimeError(
+                        f"parameter {name!r} received a gradient in this backward, but its "
+                        f"layer {layer.name!r} never passed one through its forward hook (the "
+                        f"parameter was used functionally, e.g. F.linear(x, layer.weight) or "
+                        f"nn.MultiheadAttention's out_proj). Call the layer as a module, or "
+                        f"freeze the parameter."
+                    )
+
     def _build(self) -> StepStatistics:
+        self._check_gradients_came_through_layers()
         batch_size = self._batch_size()
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
@@ -282,14 +297,6 @@ class PerSampleStats:
                     full = layer.params[local]
                     previous = factors[full]
                     factors[full] = factor if previous is None else previous.merge(factor)
-        for name in self._param_grads:
-            if factors[name] is None:
-                raise RuntimeError(
-                    f"parameter {name!r} received a gradient in this backward, but its layer "
-                    f"never passed through its forward hook (it was used functionally, e.g. "
-                    f"through F.linear(x, layer.weight) or nn.MultiheadAttention's out_proj). "
-                    f"Call the layer as a module, or freeze the parameter."
-                )
         totals = {
             name: (self._param_grads[name] * scale).to(self.dtype)
             if name in self._param_grads

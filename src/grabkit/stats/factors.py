@@ -33,6 +33,8 @@ __all__ = [
 # row chunks of at most this many entries, so memory stays bounded for long sequences.
 _EMBEDDING_GRAM_CHUNK_ENTRIES = 1 << 24
 
+_STRATEGIES = ("auto", "ghost", "materialise")
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in at least float32 (half / bfloat16 activations under autocast)."""
@@ -110,6 +112,7 @@ class OuterProductFactor:
         output_grads: D, (B, T, G, q) gradients of the layer's outputs, already scaled so that
             row i belongs to example i's own loss term.
         param_shape: the parameter's shape; its elements, read in order, are the (G, q, p) blocks.
+        strategy: ``"auto"`` (the cheaper form below, per read), ``"ghost"`` or ``"materialise"``.
 
     The norms and the Gram matrix pick the cheaper of two exact forms per layer:
 
@@ -122,8 +125,15 @@ class OuterProductFactor:
     """
 
     def __init__(
-        self, inputs: torch.Tensor, output_grads: torch.Tensor, param_shape: torch.Size
+        self,
+        inputs: torch.Tensor,
+        output_grads: torch.Tensor,
+        param_shape: torch.Size,
+        strategy: str = "auto",
     ) -> None:
+        if strategy not in _STRATEGIES:
+            raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
+        self.strategy = strategy
         dtype = compute_dtype(torch.promote_types(inputs.dtype, output_grads.dtype))
         self.inputs = inputs.to(dtype)
         self.output_grads = output_grads.to(dtype)
@@ -132,8 +142,11 @@ class OuterProductFactor:
         self.param_shape = torch.Size(param_shape)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _block(self) -> int:
-        return self.out_features * self.in_features
+    def _use_ghost(self, ghost_entries: int) -> bool:
+        """Ghost when its T x T blocks (``ghost_entries``) are smaller than one q x p gradient."""
+        if self.strategy != "auto":
+            return self.strategy == "ghost"
+        return ghost_entries < self.out_features * self.in_features
 
     def _materialised(self) -> torch.Tensor:
         """(B, G q p) per-example gradients of this layer (transient)."""
@@ -146,7 +159,7 @@ class OuterProductFactor:
 
     # -- reads -----------------------------------------------------------------------------------
     def norms_squared(self) -> torch.Tensor:
-        if 2 * self.positions**2 < self._block():
+        if self._use_ghost(2 * self.positions**2):
             a_a = torch.einsum("btgp,bsgp->bgts", self.inputs, self.inputs)
             d_d = torch.einsum("btgq,bsgq->bgts", self.output_grads, self.output_grads)
             return (a_a * d_d).sum(dim=(1, 2, 3))
@@ -155,7 +168,7 @@ class OuterProductFactor:
 
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
-        if 2 * b * t**2 < self._block():
+        if self._use_ghost(2 * b * t**2):
             a = self._rows(self.inputs)  # (G, N, p)
             d = self._rows(self.output_grads)  # (G, N, q)
             pairs = (a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))  # (G, N, N)
@@ -198,6 +211,7 @@ class OuterProductFactor:
             torch.cat([self.inputs, other.inputs], dim=1),
             torch.cat([self.output_grads, other.output_grads], dim=1),
             self.param_shape,
+            self.strategy,
         )
 
 
