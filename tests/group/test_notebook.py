@@ -24,7 +24,9 @@ WIDTH = 32
 def make_dataset(dataset_size: int = 1024):
     length_distribution = {4**i: 4 ** (-i) for i in range(4)}
     total_weight = sum(length_distribution.values())
-    length_distribution = {num: weight / total_weight for num, weight in length_distribution.items()}
+    length_distribution = {
+        num: weight / total_weight for num, weight in length_distribution.items()
+    }
     lengths = choice(
         list(length_distribution.keys()),
         size=dataset_size,

@@ -117,11 +117,13 @@ def _parse_atom(atom: str, side: str, text: str, where: str) -> Dim:
     )
 
 
-def parse_signature(text: str, side: str = "data", where: str = "annotation") -> Signature:
+def parse_signature(
+    text: str, side: str = "data", where: str = "annotation", output: bool = False
+) -> Signature:
     """Parse one annotation string such as ``"(B, L_seq, M_hidden)"``.
 
     ``side`` selects the grammar (``"data"`` or ``"module"``); ``where`` names the annotation in
-    error messages.
+    error messages; a module's ``output`` annotation may repeat several bound abbreviations.
     """
     if not isinstance(text, str):
         raise TypeError(f"{where} should be a string or a dict of them, but got {type(text)!r}")
@@ -138,7 +140,7 @@ def parse_signature(text: str, side: str = "data", where: str = "annotation") ->
             f"{where} should have exactly one batch dimension {name!r}, but {text!r} has "
             f"{batch_count}"
         )
-    if sum(d.kind == ABBREV for d in dims) > 1:
+    if not output and sum(d.kind == ABBREV for d in dims) > 1:
         raise AnnotationError(f"{where} may hold at most one abbreviation '.x.', got {text!r}")
     labels = [d.label for d in dims if d.kind == LENGTH]
     if len(labels) != len(set(labels)):
@@ -146,7 +148,9 @@ def parse_signature(text: str, side: str = "data", where: str = "annotation") ->
     return Signature(dims, side)
 
 
-def parse_annotation(annotation: Any, side: str = "data", where: str = "annotation") -> Any:
+def parse_annotation(
+    annotation: Any, side: str = "data", where: str = "annotation", output: bool = False
+) -> Any:
     """Parse a string or a nested dict of strings into a tree of :class:`Signature`."""
     if isinstance(annotation, Signature):
         return annotation
@@ -154,7 +158,7 @@ def parse_annotation(annotation: Any, side: str = "data", where: str = "annotati
         if not annotation:
             raise AnnotationError(f"{where} is an empty dict; give at least one annotated key")
         return {str(k): parse_annotation(v, side, f"{where}[{k!r}]") for k, v in annotation.items()}
-    return parse_signature(annotation, side, where)
+    return parse_signature(annotation, side, where, output)
 
 
 def iter_leaves(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:

@@ -264,7 +264,7 @@ class DataCollection:
             if shapes.dim() == 1:
                 shapes = shapes.reshape(len(tensors), 0)
             for axis, dim in enumerate(item_dims):
-                column = shapes[:, axis]
+                column = shapes[:, axis].contiguous()
                 if dim.kind == LENGTH:
                     if dim.label in lengths and not torch.equal(lengths[dim.label], column):
                         bad = int((lengths[dim.label] != column).nonzero()[0])

@@ -54,5 +54,5 @@ class AnnotatedModule(nn.Module):
                 f"{name} should override {missing} to return an annotation such as '(b, l_seq)'"
             )
         module_in = parse_annotation(annot_in, "module", f"{name}.get_input_annot()")
-        module_out = parse_annotation(annot_out, "module", f"{name}.get_output_annot()")
+        module_out = parse_annotation(annot_out, "module", f"{name}.get_output_annot()", True)
         return resolve_output_signatures(module_in, module_out, data_signatures)
