@@ -79,9 +79,9 @@ class PairBalance(Ordering):
                 self.placement.front.append(plus)
                 self.placement.back.append(minus)
         if leftover:
-            one_hot = torch.zeros(batch.size, dtype=batch.dtype, device=batch.device)
+            one_hot = torch.zeros(batch.size, 1, dtype=batch.dtype, device=batch.device)
             one_hot[-1] = 1.0
-            self.pending = batch.weighted_sum(one_hot).to(self.acc.dtype)
+            self.pending = batch.weighted_sum(one_hot).reshape(-1).to(self.acc.dtype)
             self.pending_index = items[-1]
         else:
             self.pending, self.pending_index = None, -1

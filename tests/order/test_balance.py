@@ -1,0 +1,102 @@
+"""The batched sign recursion takes exactly the decisions of a plain sequential loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import grabkit.order.orderings.base as base_module
+from grabkit.order import GraBSampler
+from grabkit.order.balance import SignRule, run_recursion
+from tests.order.reference import ReferenceBalancer
+
+BALANCERS = ["mean", "pair", "recursive", "recursive-pair", "batch", "ema", "adamean", "adaema",
+             "sign"]  # fmt: skip
+
+# uneven batch sizes, odd ones included (pairs then span batches); the last epoch stops early
+SIZES = [[5, 3, 7, 1, 7], [4, 4, 4, 4, 4, 3], [6, 2, 9]]
+N, D = 23, 6
+
+
+def run_against_reference(kind: str, probabilistic: bool, c, seed: int = 3) -> None:
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(N, D, generator=g, dtype=torch.float64) + 0.3
+    sampler = GraBSampler(
+        range(N), balance_type=kind, prob_balance=probabilistic, prob_balance_c=c,
+        seed=seed, depth=2,
+    )  # fmt: skip
+    ref = ReferenceBalancer(kind, probabilistic=probabilistic, c=c, seed=seed, depth=2)
+    if kind == "adamean":
+        second_moment = torch.rand(D, generator=g, dtype=torch.float64) + 0.5
+        sampler.update_v(second_moment)
+        ref.v_scale = second_moment.sqrt() + 1e-8
+    order = list(sampler)
+    for epoch, sizes in enumerate(SIZES):
+        expected = ref.epoch(X, order, sizes, epoch)
+        start = 0
+        for b in sizes:
+            sampler.step(X[order[start : start + b]])
+            start += b
+        order = list(sampler)  # starts the next epoch
+        assert order == expected, f"{kind}: epoch {epoch + 1} order differs"
+
+
+@pytest.mark.parametrize("kind", BALANCERS)
+def test_deterministic_decisions_equal_sequential_loop(kind):
+    run_against_reference(kind, probabilistic=False, c=None)
+
+
+@pytest.mark.parametrize("kind", BALANCERS)
+@pytest.mark.parametrize("c", [None, 0.5])
+def test_probabilistic_decisions_equal_sequential_loop(kind, c):
+    run_against_reference(kind, probabilistic=True, c=c)
+
+
+def test_run_recursion_matches_explicit_tree_walk():
+    rng = np.random.default_rng(0)
+    Z = rng.normal(size=(12, 4))
+    S = rng.normal(size=(7, 4))  # a depth-2 tree of running sums
+    signs, leaves, coef = run_recursion(Z @ S.T, Z @ Z.T, SignRule(), depth=2)
+    sums = S.copy()
+    for i, z in enumerate(Z):
+        node = 0
+        for level in range(3):
+            eps = 1.0 if sums[node] @ z <= 0 else -1.0
+            assert signs[i, level] == eps
+            sums[node] += eps * z
+            if level < 2:
+                node = 2 * node + 1 if eps > 0 else 2 * node + 2
+        assert leaves[i] == node
+    np.testing.assert_allclose(S + coef @ Z, sums)
+
+
+@pytest.mark.parametrize("kind", ["mean", "pair", "recursive", "recursive-pair", "batch", "ema"])
+def test_one_host_transfer_per_batch(kind, monkeypatch):
+    """Each step moves the batch's inner products to the host once (not once per example)."""
+    calls = []
+    real = base_module.fetch_inner_products
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base_module, "fetch_inner_products", counting)
+    import grabkit.order.orderings.pair as pair_module
+    import grabkit.order.orderings.recursive_pair as rp_module
+
+    monkeypatch.setattr(pair_module, "fetch_inner_products", counting)
+    monkeypatch.setattr(rp_module, "fetch_inner_products", counting)
+    X = torch.randn(32, 10)
+    sampler = GraBSampler(range(32), balance_type=kind)
+    order = list(sampler)
+    for start in range(0, 32, 8):
+        sampler.step(X[order[start : start + 8]])
+    assert len(calls) == 4
+
+
+def test_rule_rejects_bad_constant():
+    with pytest.raises(ValueError, match="prob_balance_c"):
+        SignRule(True, c=0.0)
+    with pytest.raises(ValueError, match="prob_balance_c"):
+        SignRule(True, c="big")
