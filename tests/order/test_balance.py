@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tests.order.reference import ReferenceBalancer
 
 import grabkit.order.orderings.base as base_module
 from grabkit.order import GraBSampler
 from grabkit.order.balance import SignRule, run_recursion
-from tests.order.reference import ReferenceBalancer
 
 BALANCERS = ["mean", "pair", "recursive", "recursive-pair", "batch", "ema", "adamean", "adaema",
              "sign"]  # fmt: skip
