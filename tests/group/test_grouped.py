@@ -103,7 +103,7 @@ def test_derived_lengths_are_inferred_without_annotations() -> None:
 def test_buckets_bound_the_number_of_shapes_and_keep_results() -> None:
     torch.manual_seed(3)
     lengths = torch.randint(1, 60, (40,)).tolist()
-    xs, padded, lens = token_batch(lengths, seed=3)
+    _, padded, lens = token_batch(lengths, seed=3)
     model = MaskedMax()
     mask = torch.arange(padded.shape[1])[None] < lens[:, None]
     plan = plan_groups(lens, overhead=0.0, length_buckets=[8, 32, 64], size_buckets=[4, 16, 64])
@@ -141,7 +141,7 @@ def test_collate_with_distributed_sampler_and_dataloader() -> None:
 def test_backward_by_group_gives_the_full_batch_gradient() -> None:
     torch.manual_seed(5)
     lengths = [3, 17, 1, 9, 30, 2, 2, 12]
-    xs, padded, lens = token_batch(lengths, seed=5)
+    _, padded, lens = token_batch(lengths, seed=5)
     y = torch.randn(len(lengths))
     model = MaskedMax()
     batch = group_batch(padded, lens, max_group_cost=40.0, overhead=0.0)
