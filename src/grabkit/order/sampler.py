@@ -82,6 +82,17 @@ def _alias(name: str, value: Any, old_name: str, old_value: Any, default: Any) -
     return old_value
 
 
+def _detached_copy(tree: Any) -> Any:
+    """A copy of a nest of dicts and lists whose tensors share no memory with the original."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, Mapping):
+        return {k: _detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_detached_copy(v) for v in tree]
+    return tree
+
+
 def jl_dimension(n: int, eps: float) -> int:
     """Johnson-Lindenstrauss target dimension 4 ln(n) / (eps^2/2 - eps^3/3) for n points."""
     if not 0 < eps < 1:
@@ -110,7 +121,7 @@ class _NormalizedBatch:
         return d * (self.scale if d.ndim == 1 else self.scale[:, None])
 
     def total(self) -> torch.Tensor:
-        return self.inner.weighted_sum(self.scale)
+        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         s = self.scale if weights.ndim == 1 else self.scale[:, None]
@@ -563,27 +574,30 @@ class GraBSampler(Sampler[int]):
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly; plain tensors, numbers, strings, lists, dicts."""
-        return {
-            "version": _STATE_VERSION,
-            "n": self.n,
-            "num_replicas": self.num_replicas,
-            "balance_type": self.balance_type,
-            "seed": self.seed,
-            "epoch": self._epoch,
-            "requested_epoch": self._requested_epoch,
-            "finished_any": self._finished_any,
-            "order": self._order.clone(),
-            "yielded": self._yielded,
-            "stepped": self._stepped,
-            "started": self._started,
-            "rule": self.rule.state_dict(),
-            "ordering": self.ordering.state_dict(),
-            "orders_history": [torch.tensor(o) for o in self.orders_history],
-        }
+        return _detached_copy(
+            {
+                "version": _STATE_VERSION,
+                "n": self.n,
+                "num_replicas": self.num_replicas,
+                "balance_type": self.balance_type,
+                "seed": self.seed,
+                "epoch": self._epoch,
+                "requested_epoch": self._requested_epoch,
+                "finished_any": self._finished_any,
+                "order": self._order.clone(),
+                "yielded": self._yielded,
+                "stepped": self._stepped,
+                "started": self._started,
+                "rule": self.rule.state_dict(),
+                "ordering": self.ordering.state_dict(),
+                "orders_history": [torch.tensor(o) for o in self.orders_history],
+            }
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch."""
         expected = set(self.state_dict())
+        state = _detached_copy(state)
         unknown, missing = set(state) - expected, expected - set(state)
         if unknown or missing:
             raise ValueError(

@@ -1,0 +1,413 @@
+"""GraBSampler: epochs, inputs, errors, resuming, DataLoader use, hook mode, the batch form."""
+
+from __future__ import annotations
+
+import io
+from functools import partial
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
+
+from grabkit import GraBBatchSampler, GraBSampler
+from grabkit.order import BALANCE_TYPES
+from grabkit.stats.gradient_batch import DenseGradientBatch
+
+PERMUTING = [b for b in BALANCE_TYPES if b != "swr"]  # swr samples with replacement
+
+
+def make_sampler(kind: str, n: int, X: torch.Tensor, **kwargs) -> GraBSampler:
+    if kind.startswith("ntk"):
+        kwargs.setdefault("ntk_features", X)
+    return GraBSampler(range(n), balance_type=kind, **kwargs)
+
+
+def run_epoch(sampler: GraBSampler, X: torch.Tensor, batch_size: int, limit=None) -> list[int]:
+    order = list(sampler)
+    stop = len(order) if limit is None else limit
+    for start in range(0, stop, batch_size):
+        sampler.step(X[order[start : min(start + batch_size, stop)]])
+    return order
+
+
+# -- every epoch is a permutation ------------------------------------------------------------
+@settings(max_examples=12, deadline=None)
+@given(
+    kind=st.sampled_from(PERMUTING),
+    n=st.integers(1, 17),
+    batch_size=st.integers(1, 6),
+    probabilistic=st.booleans(),
+    seed=st.integers(0, 1000),
+    partial_epoch=st.booleans(),
+)
+def test_every_epoch_is_a_permutation(kind, n, batch_size, probabilistic, seed, partial_epoch):
+    X = torch.randn(n, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    sampler = make_sampler(kind, n, X, prob_balance=probabilistic, seed=seed, depth=2)
+    for epoch in range(3):
+        limit = n // 2 if partial_epoch and epoch == 1 else None
+        order = run_epoch(sampler, X, batch_size, limit)
+        assert sorted(order) == list(range(n)), (kind, epoch, order)
+
+
+def test_swr_samples_with_replacement():
+    sampler = GraBSampler(range(50), balance_type="swr", seed=1)
+    first, second = list(sampler), list(sampler)
+    assert len(first) == 50 and all(0 <= i < 50 for i in first)
+    assert len(set(first)) < 50 and first != second
+
+
+# -- epoch semantics ----------------------------------------------------------------------------
+def test_plus_to_front_minus_to_back_reversed():
+    # 1-d gradients: deterministic signs are easy to follow by hand
+    X = torch.tensor([[1.0], [1.0], [1.0], [-1.0]], dtype=torch.float64)
+    sampler = GraBSampler(range(4), balance_type="mean", random_first_epoch=False)
+    assert list(sampler) == [0, 1, 2, 3]
+    sampler.step(X)  # s: 0 -> +1 (0: +), <1, 1> > 0 -> - (1), 0 -> + (2), <1, -1> < 0 -> + (3)
+    assert list(sampler) == [0, 2, 3, 1]
+
+
+def test_iter_twice_without_progress_repeats_the_epoch():
+    sampler = GraBSampler(range(10), balance_type="rr", seed=0)
+    it1 = iter(sampler)
+    it2 = iter(sampler)
+    assert list(it2) == list(sampler.order)
+    assert list(it1) == []  # an older iterator stops once a newer one took over
+    assert sampler.epoch == 0
+    list(sampler)  # the epoch was consumed: this is epoch 1
+    assert sampler.epoch == 1
+
+
+def test_abandoned_epoch_keeps_unvisited_in_the_middle():
+    X = torch.randn(12, 3, dtype=torch.float64)
+    sampler = GraBSampler(range(12), balance_type="mean")
+    order = run_epoch(sampler, X, 4, limit=8)
+    nxt = list(sampler)
+    assert sorted(nxt) == list(range(12))
+    # examples never stepped keep their relative order, between front and back parts
+    unvisited = order[8:]
+    positions = [nxt.index(i) for i in unvisited]
+    assert positions == sorted(positions)
+    assert positions == list(range(positions[0], positions[0] + 4))
+
+
+def test_odd_n_with_pair_balance_and_batches_of_one():
+    X = torch.randn(7, 3, dtype=torch.float64)
+    sampler = GraBSampler(range(7), balance_type="pair")
+    for _ in range(3):
+        order = run_epoch(sampler, X, 1)
+        assert sorted(order) == list(range(7))
+    # the unpaired last example sits between the front and back halves
+    order = list(sampler)
+    sampler2 = GraBSampler(range(7), balance_type="pair")
+    assert sorted(order) == list(range(7)) and len(sampler2) == 7
+
+
+def test_more_gradients_than_the_epoch_has_left_is_an_error():
+    sampler = GraBSampler(range(5))
+    list(sampler)
+    sampler.step(torch.randn(4, 3))
+    with pytest.raises(ValueError, match="only 1 of its 5 examples left"):
+        sampler.step(torch.randn(2, 3))
+    sampler.step(torch.randn(1, 3))  # the rest still fits; state was unchanged by the error
+
+
+def test_drop_last_loader_leaves_last_examples_unstepped():
+    X = torch.randn(10, 3, dtype=torch.float64)
+    ds = TensorDataset(X)
+    sampler = GraBSampler(ds, balance_type="mean")
+    loader = DataLoader(ds, sampler=sampler, batch_size=4, drop_last=True)
+    for _ in range(3):
+        seen = []
+        for (x,) in loader:
+            sampler.step(x)
+            seen.append(len(x))
+        assert seen == [4, 4]
+    assert sorted(sampler.order.tolist()) == list(range(10))
+
+
+def test_non_finite_gradients_raise_and_change_nothing():
+    sampler = GraBSampler(range(6))
+    list(sampler)
+    before = sampler.state_dict()
+    bad = torch.randn(3, 4)
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or Inf.*clip gradients"):
+        sampler.step(bad)
+    after = sampler.state_dict()
+    assert after["stepped"] == before["stepped"] == 0
+    sampler.step(torch.randn(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"balance_type": "nope"}, ValueError, "balance_type"),
+        ({"batch_size": 0}, ValueError, "batch_size=0"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, "rank"),
+        ({"num_replicas": 0}, ValueError, "num_replicas"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"projection": "fancy"}, ValueError, "projection"),
+        ({"random_projection": "jl", "projection": "sparse"}, ValueError, "disagree"),
+        ({"prob_balance": True, "probabilistic": False}, ValueError, "disagree"),
+        ({"balance_type": "fixed", "orders": [0, 0, 1]}, ValueError, "permutation"),
+        ({"balance_type": "recursive", "depth": -1}, ValueError, "depth"),
+        ({"balance_type": "ema", "ema_decay": 0.0}, ValueError, "ema_decay"),
+        ({"balance_type": "ntk-fixed"}, ValueError, "ntk_features"),
+        ({"prob_balance": True, "prob_balance_c": -3}, ValueError, "prob_balance_c"),
+    ],
+)
+def test_bad_configuration_is_rejected(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GraBSampler(range(3), **kwargs)
+
+
+def test_bad_inputs_to_step_are_rejected():
+    sampler = GraBSampler(range(6), {"w": torch.zeros(2, 2)})
+    list(sampler)
+    with pytest.raises(ValueError, match="leading batch dimension"):
+        sampler.step(torch.randn(4))
+    with pytest.raises(ValueError, match=r"length 3 per example.*4 numbers"):
+        sampler.step(torch.randn(2, 3))
+    with pytest.raises(TypeError, match="dict of"):
+        sampler.step([1, 2])
+    with pytest.raises(ValueError, match="model="):
+        sampler.step()
+    with pytest.raises(TypeError, match="iterable-style"):
+        GraBSampler(iter(range(3)))
+    with pytest.raises(ValueError, match="empty dataset"):
+        GraBSampler([])
+
+
+def test_fixed_with_no_orders_is_natural_order():
+    sampler = GraBSampler(range(5), balance_type="fixed")
+    assert list(sampler) == list(range(5)) and list(sampler) == list(range(5))
+
+
+# -- resume ---------------------------------------------------------------------------------
+def _train(sampler, X, epochs, batch_size, save_at=None, in_flight=0):
+    """Run epochs, stepping each batch once ``in_flight`` newer batches were yielded (a loader
+    that prefetches). Right after stepping batch ``save_at[1]`` of epoch ``save_at[0]``, snapshot
+    the state and the batches still in flight. Returns every epoch's order, the final order, and
+    the snapshot."""
+    orders, snapshot = [], None
+    for epoch in range(epochs):
+        order, current, queue, stepped_batches = [], [], [], 0
+        for index in sampler:
+            order.append(index)
+            current.append(index)
+            if len(current) == batch_size or len(order) == len(sampler):
+                queue.append(current)
+                current = []
+            while len(queue) > in_flight:
+                sampler.step(X[queue.pop(0)])
+                stepped_batches += 1
+                if save_at == (epoch, stepped_batches):
+                    snapshot = (sampler.state_dict(), [list(b) for b in queue])
+        for b in queue:
+            sampler.step(X[b])
+        orders.append(order)
+    orders.append(sampler.order.tolist())
+    return orders, snapshot
+
+
+def _resume(sampler, X, state, in_flight, epochs_done, epochs, batch_size):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    sampler.load_state_dict(torch.load(buffer, weights_only=True))
+    for b in in_flight:  # gradients of examples handed out before the snapshot
+        sampler.step(X[b])
+    orders = []
+    rest = list(sampler)
+    for start in range(0, len(rest), batch_size):
+        sampler.step(X[rest[start : start + batch_size]])
+    orders.append(rest)
+    for _ in range(epochs - epochs_done - 1):
+        orders.append(run_epoch(sampler, X, batch_size))
+    orders.append(sampler.order.tolist())
+    return orders
+
+
+@pytest.mark.parametrize(
+    ("kind", "probabilistic", "in_flight"),
+    [("mean", False, 0), ("pair", True, 1), ("recursive", True, 2), ("rr", False, 1),
+     ("recursive-pair", False, 0), ("norm", False, 1), ("greedy", False, 0)],
+)  # fmt: skip
+def test_mid_epoch_resume_reproduces_uninterrupted_orders(kind, probabilistic, in_flight):
+    n, bs, epochs = 19, 3, 4
+    X = torch.randn(n, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    kw = {"balance_type": kind, "prob_balance": probabilistic, "seed": 11, "depth": 2}
+    full, snap = _train(GraBSampler(range(n), **kw), X, epochs, bs, save_at=(1, 3), in_flight=0)
+    _, snap = _train(GraBSampler(range(n), **kw), X, 2, bs, save_at=(1, 3), in_flight=in_flight)
+    state, pending = snap
+    assert state["yielded"] - state["stepped"] == sum(len(b) for b in pending)
+    resumed = _resume(GraBSampler(range(n), **kw), X, state, pending, 1, epochs, bs)
+    # the interrupted epoch: what was yielded before the snapshot plus the rest afterwards
+    assert full[1][state["yielded"] :] == resumed[0]
+    assert full[2:] == resumed[1:]
+
+
+def test_state_dict_loads_with_weights_only_and_rejects_mismatch():
+    sampler = GraBSampler(range(8), balance_type="mean", prob_balance=True, record_orders=True)
+    run_epoch(sampler, torch.randn(8, 3), 3)
+    buffer = io.BytesIO()
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    with pytest.raises(ValueError, match="unexpected keys \\['extra'\\]"):
+        GraBSampler(range(8), prob_balance=True).load_state_dict({**state, "extra": 1})
+    with pytest.raises(ValueError, match="n=8 but this sampler has n=9"):
+        GraBSampler(range(9)).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_replicas"):
+        GraBSampler(range(8), num_replicas=2, rank=0).load_state_dict(state)
+    with pytest.raises(ValueError, match="balance_type"):
+        GraBSampler(range(8), balance_type="pair").load_state_dict(state)
+
+
+# -- the grab-sampler README example, with only the import changed --------------------------------
+def test_readme_example_with_torch_func():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    dataset = TensorDataset(torch.randn(24, 4), torch.randint(0, 2, (24,)))
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    sampler = GraBSampler(dataset, params)
+    dataloader = DataLoader(dataset, sampler=sampler, batch_size=8)
+
+    def compute_loss(model, loss_fn, params, buffers, inputs, targets):
+        prediction = functional_call(model, (params, buffers), (inputs,))
+        return loss_fn(prediction, targets)
+
+    per_sample = vmap(grad(partial(compute_loss, model, loss_fn)), in_dims=(None, None, 0, 0))
+    params = {k: v.detach() for k, v in params.items()}
+    orders = []
+    for _epoch in range(3):
+        seen = []
+        for x, y in dataloader:
+            g = per_sample(params, buffers, x.unsqueeze(1), y.unsqueeze(1))
+            sampler.step(g)
+            params = {k: p - 0.1 * g[k].mean(0) for k, p in params.items()}
+            seen.append(len(x))
+        orders.append(sampler.order.tolist())
+        assert seen == [8, 8, 8]
+    assert all(sorted(o) == list(range(24)) for o in orders)
+    assert orders[1] != orders[2] or orders[0] != orders[1]
+
+
+# -- hook mode (statistics object) ------------------------------------------------------------
+class FakeStats:
+    """Stands in for PerSampleStats: hands out the batch it was given as a GradientBatch."""
+
+    def __init__(self) -> None:
+        self.current = None
+
+    def gradient_batch(self):
+        return self.current
+
+
+class InnerProductsOnly:
+    """A GradientBatch with no ``matrix``: the orderings may only use the protocol."""
+
+    def __init__(self, X):
+        self._d = DenseGradientBatch(X)
+        self.size, self.dim, self.dtype, self.device = X.shape[0], X.shape[1], X.dtype, X.device
+
+    def gram(self):
+        return self._d.gram()
+
+    def norms_squared(self):
+        return self._d.norms_squared()
+
+    def dot(self, v):
+        return self._d.dot(v)
+
+    def total(self):
+        return self._d.total()
+
+    def weighted_sum(self, w):
+        return self._d.weighted_sum(w)
+
+
+@pytest.mark.parametrize("kind", ["mean", "pair", "recursive", "recursive-pair", "batch", "ema",
+                                  "norm"])  # fmt: skip
+def test_hook_mode_matches_dense_mode(kind):
+    X = torch.randn(13, 4, dtype=torch.float64)
+    dense = GraBSampler(range(13), balance_type=kind, depth=2, seed=2)
+    stats = FakeStats()
+    hooked = GraBSampler(range(13), balance_type=kind, depth=2, seed=2, stats=stats)
+    for _ in range(3):
+        order = list(dense)
+        assert list(hooked) == order
+        for start in range(0, 13, 5):
+            rows = X[order[start : start + 5]]
+            dense.step(rows)
+            stats.current = InnerProductsOnly(rows)
+            hooked.step()
+    assert list(dense) == list(hooked)
+
+
+@pytest.mark.parametrize("kind", ["sign", "adamean", "adaema", "greedy", "ntk-eigen"])
+def test_hook_mode_orderings_needing_coordinates_say_so(kind):
+    stats = FakeStats()
+    sampler = GraBSampler(range(4), balance_type=kind, stats=stats)
+    list(sampler)
+    stats.current = InnerProductsOnly(torch.randn(2, 3))
+    with pytest.raises(TypeError, match="dense per-example gradients"):
+        sampler.step()
+
+
+def test_normalize_and_projection_options_run():
+    X = torch.randn(16, 300)
+    for kw in ({"normalize": True}, {"projection": "gaussian", "projection_dim": 8},
+               {"projection": "sparse", "projection_dim": 8}, {"random_projection": "kron"},
+               {"projection": lambda G: G[:, :5]}):  # fmt: skip
+        sampler = GraBSampler(range(16), **kw)
+        for _ in range(2):
+            assert sorted(run_epoch(sampler, X, 4)) == list(range(16))
+
+
+def test_normalize_is_scale_free_per_example():
+    X = torch.randn(10, 4, dtype=torch.float64)
+    scales = torch.rand(10, 1, dtype=torch.float64) * 100 + 0.01
+    a = GraBSampler(range(10), normalize=True)
+    b = GraBSampler(range(10), normalize_grads=True)
+    for _ in range(3):
+        order = list(a)
+        assert list(b) == order
+        a.step(X[order])
+        b.step((X * scales)[order])
+    assert list(a) == list(b)
+
+
+def test_batch_sampler_form():
+    X = torch.randn(10, 3)
+    bs = GraBBatchSampler(range(10), batch_size=4, balance_type="pair")
+    assert len(bs) == 3
+    for _ in range(2):
+        batches = list(bs)
+        assert [len(b) for b in batches] == [4, 4, 2]
+        for b in batches:
+            bs.step(X[b])
+    dropping = GraBBatchSampler(range(10), batch_size=4, drop_last=True)
+    assert len(dropping) == 2 and [len(b) for b in dropping] == [4, 4]
+    dropping.load_state_dict(dropping.state_dict())
+
+
+def test_set_epoch_numbers_random_orders_like_distributed_sampler():
+    a = GraBSampler(range(20), balance_type="rr", seed=3)
+    b = GraBSampler(range(20), balance_type="rr", seed=3)
+    a.set_epoch(5)
+    b.set_epoch(5)
+    epoch5 = list(a)
+    assert list(b) == epoch5 and a.epoch == 5
+    b.set_epoch(7)
+    epoch7 = list(b)
+    assert epoch7 != epoch5 and b.epoch == 7
+    assert list(a) != epoch5 and a.epoch == 6  # without set_epoch the number counts up
+    c = GraBSampler(range(20), balance_type="rr", seed=3)
+    c.set_epoch(7)
+    assert list(c) == epoch7
