@@ -57,9 +57,11 @@ def _call(module: Callable, x: Tensor, mask: Tensor | None, args: tuple, kwargs:
 
 @dataclass
 class GroupedBatch:
-    """A padded batch whose rows are ordered group after group, plus its plan.
+    """A padded batch (batch dim 0) and the plan that splits it into groups.
 
-    ``padded``: rows in ``plan.order`` (so each group is a slice, a view); ``lengths``:
+    ``padded``: rows in ``plan.order`` when ``rows_sorted`` (each group is then a slice, a
+    view; what :class:`GroupingCollate` builds), else in the original item order (each group is
+    one gather of the rows, narrowed first so only the group's columns move); ``lengths``:
     ``(n, k)`` int64 CPU in the same row order; ``plan``: groups of original item indices;
     ``length_dims``: the padded tensor's length dims; ``extras``: whatever else the collate
     function produced, in the original item order (targets, ids).
@@ -71,6 +73,7 @@ class GroupedBatch:
     length_dims: tuple[int, ...] = (1,)
     extras: Any = None
     pad_value: float = 0.0
+    rows_sorted: bool = True
 
     def __len__(self) -> int:
         return self.plan.size
@@ -78,21 +81,24 @@ class GroupedBatch:
     def group_inputs(self) -> list[Tensor]:
         """One view per group: a row slice narrowed (or padded) to the group's shape."""
         out = []
-        for (start, stop), sizes, rows in zip(
-            self.plan.slices, self.plan.lengths, self.plan.rows, strict=False
-        ):
-            part = self.padded[start:stop]
-            spec: list[int] = []
-            for d in range(part.dim() - 1, -1, -1):
-                grow = 0
-                if d in self.length_dims:
-                    size = sizes[self.length_dims.index(d)]
-                    if size <= part.shape[d]:
-                        part = part.narrow(d, 0, size)
-                    else:
-                        grow = size - part.shape[d]
-                spec += [0, rows - (stop - start) if d == 0 else grow]
-            if any(spec):
+        for g, (start, stop) in enumerate(self.plan.slices):
+            sizes, rows = self.plan.lengths[g], self.plan.rows[g]
+            part = self.padded
+            grow = {}
+            for d, size in zip(self.length_dims, sizes, strict=True):
+                if size <= part.shape[d]:
+                    part = part.narrow(d, 0, size)
+                else:
+                    grow[d] = size - part.shape[d]
+            if self.rows_sorted:
+                part = part[start:stop]
+            else:
+                part = part.index_select(0, self.plan.groups[g].to(part.device))
+            grow[0] = rows - (stop - start)
+            if any(grow.values()):
+                spec: list[int] = []
+                for d in range(part.dim() - 1, -1, -1):
+                    spec += [0, grow.get(d, 0)]
                 part = F.pad(part, spec, value=self.pad_value)
             out.append(part)
         return out
@@ -100,10 +106,11 @@ class GroupedBatch:
     def group_masks(self) -> list[Tensor]:
         """``(rows_g, *L_g)`` bool masks, True at real positions (AND over length dims)."""
         out = []
-        for (start, stop), sizes, rows in zip(
-            self.plan.slices, self.plan.lengths, self.plan.rows, strict=False
-        ):
-            lengths = self.lengths[start:stop]
+        for g, (start, stop) in enumerate(self.plan.slices):
+            sizes, rows = self.plan.lengths[g], self.plan.rows[g]
+            lengths = (
+                self.lengths[start:stop] if self.rows_sorted else self.lengths[self.plan.groups[g]]
+            )
             if rows > stop - start:
                 lengths = F.pad(lengths, (0, 0, 0, rows - (stop - start)))
             out.append(length_mask(lengths, sizes, self.padded.device))
@@ -143,7 +150,13 @@ class GroupedBatch:
         extras = _map_tensors(self.extras, lambda t: t.to(device, non_blocking=non_blocking))
         padded = self.padded.to(device, non_blocking=non_blocking)
         return GroupedBatch(
-            padded, self.lengths, self.plan, self.length_dims, extras, self.pad_value
+            padded,
+            self.lengths,
+            self.plan,
+            self.length_dims,
+            extras,
+            self.pad_value,
+            self.rows_sorted,
         )
 
     def pin_memory(self) -> GroupedBatch:
@@ -155,6 +168,7 @@ class GroupedBatch:
             self.length_dims,
             extras,
             self.pad_value,
+            self.rows_sorted,
         )
 
     def padding_efficiency(self) -> float:
@@ -180,10 +194,11 @@ def group_batch(
     pad_value: float = 0.0,
     **planning: Any,
 ) -> GroupedBatch:
-    """Plan (unless ``plan`` is given) and reorder a padded batch (batch dim 0) into groups.
+    """Plan groups (unless ``plan`` is given) for a padded batch (batch dim 0) in item order.
 
-    One ``index_select`` reorders the rows; groups are then slices. ``planning`` keywords go
-    to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``, ``max_group_cost``, buckets).
+    Nothing moves yet: each group is later one gather of its rows from the narrowed batch.
+    ``planning`` keywords go to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``,
+    ``max_group_cost``, ``length_buckets``, ``size_buckets``).
     """
     length_dims = tuple(int(d) % padded.dim() for d in length_dims)
     if 0 in length_dims:
@@ -201,10 +216,7 @@ def group_batch(
         plan = plan_groups(matrix, **planning)
     elif planning:
         raise ValueError("give either a plan or planning options, not both")
-    order = plan.order
-    trivial = torch.equal(order, torch.arange(len(order)))
-    rows = padded if trivial else padded.index_select(0, order.to(padded.device))
-    return GroupedBatch(rows, matrix[order], plan, length_dims, None, pad_value)
+    return GroupedBatch(padded, matrix, plan, length_dims, None, pad_value, rows_sorted=False)
 
 
 def run_grouped(

@@ -155,6 +155,65 @@ def plan_from_partition(
     return GroupPlan(groups, padded, rows)
 
 
+def _hull_dp(cuts: list[int], unit: list[float], alpha: float) -> tuple[list[float], list[int]]:
+    """``best[m] = min_i best[i] + alpha + (cuts[m] - cuts[i]) * unit[m - 1]``, exactly.
+
+    Each earlier cut ``i`` is a line ``y = -cuts[i] * x + best[i]`` with ever smaller slopes,
+    queried at the non-decreasing ``x = unit[m - 1]``: a monotone convex-hull minimum, one pass.
+    """
+    best, back = [0.0], [0]
+    hull: list[int] = [0]  # cut indices whose lines form the lower envelope
+    head = 0
+    for m in range(1, len(cuts)):
+        x = unit[m - 1]
+        head = min(head, len(hull) - 1)
+        while head + 1 < len(hull):
+            nxt, cur = hull[head + 1], hull[head]
+            if best[nxt] - cuts[nxt] * x > best[cur] - cuts[cur] * x:
+                break
+            head += 1
+        i = hull[head]
+        best.append(best[i] + alpha + (cuts[m] - cuts[i]) * x)
+        back.append(i)
+        # add line m (slope -cuts[m]); drop lines that are nowhere the minimum any more
+        c3, b3 = cuts[m], best[m]
+        while len(hull) >= 2:
+            i1, i2 = hull[-2], hull[-1]
+            c1, b1 = cuts[i1], best[i1]
+            if (b3 - b1) * (cuts[i2] - c1) <= (best[i2] - b1) * (c3 - c1):
+                hull.pop()
+            else:
+                break
+        hull.append(m)
+    return best, back
+
+
+def _capped_dp(
+    cuts: np.ndarray,
+    unit: np.ndarray,
+    alpha: float,
+    max_group_cost: float | None,
+    size_buckets: list[int] | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The same recurrence with a per-group cost cap and bucketed row counts, O(n^2) numpy."""
+    n = len(cuts) - 1
+    row_price = np.arange(n + 1, dtype=np.float64)
+    if size_buckets is not None:
+        row_price = np.array([_round_up(r, size_buckets) for r in range(n + 1)], np.float64)
+    best = np.full(len(cuts), np.inf)
+    back = np.zeros(len(cuts), dtype=np.int64)
+    best[0] = 0.0
+    for m in range(1, len(cuts)):
+        j = cuts[m]
+        work = row_price[j - cuts[:m]] * unit[j - 1]
+        price = best[:m] + alpha + work
+        if max_group_cost is not None:
+            price = np.where(work <= max_group_cost, price, np.inf)
+        back[m] = int(np.argmin(price))
+        best[m] = price[back[m]]
+    return best, back
+
+
 def plan_groups(
     lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor,
     cost: CostLike = "linear",
@@ -189,7 +248,9 @@ def plan_groups(
     key = matrix[:, 0]
     order = torch.sort(key, stable=True).indices
     sorted_len = key[order].numpy()
-    padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
+    padded_len = sorted_len
+    if length_buckets is not None:
+        padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
     unit = resolve_cost(cost)(padded_len)
     if np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
         raise ValueError("cost should be non-decreasing in the length")
@@ -202,26 +263,14 @@ def plan_groups(
     if max_group_cost is not None and max_group_cost <= 0:
         raise ValueError(f"max_group_cost should be positive, but got {max_group_cost}")
 
-    row_price = np.arange(n + 1, dtype=np.float64)
-    if size_buckets is not None:
-        row_price = np.array([_round_up(r, size_buckets) for r in range(n + 1)], np.float64)
-    exact_runs = max_group_cost is None and size_buckets is None
-    if exact_runs:  # boundaries only where the (bucketed) length changes
+    if max_group_cost is None and size_buckets is None:
+        # boundaries only where the (bucketed) length changes; convex-hull DP, O(runs)
         ends = np.flatnonzero(np.diff(padded_len)) + 1
         cuts = np.concatenate([[0], ends, [n]])
+        best, back = _hull_dp(cuts.tolist(), unit[cuts[1:] - 1].tolist(), float(alpha))
     else:
         cuts = np.arange(n + 1)
-    best = np.full(len(cuts), np.inf)
-    back = np.zeros(len(cuts), dtype=np.int64)
-    best[0] = 0.0
-    for m in range(1, len(cuts)):
-        j = cuts[m]
-        sizes = j - cuts[:m]
-        price = best[:m] + alpha + row_price[sizes] * unit[j - 1]
-        if max_group_cost is not None:
-            price = np.where(row_price[sizes] * unit[j - 1] <= max_group_cost, price, np.inf)
-        back[m] = int(np.argmin(price))
-        best[m] = price[back[m]]
+        best, back = _capped_dp(cuts, unit, float(alpha), max_group_cost, size_buckets)
     if not np.isfinite(best[-1]):
         raise ValueError(
             f"max_group_cost={max_group_cost} is below the cost of a single item of length "
