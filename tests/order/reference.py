@@ -3,8 +3,8 @@
 Each reference replays one epoch: given the dataset's gradient table X (n, d), the epoch's order
 and the batch sizes used to step it, it recomputes every balance vector explicitly and decides
 each sign with a plain loop, then places +1 at the front (visit order) and -1 at the back
-(reverse visit order). Random draws mirror the sampler's: per batch, as many uniforms as that
-batch makes decisions, from a generator seeded like the sampler's.
+(reverse visit order). Random draws mirror the sampler's: one uniform per decision, in decision
+order, from a stream seeded like the sampler's.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ class RefRule:
         self.pool: list[float] = []
 
     def draw(self, count: int) -> None:
-        if self.probabilistic:
-            self.pool = torch.rand(count, generator=self.g, dtype=torch.float64).tolist()
+        """Make sure ``count`` uniforms are ready; the stream is drawn in blocks of 256."""
+        while self.probabilistic and len(self.pool) < count:
+            self.pool += torch.rand(256, generator=self.g, dtype=torch.float64).tolist()
 
     def sign(self, s: torch.Tensor, z: torch.Tensor) -> float:
         v = float(s @ z)

@@ -411,3 +411,68 @@ def test_set_epoch_numbers_random_orders_like_distributed_sampler():
     c = GraBSampler(range(20), balance_type="rr", seed=3)
     c.set_epoch(7)
     assert list(c) == epoch7
+
+
+def test_hook_mode_with_per_sample_stats_matches_torch_func():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model = model.double()
+    x = torch.randn(12, 3, dtype=torch.float64)
+    y = torch.randint(0, 2, (12,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    hooked = GraBSampler(range(12), model=model, balance_type="recursive", depth=2)
+    dense = GraBSampler(range(12), params, balance_type="recursive", depth=2)
+
+    def example_loss(p, xi, yi):
+        out = functional_call(model, p, (xi[None],))
+        return torch.nn.functional.cross_entropy(out, yi[None])
+
+    per_sample = vmap(grad(example_loss), in_dims=(None, 0, 0))
+    for _ in range(3):
+        order = list(hooked)
+        assert list(dense) == order
+        for start in range(0, 12, 4):
+            idx = order[start : start + 4]
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            hooked.step()
+            dense.step(per_sample(params, x[idx], y[idx]))
+    assert list(hooked) == list(dense)
+    hooked.stats.close()
+
+
+def test_distributed_misuse_is_explained():
+    sampler = GraBSampler(range(8), num_replicas=2, rank=1)
+    list(sampler)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sampler.step(torch.randn(2, 3))
+    stats = FakeStats()
+    hooked = GraBSampler(range(8), num_replicas=2, rank=0, stats=stats)
+    list(hooked)
+    stats.current = InnerProductsOnly(torch.randn(2, 3))
+    with pytest.raises(NotImplementedError, match="hook statistics"):
+        hooked.step()
+
+
+def test_large_batches_are_balanced_in_blocks_with_the_same_decisions(monkeypatch):
+    import grabkit.order.sampler as sampler_module
+
+    X = torch.randn(40, 3, dtype=torch.float64)
+    whole = GraBSampler(range(40), balance_type="pair")
+    monkeypatch.setattr(sampler_module, "MAX_BLOCK_ROWS", 7)
+    blocked = GraBSampler(range(40), balance_type="pair")
+    for _ in range(2):
+        order = list(whole)
+        assert list(blocked) == order
+        whole.step(X[order[:33]])
+        blocked.step(X[order[:33]])
+    assert list(whole) == list(blocked)
+
+
+def test_probabilistic_decisions_do_not_depend_on_batch_boundaries():
+    X = torch.randn(30, 4, dtype=torch.float64)
+    a = GraBSampler(range(30), prob_balance=True, seed=5)
+    b = GraBSampler(range(30), prob_balance=True, seed=5)
+    for _ in range(3):
+        assert run_epoch(a, X, 30) == run_epoch(b, X, 4)
+    assert list(a) == list(b)

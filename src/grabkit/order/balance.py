@@ -41,6 +41,9 @@ __all__ = [
     "run_recursion",
 ]
 
+#: the walk's uniforms are drawn from the generator this many at a time
+UNIFORM_BLOCK = 256
+
 NON_FINITE_HELP = (
     "step() received per-example gradients containing NaN or Inf, so no balancing decision can "
     "be made for this batch. Fix the source of the non-finite values (lower the learning rate, "
@@ -77,17 +80,27 @@ class SignRule:
         self.probabilistic = probabilistic
         self.largest_seen = 0.0  # for the scale-aware c: max |<s, z>| in this epoch
         self.generator = torch.Generator().manual_seed(0)
+        self.pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
 
     def start_epoch(self, seed: int, epoch: int) -> None:
         """Reseed the walk's random stream from (seed, epoch) and reset the scale estimate."""
         self.generator.manual_seed(_mix(seed, epoch, 0x5EED))
+        self.pool = torch.empty(0, dtype=torch.float64)
         self.largest_seen = 0.0
 
     def uniforms(self, count: int) -> np.ndarray | None:
-        """``count`` U[0, 1) draws for the next decisions (None for the deterministic rule)."""
+        """``count`` U[0, 1) draws for the next decisions (None for the deterministic rule).
+
+        Draws come from the generator in fixed blocks of ``UNIFORM_BLOCK``, so the k-th decision
+        of an epoch always gets the k-th number, however the epoch is cut into batches.
+        """
         if not self.probabilistic:
             return None
-        return torch.rand(count, generator=self.generator, dtype=torch.float64).numpy()
+        while self.pool.numel() < count:
+            block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64)
+            self.pool = torch.cat([self.pool, block])
+        taken, self.pool = self.pool[:count], self.pool[count:]
+        return taken.numpy()
 
     def decide(self, value: float, uniform: float | None) -> float:
         """The sign (+1.0 / -1.0) for a vector z with <s, z> = ``value``."""
@@ -102,11 +115,16 @@ class SignRule:
         return 1.0 if uniform < p_plus else -1.0
 
     def state_dict(self) -> dict:
-        return {"largest_seen": self.largest_seen, "generator": self.generator.get_state()}
+        return {
+            "largest_seen": self.largest_seen,
+            "generator": self.generator.get_state(),
+            "pool": self.pool.clone(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.largest_seen = float(state["largest_seen"])
         self.generator.set_state(state["generator"])
+        self.pool = state["pool"].to(torch.float64).clone()
 
 
 def _mix(*parts: int) -> int:

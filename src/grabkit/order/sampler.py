@@ -55,6 +55,11 @@ from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, name
 __all__ = ["GraBBatchSampler", "GraBSampler"]
 
 _STATE_VERSION = 1
+
+#: dense batches larger than this are balanced in consecutive blocks (same decisions, for the
+#: orderings whose decisions do not depend on how the visit sequence is cut into batches), so the
+#: host transfer of the (B, B) Gram matrix stays small
+MAX_BLOCK_ROWS = 1024
 _GRAB_SAMPLER_PROJECTIONS = {
     "none": None,
     "jl": "gaussian",
@@ -531,9 +536,18 @@ class GraBSampler(Sampler[int]):
             if self.normalize:
                 batch = _NormalizedBatch(batch)
             if indices.numel():
-                self.ordering.observe(batch, indices)
+                self._observe(batch, indices)
         self._stepped += B
         self._started = True
+
+    def _observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        split = self.ordering.splittable and isinstance(batch, DenseGradientBatch)
+        if not split or batch.size <= MAX_BLOCK_ROWS:
+            self.ordering.observe(batch, indices)
+            return
+        for start in range(0, batch.size, MAX_BLOCK_ROWS):
+            block = DenseGradientBatch(batch.matrix[start : start + MAX_BLOCK_ROWS])
+            self.ordering.observe(block, indices[start : start + MAX_BLOCK_ROWS])
 
     def _gather(
         self, batch: GradientBatch, positions: torch.Tensor
@@ -543,6 +557,12 @@ class GraBSampler(Sampler[int]):
             raise NotImplementedError(
                 "distributed GraB with hook statistics is not supported yet; pass the dense "
                 "(or projected) per-example gradients to step() on every rank."
+            )
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"num_replicas={self.num_replicas}: the ranks share gradients through "
+                "torch.distributed, but no process group is initialised; call "
+                "torch.distributed.init_process_group(...) before stepping."
             )
         W = self.num_replicas
         X = batch.matrix

@@ -21,6 +21,7 @@ class AdaMeanBalance(CentredBalance):
     """
 
     name = "adamean"
+    splittable = True
     needs_coordinates = True
 
     def __init__(self, n: int, *, eps: float = 1e-8, **kwargs: Any) -> None:

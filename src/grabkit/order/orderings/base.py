@@ -71,6 +71,8 @@ class Ordering(ABC):
     uses_gradients: ClassVar[bool] = True
     #: True when the ordering needs a dense (B, d) batch, not only inner products
     needs_coordinates: ClassVar[bool] = False
+    #: True when observing a batch equals observing its rows in consecutive pieces
+    splittable: ClassVar[bool] = False
 
     def __init__(
         self, n: int, *, seed: int, rule: SignRule, random_first_epoch: bool = True

@@ -14,3 +14,4 @@ class BatchBalance(MeanBalance):
 
     name = "batch"
     sequential = False
+    splittable = False  # decisions depend on where batches start

@@ -45,6 +45,7 @@ class GreedyHerding(Ordering):
     end in their previous order. Needs dense gradients (use a projection to shrink d)."""
 
     name = "greedy"
+    splittable = True
     needs_coordinates = True
 
     def __init__(self, n: int, **kwargs: Any) -> None:

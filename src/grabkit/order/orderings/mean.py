@@ -20,6 +20,7 @@ class MeanBalance(CentredBalance):
     """
 
     name = "mean"
+    splittable = True
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)

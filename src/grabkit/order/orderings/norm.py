@@ -20,6 +20,7 @@ class OrderByNorm(Ordering):
     follow in their previous relative order. Reads only ``norms_squared()``."""
 
     name = "norm"
+    splittable = True
 
     def __init__(self, n: int, *, descending_norm: bool = True, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)

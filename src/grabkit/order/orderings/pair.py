@@ -31,6 +31,7 @@ class PairBalance(Ordering):
     """
 
     name = "pair"
+    splittable = True
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)

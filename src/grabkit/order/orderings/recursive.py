@@ -22,6 +22,7 @@ class RecursiveBalance(Ordering):
     """
 
     name = "recursive"
+    splittable = True
 
     def __init__(self, n: int, *, depth: int = 5, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)

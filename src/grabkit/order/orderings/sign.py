@@ -15,6 +15,7 @@ class SignBalance(CentredBalance):
     few huge coordinates; needs dense per-example gradients."""
 
     name = "sign"
+    splittable = True
     needs_coordinates = True
 
     def __init__(self, n: int, **kwargs: Any) -> None:
