@@ -291,20 +291,19 @@ class PerSampleStats:
             for call in layer.calls:
                 if call.output_grad is None:
                     continue
-                grad = call.output_grad * scale if scale != 1.0 else call.output_grad
-                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
+                made = layer.rule.factors(layer.module, call.captured, call.output_grad, wanted)
                 for local, factor in made.items():
                     full = layer.params[local]
                     previous = factors[full]
                     factors[full] = factor if previous is None else previous.merge(factor)
-        totals = {
-            name: (self._param_grads[name] * scale).to(self.dtype)
+        batch_gradients = {
+            name: self._param_grads[name].to(self.dtype)
             if name in self._param_grads
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
             for name, shape in self.param_shapes.items()
         }
         return StepStatistics(
-            self.param_shapes, factors, totals, batch_size, self.dtype, self.device
+            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale
         )
 
     def norms_squared(self) -> torch.Tensor:
@@ -337,7 +336,7 @@ class PerSampleStats:
 
     def total(self) -> dict[str, torch.Tensor]:
         """{name: sum_i g_i}: the batch gradient autograd computed, rescaled to a sum."""
-        return dict(self.statistics().totals)
+        return self.statistics().total_named()
 
     def gradient_batch(self) -> HookGradientBatch:
         """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``."""

@@ -36,6 +36,13 @@ _EMBEDDING_GRAM_CHUNK_ENTRIES = 1 << 24
 _STRATEGIES = ("auto", "ghost", "materialise")
 
 
+def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, copied into ``out`` when one is given."""
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in at least float32 (half / bfloat16 activations under autocast)."""
     return torch.promote_types(dtype, torch.float32)
@@ -59,8 +66,12 @@ class ParameterFactor(Protocol):
         """(k, *param_shape) vectors -> (B, k) entries <g_i, v_j>."""
         ...
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        """(B, k) weights -> (k, *param_shape) rows sum_i w[i, j] g_i."""
+    def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, k) weights -> (k, *param_shape) rows sum_i w[i, j] g_i.
+
+        ``out``, when given, is a (k, *param_shape) tensor (possibly a view into a larger flat
+        buffer) that receives the result and is returned.
+        """
         ...
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
@@ -90,9 +101,9 @@ class PerExampleFactor:
         flat = vectors.reshape(vectors.shape[0], -1).to(self.grads.dtype)  # (k, n)
         return self.grads @ flat.T
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = weights.to(self.grads.dtype).T @ self.grads  # (k, n)
-        return rows.reshape(weights.shape[1], *self.param_shape)
+        return _deliver(rows.reshape(weights.shape[1], *self.param_shape), out)
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, PerExampleFactor):
@@ -109,18 +120,19 @@ class OuterProductFactor:
 
     Args:
         inputs: A, (B, T, G, p) layer inputs (unfolded patches for a convolution).
-        output_grads: D, (B, T, G, q) gradients of the layer's outputs, already scaled so that
-            row i belongs to example i's own loss term.
+        output_grads: D, (B, T, G, q) gradients of the layer's outputs.
         param_shape: the parameter's shape; its elements, read in order, are the (G, q, p) blocks.
         strategy: ``"auto"`` (the cheaper form below, per read), ``"ghost"`` or ``"materialise"``.
 
-    The norms and the Gram matrix pick the cheaper of two exact forms per layer:
+    The norms and the Gram matrix pick, per layer and per read, the cheaper of two exact forms:
 
-    * ghost: <g_i, g_j> = sum_{t, s} (A_it . A_js)(D_it . D_js), memory ~ T^2 per pair;
-    * materialised: build this layer's (B, G q p) per-example gradients transiently.
+    * ghost: <g_i, g_j> = sum_{t, s} (A_it . A_js)(D_it . D_js), about T^2 (p + q) multiply-adds
+      per pair of examples (Li et al. 2021, "ghost norm");
+    * materialised: build this layer's (B, G q p) per-example gradients transiently,
+      B T p q multiply-adds, then their norms (B p q) or Gram matrix (B^2 p q).
 
-    Ghost is chosen when its two T x T blocks are smaller than one q x p gradient (per example
-    for the norms, per pair of examples for the Gram matrix). Dots and weighted sums never
+    For plain vectors (T = 1) ghost always wins; for the norms of sequences it wins while
+    T (p + q) < p q (short sequences through wide layers). Dots and weighted sums never
     materialise: each is one batched GEMM for all k vectors.
     """
 
@@ -142,11 +154,14 @@ class OuterProductFactor:
         self.param_shape = torch.Size(param_shape)
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _use_ghost(self, ghost_entries: int) -> bool:
-        """Ghost when its T x T blocks (``ghost_entries``) are smaller than one q x p gradient."""
+    def _use_ghost(self, pairs: int) -> bool:
+        """Whether the ghost form is cheaper for ``pairs`` pairs of examples (B or B^2)."""
         if self.strategy != "auto":
             return self.strategy == "ghost"
-        return ghost_entries < self.out_features * self.in_features
+        b, t, p, q = self.batch_size, self.positions, self.in_features, self.out_features
+        ghost = pairs * t * t * (p + q)
+        materialised = b * t * p * q + pairs * p * q
+        return ghost < materialised
 
     def _materialised(self) -> torch.Tensor:
         """(B, G q p) per-example gradients of this layer (transient)."""
@@ -159,7 +174,11 @@ class OuterProductFactor:
 
     # -- reads -----------------------------------------------------------------------------------
     def norms_squared(self) -> torch.Tensor:
-        if self._use_ghost(2 * self.positions**2):
+        if self.positions == 1 and self.strategy != "materialise":  # ||d a^T||^2 = |d|^2 |a|^2
+            a_a = (self.inputs * self.inputs).sum(dim=-1)  # (B, 1, G)
+            d_d = (self.output_grads * self.output_grads).sum(dim=-1)
+            return (a_a * d_d).sum(dim=(1, 2))
+        if self._use_ghost(self.batch_size):
             a_a = torch.einsum("btgp,bsgp->bgts", self.inputs, self.inputs)
             d_d = torch.einsum("btgq,bsgq->bgts", self.output_grads, self.output_grads)
             return (a_a * d_d).sum(dim=(1, 2, 3))
@@ -168,7 +187,7 @@ class OuterProductFactor:
 
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
-        if self._use_ghost(2 * b * t**2):
+        if self._use_ghost(b * b):
             a = self._rows(self.inputs)  # (G, N, p)
             d = self._rows(self.output_grads)  # (G, N, q)
             pairs = (a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))  # (G, N, N)
@@ -179,30 +198,51 @@ class OuterProductFactor:
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        v = vectors.to(self.inputs.dtype).reshape(k, g, q, p)
+        v = vectors.to(self.inputs.dtype).reshape(k, g, q, p)  # a view: vectors are not copied
         a = self._rows(self.inputs)  # (G, N, p)
         d = self._rows(self.output_grads)  # (G, N, q)
-        if p <= q:  # D V: (G, N, k p), then contract with A
-            projected = torch.bmm(d, v.permute(1, 2, 0, 3).reshape(g, q, k * p))
-            per_row = (projected.view(g, -1, k, p) * a.unsqueeze(2)).sum(dim=-1)
-        else:  # A V^T: (G, N, k q), then contract with D
-            projected = torch.bmm(a, v.permute(1, 3, 0, 2).reshape(g, p, k * q))
-            per_row = (projected.view(g, -1, k, q) * d.unsqueeze(2)).sum(dim=-1)
-        return per_row.sum(dim=0).reshape(self.batch_size, self.positions, k).sum(dim=1)
+        if g == 1 and k == 1:  # one GEMM, contracting the wider side first
+            if p <= q:
+                per_row = ((d[0] @ v[0, 0]) * a[0]).sum(dim=-1).unsqueeze(0)  # (1, N)
+            else:
+                per_row = ((a[0] @ v[0, 0].T) * d[0]).sum(dim=-1).unsqueeze(0)
+        elif g == 1 and q <= p:
+            # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D.
+            projected = a[0] @ v.reshape(k * q, p).T
+            per_row = (projected.view(-1, k, q) * d[0].unsqueeze(1)).sum(dim=-1).T  # (k, N)
+        elif p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q
+            per_row = ((d.unsqueeze(0) @ v) * a.unsqueeze(0)).sum(dim=-1).sum(dim=1)
+        else:
+            per_row = ((a.unsqueeze(0) @ v.transpose(-1, -2)) * d.unsqueeze(0)).sum(dim=-1)
+            per_row = per_row.sum(dim=1)
+        return per_row.reshape(k, self.batch_size, self.positions).sum(dim=2).T
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         g, p, q = self.groups, self.in_features, self.out_features
-        w = weights.to(self.inputs.dtype).repeat_interleave(self.positions, dim=0)  # (N, k)
+        w = weights.to(self.inputs.dtype)
+        if self.positions > 1:
+            w = w.repeat_interleave(self.positions, dim=0)  # (N, k): one weight per row
         a = self._rows(self.inputs)  # (G, N, p)
         d = self._rows(self.output_grads)  # (G, N, q)
+        if g == 1 and k == 1:  # one GEMM straight into the parameter layout
+            if q <= p:
+                lhs, rhs = (d[0] * w).T, a[0]
+            else:
+                lhs, rhs = d[0].T, a[0] * w
+            if out is not None and out.is_contiguous() and out.dtype == a.dtype:
+                return torch.mm(lhs, rhs, out=out.view(q, p)).view(out.shape)
+            return _deliver((lhs @ rhs).reshape(1, *self.param_shape), out)
+        if g == 1 and q <= p:
+            # One GEMM for all k: [w_1 D, .., w_k D]^T A -> (k q, p), already in parameter layout.
+            scaled = (d[0].unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
+            return _deliver((scaled.T @ a[0]).reshape(k, *self.param_shape), out)
+        w = w.T[:, None, :, None]  # (k, 1, N, 1)
         if q <= p:  # scale the narrower side by the weights
-            scaled = (d.unsqueeze(2) * w.unsqueeze(-1)).reshape(g, -1, k * q)
-            blocks = torch.bmm(scaled.transpose(1, 2), a).view(g, k, q, p)
+            blocks = (d.unsqueeze(0) * w).transpose(-1, -2) @ a.unsqueeze(0)  # (k, G, q, p)
         else:
-            scaled = (a.unsqueeze(2) * w.unsqueeze(-1)).reshape(g, -1, k * p)
-            blocks = torch.bmm(d.transpose(1, 2), scaled).view(g, q, k, p).transpose(1, 2)
-        return blocks.transpose(0, 1).reshape(k, *self.param_shape)
+            blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
+        return _deliver(blocks.reshape(k, *self.param_shape), out)
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, OuterProductFactor):
@@ -257,13 +297,13 @@ class EmbeddingFactor:
         rows = vectors.to(self.output_grads.dtype)[:, self.indices]  # (k, B, T, dim)
         return (rows * self.output_grads.unsqueeze(0)).sum(dim=(2, 3)).T
 
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+    def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         w = weights.to(self.output_grads.dtype).T  # (k, B)
         values = w[:, :, None, None] * self.output_grads.unsqueeze(0)  # (k, B, T, dim)
-        out = self.output_grads.new_zeros(k, *self.param_shape)
-        out.index_add_(1, self.indices.reshape(-1), values.reshape(k, -1, self.param_shape[1]))
-        return out
+        rows = self.output_grads.new_zeros(k, *self.param_shape)
+        rows.index_add_(1, self.indices.reshape(-1), values.reshape(k, -1, self.param_shape[1]))
+        return _deliver(rows, out)
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, EmbeddingFactor):

@@ -53,7 +53,7 @@ class HookGradientBatch:
         return out[:, 0] if single else out
 
     def total(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in self.statistics.totals.values()])
+        return self.statistics.total()
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         single = weights.dim() == 1
@@ -63,6 +63,12 @@ class HookGradientBatch:
                 f"`weights` should have shape ({self.size},) or ({self.size}, k), but got "
                 f"{tuple(weights.shape)}"
             )
-        sums = self.statistics.weighted_sum_stacked(columns)  # name -> (k, *shape)
-        flat = torch.cat([s.reshape(columns.shape[1], -1) for s in sums.values()], dim=1)
+        k = columns.shape[1]
+        flat = torch.empty(k, self.dim, dtype=self.dtype, device=self.device)
+        views, offset = {}, 0
+        for name, shape in self.statistics.param_shapes.items():
+            n = int(torch.Size(shape).numel())
+            views[name] = flat[:, offset : offset + n].view(k, *shape)
+            offset += n
+        self.statistics.weighted_sum_stacked(columns, out=views)  # written into ``flat``
         return flat[0] if single else flat

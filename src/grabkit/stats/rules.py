@@ -1,9 +1,9 @@
 """One rule per layer type: how a layer's kept input and output gradient factor its parameters.
 
 A rule sees one call of a layer: the input it was called with and the gradient of its output
-(already scaled so that row i is example i's own loss term). It returns, for each trainable
-parameter of that layer, a ``ParameterFactor`` (see ``grabkit.stats.factors``) that answers
-norms, Gram matrices, dots and weighted sums exactly.
+(as autograd computed it; the engine rescales the reads for a mean-reduced loss). It returns,
+for each trainable parameter of that layer, a ``ParameterFactor`` (see
+``grabkit.stats.factors``) that answers norms, Gram matrices, dots and weighted sums exactly.
 
 Built-in rules: ``nn.Linear`` (any leading dims), ``nn.Conv1d`` / ``nn.Conv2d`` (via unfold; any
 stride, dilation, groups, padding mode), ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm``,
@@ -70,7 +70,7 @@ class LayerRule(ABC):
         Args:
             module: the layer.
             layer_input: what ``capture`` kept: by default the first input of the call, (B, ...).
-            output_grad: gradient of this call's output, scaled per example, (B, ...).
+            output_grad: gradient of this call's output, (B, ...).
             wanted: local names of the layer's parameters that require grad.
         """
 

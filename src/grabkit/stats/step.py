@@ -23,8 +23,10 @@ class StepStatistics:
     Args:
         param_shapes: name -> shape of every trainable parameter, in flat-layout order.
         factors: name -> factor of the per-example gradients (None: no gradient this step).
-        totals: name -> sum_i g_i (the batch gradient, rescaled to a sum over examples).
+        batch_gradients: name -> this backward's gradient (sum_i g_i / scale).
         batch_size: B.
+        scale: the factors hold g_i / scale (B for a mean-reduced loss: autograd's output
+            gradients carry its 1/B); reads multiply it back on their small results.
         dtype / device: of the parameters (inputs are cast to it; statistics are returned in
             at least float32).
     """
@@ -33,15 +35,17 @@ class StepStatistics:
         self,
         param_shapes: Mapping[str, torch.Size],
         factors: Mapping[str, ParameterFactor | None],
-        totals: Mapping[str, torch.Tensor],
+        batch_gradients: Mapping[str, torch.Tensor],
         batch_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        scale: float = 1.0,
     ) -> None:
         self.param_shapes = dict(param_shapes)
         self.factors = dict(factors)
-        self.totals = dict(totals)
+        self.batch_gradients = dict(batch_gradients)
         self.batch_size = batch_size
+        self.scale = float(scale)
         self.dtype = dtype
         self.device = device
         self.stat_dtype = torch.promote_types(dtype, torch.float32)
@@ -54,6 +58,15 @@ class StepStatistics:
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
 
+    def total(self) -> torch.Tensor:
+        """(d,) sum_i g_i in the flat layout: the batch gradient autograd computed, rescaled."""
+        flat = torch.cat([g.reshape(-1) for g in self.batch_gradients.values()])
+        return flat.mul_(self.scale) if self.scale != 1.0 else flat
+
+    def total_named(self) -> dict[str, torch.Tensor]:
+        """{name: sum_i g_i}."""
+        return {name: g * self.scale for name, g in self.batch_gradients.items()}
+
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 (the Gram diagonal when the Gram matrix was already read)."""
         if self._norms is None:
@@ -63,7 +76,7 @@ class StepStatistics:
                 total = self._zeros(self.batch_size)
                 for _, factor in self._present():
                     total = total + factor.norms_squared().to(self.stat_dtype)
-                self._norms = total
+                self._norms = total * self.scale**2
         return self._norms
 
     def gram(self) -> torch.Tensor:
@@ -72,7 +85,7 @@ class StepStatistics:
             total = self._zeros(self.batch_size, self.batch_size)
             for _, factor in self._present():
                 total = total + factor.gram().to(self.stat_dtype)
-            self._gram = total
+            self._gram = total * self.scale**2
         return self._gram
 
     def dot_stacked(self, vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -83,16 +96,27 @@ class StepStatistics:
             v = vectors.get(name)
             if v is not None:
                 total = total + factor.dot(v).to(self.stat_dtype)
-        return total
+        return total * self.scale
 
-    def weighted_sum_stacked(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype."""
+    def weighted_sum_stacked(
+        self, weights: torch.Tensor, out: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype.
+
+        ``out``, when given, maps every name to a (k, *shape) tensor (views into one flat
+        buffer, say) that receives the result without an extra copy where the layer allows.
+        """
         k = weights.shape[1]
-        out: dict[str, torch.Tensor] = {}
+        w = weights * self.scale  # (B, k): cheaper than scaling any gradient factor
+        sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
+            target = None if out is None else out[name]
             factor = self.factors[name]
             if factor is None:
-                out[name] = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
+                zeros = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
+                sums[name] = zeros if target is None else target.copy_(zeros)
+            elif target is not None:
+                sums[name] = factor.weighted_sum(w, out=target)
             else:
-                out[name] = factor.weighted_sum(weights).to(self.dtype)
-        return out
+                sums[name] = factor.weighted_sum(w).to(self.dtype)
+        return sums

@@ -1,0 +1,350 @@
+"""GraB in an ordinary training loop: cost of hook statistics vs per-example gradients.
+
+Two workloads, each timed side by side in one run (interleaved rounds, medians):
+
+* ``mlp``: MNIST, B = 64, an MLP 784-784-64-10 (666,330 parameters);
+* ``lm``:  PTB, B = 32, T = 64, a 2-block transformer LM (d_model 128, 4 heads, vocab 10,000).
+
+Contenders, each with its own copy of the model and its own SGD optimizer:
+
+* ``plain``: forward, ``loss.backward()``, ``optimizer.step()``;
+* ``hook-pair`` / ``hook-mean``: the same loop with ``GraBSampler(model=...)`` and
+  ``sampler.step()`` (statistics from ``grabkit.stats.PerSampleStats``);
+* ``func-pair`` / ``func-mean``: torch.func ``vmap(grad)`` per-example gradients, then
+  ``sampler.step(grads)``, the optimizer fed their mean;
+* ``opacus-pair``: Opacus ``GradSampleModule`` per-example gradients + ``sampler.step(grads)``
+  (when opacus imports).
+
+Peak memory: each contender runs a few steps in a fresh subprocess on synthetic batches of the
+same shapes; the figure is the growth of the process's peak RSS (``ru_maxrss``) from just before
+the first step to after the last, i.e. what the training steps themselves add.
+
+Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
+sum with 1 and 2 weight columns), as a fraction of the plain step.
+
+Usage: ``python benchmarks/run.py stats [--quick] [--threads N]`` (default 1 torch thread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import resource
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+if __package__ in (None, ""):  # run as a script (the memory subprocesses)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine_description, time_side_by_side
+from grabkit.order import GraBSampler
+from grabkit.stats import HookGradientBatch, PerSampleStats
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+MEMORY_STEPS = 4
+
+
+# -- models -------------------------------------------------------------------------------------
+def make_mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 784), nn.ReLU(), nn.Linear(784, 64), nn.ReLU(),
+        nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, _ = h.shape
+        a = self.ln1(h)
+        q, k, v = (
+            z.view(b, t, self.heads, -1).transpose(1, 2)
+            for z in (self.query(a), self.key(a), self.value(a))
+        )
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.out(attn.transpose(1, 2).reshape(b, t, -1))
+        return h + self.down(F.gelu(self.up(self.ln2(h))))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, vocab: int, length: int, dim: int = 128, heads: int = 4, blocks: int = 2):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(blocks)))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        b, t = idx.shape
+        h = self.tokens(idx) + self.positions(torch.arange(t, device=idx.device).expand(b, t))
+        return self.head(self.norm(self.blocks(h)))
+
+
+def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B,) losses: cross-entropy, averaged over positions for sequences."""
+    if out.dim() == 3:
+        return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(dim=1)
+    return F.cross_entropy(out, y, reduction="none")
+
+
+# -- data ---------------------------------------------------------------------------------------
+def mnist_batches(count: int, batch: int, synthetic: bool) -> tuple[list, int, str]:
+    path = DATA / "mnist" / "train-images-idx3-ubyte.gz"
+    if synthetic or not path.exists():
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(batch, 1, 28, 28, generator=gen) for _ in range(count)]
+        return [(x, torch.randint(0, 10, (batch,), generator=gen)) for x in xs], 60000, "random"
+    with gzip.open(path) as f:
+        images = torch.frombuffer(bytearray(f.read()[16:]), dtype=torch.uint8)
+    with gzip.open(DATA / "mnist" / "train-labels-idx1-ubyte.gz") as f:
+        labels = torch.frombuffer(bytearray(f.read()[8:]), dtype=torch.uint8).long()
+    images = (images.view(-1, 1, 28, 28).float() / 255 - 0.1307) / 0.3081
+    order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(0))
+    picks = order[: count * batch].view(count, batch)
+    return [(images[p], labels[p]) for p in picks], images.shape[0], "MNIST train"
+
+
+def ptb_batches(count: int, batch: int, length: int, synthetic: bool) -> tuple[list, int, str]:
+    path = DATA / "ptb" / "ptb.train.txt"
+    vocab = 10000
+    if synthetic or not path.exists():
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (count * batch * (length + 1),), generator=gen)
+        source = "random tokens"
+    else:
+        words = path.read_text().replace("\n", " <eos> ").split()
+        table = {w: i for i, (w, _) in enumerate(Counter(words).most_common(vocab))}
+        ids = torch.tensor([table[w] for w in words])
+        source = "PTB train"
+    windows = ids.numel() // (length + 1)
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, ids.numel() - length - 1, (count, batch), generator=gen)
+    offsets = torch.arange(length + 1)
+    out = []
+    for row in starts:
+        seq = ids[row[:, None] + offsets]
+        out.append((seq[:, :-1], seq[:, 1:]))
+    return out, windows, source
+
+
+# -- contenders ---------------------------------------------------------------------------------
+class Loop:
+    """One contender: its own model copy, optimizer, and (maybe) sampler, over shared batches."""
+
+    def __init__(self, kind: str, model: nn.Module, n: int, batches: list) -> None:
+        self.kind, self.batches, self.n, self.position = kind, batches, n, 0
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        self.sampler: GraBSampler | None = None
+        self.stepped = 0
+        balance = kind.rpartition("-")[2]
+        if kind.startswith("hook"):
+            self.sampler = GraBSampler(range(n), model=model, balance_type=balance)
+        elif kind.startswith(("func", "opacus")):
+            params = dict(model.named_parameters())
+            self.sampler = GraBSampler(range(n), params, balance_type=balance)
+        if kind.startswith("opacus"):
+            from opacus import GradSampleModule
+
+            self.model = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+        self.names = [name for name, _ in model.named_parameters()]
+        self.step: Callable[[], None] = {
+            "plain": self.plain_step,
+            "hook": self.plain_step,
+            "func": self.func_step,
+            "opacus": self.opacus_step,
+        }[kind.partition("-")[0]]
+        if self.sampler is not None:
+            iter(self.sampler)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.batches[self.position % len(self.batches)]
+        self.position += 1
+        if self.sampler is not None:
+            if self.stepped + x.shape[0] > self.n:
+                iter(self.sampler)  # next epoch
+                self.stepped = 0
+            self.stepped += x.shape[0]
+        return x, y
+
+    def plain_step(self) -> None:
+        x, y = self.next_batch()
+        self.opt.zero_grad(set_to_none=True)
+        per_example_loss(self.model(x), y).mean().backward()
+        if self.sampler is not None:
+            self.sampler.step()
+        self.opt.step()
+
+    def func_step(self) -> None:
+        x, y = self.next_batch()
+        params = {k: v.detach() for k, v in self.model.named_parameters()}
+
+        def loss_of_one(p, xi, yi):
+            out = functional_call(self.model, p, (xi.unsqueeze(0),))
+            return per_example_loss(out, yi.unsqueeze(0))[0]
+
+        grads = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, x, y)
+        self.sampler.step(grads)
+        for name, p in self.model.named_parameters():
+            p.grad = grads[name].mean(dim=0)
+        self.opt.step()
+
+    def opacus_step(self) -> None:
+        x, y = self.next_batch()
+        self.model.zero_grad(set_to_none=True)
+        per_example_loss(self.model(x), y).mean().backward()
+        params = self.model._module.named_parameters()
+        self.sampler.step({name: p.grad_sample for name, p in params})
+        self.opt.step()
+
+
+def build(workload: str, synthetic: bool, rounds: int) -> tuple[Callable[[], nn.Module], list]:
+    count = rounds + 8
+    torch.manual_seed(0)
+    if workload == "mlp":
+        batches, n, source = mnist_batches(count, 64, synthetic)
+        init = make_mlp()
+    else:
+        batches, n, source = ptb_batches(count, 32, 64, synthetic)
+        init = TransformerLM(10000, 64)
+    state = {k: v.clone() for k, v in init.state_dict().items()}
+
+    def fresh() -> nn.Module:
+        model = make_mlp() if workload == "mlp" else TransformerLM(10000, 64)
+        model.load_state_dict(state)
+        return model
+
+    return fresh, [batches, n, source]
+
+
+def opacus_available() -> str | None:
+    try:
+        import opacus  # noqa: F401
+    except Exception as exc:  # the reason goes into the table
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# -- measurements -------------------------------------------------------------------------------
+def memory_child(workload: str, kind: str, threads: int) -> None:
+    """Print the peak-RSS growth (MiB) of MEMORY_STEPS training steps of one contender."""
+    torch.set_num_threads(threads)
+    fresh, (batches, n, _) = build(workload, synthetic=True, rounds=MEMORY_STEPS)
+    loop = Loop(kind, fresh(), n, batches[:MEMORY_STEPS])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(MEMORY_STEPS):
+        loop.step()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_growth_mib": (after - before) / 1024}))
+
+
+def peak_memory(workload: str, kind: str, threads: int) -> float:
+    script = Path(__file__).resolve()
+    cmd = [sys.executable, str(script), "--memory-child", workload, kind, "--threads", str(threads)]
+    env = dict(os.environ, PYTHONPATH=str(script.parents[1]))
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_growth_mib"]
+
+
+def engine_costs(fresh, data, rounds: int) -> dict[str, float]:
+    """Seconds of each cold read of one backward's statistics, and of the plain step."""
+    batches, n, _ = data
+    plain = Loop("plain", fresh(), n, batches)
+    model = fresh()
+    stats = PerSampleStats(model)
+    x, y = batches[0]
+    per_example_loss(model(x), y).mean().backward()
+    batch = stats.gradient_batch()
+    gen = torch.Generator().manual_seed(0)
+    vectors = torch.randn(2, batch.dim, generator=gen)
+    w1, w2 = torch.randn(x.shape[0], 1, generator=gen), torch.randn(x.shape[0], 2, generator=gen)
+
+    def cold() -> HookGradientBatch:
+        stats._statistics = None  # each read from the kept factors, nothing cached
+        return stats.gradient_batch()
+
+    costs = time_side_by_side(
+        {
+            "plain step": plain.step,
+            "norms_squared": lambda: cold().norms_squared(),
+            "gram": lambda: cold().gram(),
+            "dot, k=2": lambda: cold().dot(vectors),
+            "weighted_sum, k=1": lambda: cold().weighted_sum(w1),
+            "weighted_sum, k=2": lambda: cold().weighted_sum(w2),
+            "total": lambda: cold().total(),
+        },
+        rounds=rounds,
+    )
+    stats.close()
+    return costs
+
+
+def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> None:
+    rounds = args.rounds or (4 if args.quick else (20 if workload == "mlp" else 8))
+    fresh, data = build(workload, synthetic=args.quick, rounds=rounds)
+    batches, n, source = data
+    loops = {kind: Loop(kind, fresh(), n, batches) for kind in kinds}
+    times = time_side_by_side({k: loop.step for k, loop in loops.items()}, rounds=rounds, warmup=2)
+    for loop in loops.values():
+        if loop.kind.startswith("hook"):
+            loop.sampler.stats.close()
+    memory = {k: peak_memory(workload, k, args.threads) for k in kinds}
+    params = sum(p.numel() for p in fresh().parameters())
+    print(f"\n### {workload}: {params:,} parameters, data: {source}, {rounds} rounds\n")
+    print("| contender | ms / step | x plain | peak memory growth (MiB) |")
+    print("|---|---:|---:|---:|")
+    for k in kinds:
+        ratio = times[k] / times["plain"]
+        print(f"| {k} | {times[k] * 1e3:.2f} | {ratio:.2f} | {memory[k]:.1f} |")
+    for balance in ("pair", "mean"):
+        hook, func = f"hook-{balance}", f"func-{balance}"
+        if hook in times and func in times:
+            print(f"\n{func} / {hook}: {times[func] / times[hook]:.1f}x")
+    costs = engine_costs(fresh, data, rounds)
+    print(f"\nEngine reads on one backward ({workload}), cold, as a fraction of the plain step:\n")
+    print("| read | ms | / plain step |")
+    print("|---|---:|---:|")
+    for k, v in costs.items():
+        print(f"| {k} | {v * 1e3:.2f} | {v / costs['plain step']:.2f} |")
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_stats", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds on random data")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--rounds", type=int, default=0, help="timing rounds (0: default)")
+    parser.add_argument("--workloads", default="mlp,lm")
+    parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
+    args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(*args.memory_child, args.threads)
+        return
+    torch.set_num_threads(args.threads)
+    print(machine_description())
+    kinds = ["plain", "hook-pair", "hook-mean", "func-pair", "func-mean"]
+    missing = opacus_available()
+    if missing is None:
+        kinds.append("opacus-pair")
+    else:
+        print(f"\nopacus not measured: {missing}")
+    for workload in args.workloads.split(","):
+        run_workload(workload, args, kinds)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
