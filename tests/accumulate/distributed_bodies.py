@@ -1,0 +1,92 @@
+"""Bodies run on every rank by tests/accumulate/test_distributed.py (module level, picklable)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from tests.accumulate.helpers import make_microbatches, make_model, mean_loss
+from torch import nn
+
+from grabkit.accumulate import (
+    AdaptiveAccumulationWrapper,
+    NormTest,
+    OptimizerWrapperGNS,
+    OptimizerWrapperGNTS,
+    OptimizerWrapperMHT,
+    OptimizerWrapperSBC,
+)
+
+KINDS = ("gnts", "gns", "mht", "norm_test", "sbc")
+
+
+def build(kind: str, params, **options):
+    inner = torch.optim.SGD(params, lr=0.05)
+    if kind == "gnts":
+        return OptimizerWrapperGNTS(inner, max_batch_draws=6, norm_threshold=1.0, **options)
+    if kind == "gns":
+        return OptimizerWrapperGNS(inner, max_batch_draws=6, **options)
+    if kind == "mht":
+        return OptimizerWrapperMHT(inner, 0.8, 0.1, max_batch_draws=6, **options)
+    if kind == "norm_test":
+        return AdaptiveAccumulationWrapper(inner, NormTest(0.8), max_batch_draws=6, **options)
+    return OptimizerWrapperSBC(inner, 4, 12, max_batch_draws=6, **options)
+
+
+def adversarial_decisions(rank: int) -> dict[str, list[bool]]:
+    """No DDP: every rank sees its own, differently scaled data and counts; decisions must agree."""
+    out = {}
+    for kind in KINDS:
+        model = make_model(0)
+        wrapper = build(kind, model.parameters())
+        scale = 1.0 + 10.0 * rank
+        decisions = []
+        sizes = [2 + (i + rank) % 3 for i in range(14)]
+        for x, y in make_microbatches(sizes, seed=7 + rank):
+            loss = mean_loss(model, x * scale, y * scale)
+            loss.backward()
+            count = len(x) * (rank + 1)
+            if kind == "mht":
+                decisions.append(wrapper.step(loss, count=count))
+            else:
+                decisions.append(wrapper.step(count=count))
+        out[kind] = decisions
+    return out
+
+
+def ddp_run(rank: int, world_size: int, sizes: list[int]) -> dict:
+    """GNS under DDP, each rank holding its slice of every microbatch."""
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gns", ddp.parameters(), noise_multiplier=0.3)
+    decisions = []
+    for x, y in make_microbatches(sizes, seed=11):
+        xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        mean_loss(ddp, xs, ys).backward()
+        decisions.append(wrapper.step(count=len(xs)))
+    # plain lists: tensors would travel through shared memory that dies with the rank
+    return {"decisions": decisions, "params": [p.detach().tolist() for p in model.parameters()]}
+
+
+def sharded_run(rank: int, world_size: int, full_grads: list[torch.Tensor]) -> dict:
+    """Each rank owns a disjoint shard of one flat parameter; GNTS steps at max_batch_draws and
+    reports the norm of the mean, which must be the norm of the whole (unsharded) gradient."""
+    shard = full_grads[0].chunk(world_size)[rank]
+    weight = nn.Parameter(torch.zeros_like(shard))
+    inner = torch.optim.SGD([weight], lr=0.05)
+    wrapper = OptimizerWrapperGNTS(
+        inner, max_batch_draws=len(full_grads), norm_threshold=0.0, gradient_layout="sharded"
+    )
+    for g in full_grads:
+        weight.grad = g.chunk(world_size)[rank].clone()
+        wrapper.step()
+    return {"norm": wrapper.statistics()["last_mean_grad_norm"]}
+
+
+def body(rank: int, world_size: int, payload: dict) -> dict:
+    torch.manual_seed(0)
+    result = {"adversarial": adversarial_decisions(rank)}
+    result["sharded"] = sharded_run(rank, world_size, payload["sharded_grads"])
+    if payload.get("ddp_sizes"):
+        result["ddp"] = ddp_run(rank, world_size, payload["ddp_sizes"])
+    dist.barrier()
+    return result
