@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -102,18 +103,18 @@ def _length_labels(signatures: Any) -> list[str]:
 
 
 _BATCH_COUPLED: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
-_warned: set[int] = set()
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def warn_if_batch_coupled(module: nn.Module, groups: int) -> None:
     """Warn (once per module) when a training-mode BatchNorm would see per-group statistics."""
-    if groups <= 1 or id(module) in _warned or not isinstance(module, nn.Module):
+    if groups <= 1 or not isinstance(module, nn.Module) or module in _warned:
         return
     coupled = [
         name for name, m in module.named_modules() if isinstance(m, _BATCH_COUPLED) and m.training
     ]
     if coupled:
-        _warned.add(id(module))
+        _warned.add(module)
         warnings.warn(
             f"{type(module).__name__} has batch-coupled layers in training mode ({coupled[:3]}); "
             f"run in {groups} groups they normalise each group with its own statistics, so "
@@ -361,11 +362,13 @@ class DataCollection:
             tensor = full[path]
             b = sig.batch_index
             for g, idx in enumerate(groups):
-                part = tensor if trivial else tensor.index_select(b, idx.to(tensor.device))
+                part = tensor  # narrow first, so the gather moves only the group's columns
                 for pos, label in sig.length_dims():
                     size = int(self._lengths[label][idx].max()) if len(idx) else 0
                     if size < part.shape[pos]:
                         part = part.narrow(pos, 0, size)
+                if not trivial:
+                    part = part.index_select(b, idx.to(tensor.device))
                 per_group[g][path] = part
         self.data_groups = [TensorData(self._assemble(parts)) for parts in per_group]
         if forget:
@@ -647,13 +650,12 @@ class DataCollection:
         return DataCollection(signatures, data_list=masks, padding=padding)
 
     # ----------------------------------------------------------------- devices
-    def _map_tensors(self, fn: Callable[[Tensor], Tensor]) -> DataCollection:
-        padding = None
-        if self.preset_padding is not None:
-            padding = map_tree(
-                lambda p: p.to(fn(torch.zeros(0)).device) if isinstance(p, Padder) else p,
-                self.preset_padding,
-            )
+    def _map_tensors(
+        self, fn: Callable[[Tensor], Tensor], device: torch.device | str | None = None
+    ) -> DataCollection:
+        padding = self.preset_padding
+        if padding is not None and device is not None:
+            padding = map_tree(lambda p: p.to(device), padding)
 
         def move(data: TensorData) -> TensorData:
             return TensorData(map_tree(fn, data.value))
@@ -673,7 +675,7 @@ class DataCollection:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DataCollection:
         """A copy on ``device`` (lengths and partition stay on the CPU)."""
-        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking), device)
 
     def to_device(self, device: torch.device | str) -> DataCollection:
         return self.to(device)
