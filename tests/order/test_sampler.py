@@ -476,3 +476,48 @@ def test_probabilistic_decisions_do_not_depend_on_batch_boundaries():
     for _ in range(3):
         assert run_epoch(a, X, 30) == run_epoch(b, X, 4)
     assert list(a) == list(b)
+
+
+def test_set_epoch_after_resume_keeps_numbering():
+    X = torch.randn(9, 2, dtype=torch.float64)
+    a = GraBSampler(range(9), balance_type="mean", prob_balance=True, seed=1)
+    a.set_epoch(0)
+    it = iter(a)
+    first = [next(it) for _ in range(3)]
+    a.step(X[first])
+    state = a.state_dict()
+    order = first + list(it)
+    b = GraBSampler(range(9), balance_type="mean", prob_balance=True, seed=1)
+    b.load_state_dict(state)
+    b.set_epoch(0)  # a training loop that calls set_epoch every epoch, resumed in epoch 0
+    assert list(b) == order[3:]
+    b.step(X[order[3:]])
+    a.step(X[order[3:]])
+    assert list(b) == list(a) and a.epoch == b.epoch == 1
+
+
+def test_normalize_equals_balancing_unit_vectors():
+    X = torch.randn(12, 4, dtype=torch.float64) * torch.rand(12, 1, dtype=torch.float64) * 5
+    unit = X / X.norm(dim=1, keepdim=True)
+    for kind in ("mean", "pair", "recursive"):
+        a = GraBSampler(range(12), balance_type=kind, normalize=True, depth=2)
+        b = GraBSampler(range(12), balance_type=kind, depth=2)
+        for _ in range(3):
+            order = list(a)
+            assert list(b) == order
+            for start in range(0, 12, 5):
+                a.step(X[order[start : start + 5]])
+                b.step(unit[order[start : start + 5]])
+
+
+def test_dtype_option_and_record_orders():
+    X = torch.randn(10, 3, dtype=torch.float64)
+    a = GraBSampler(range(10), dtype=torch.float64, record_orders=True)
+    b = GraBSampler(range(10))
+    for _ in range(3):
+        order = list(a)
+        assert list(b) == order
+        a.step(X[order].float())
+        b.step(X[order])
+    assert list(a) == list(b)
+    assert len(a.orders_history) == 4 and a.orders_history[-1] == a.order.tolist()

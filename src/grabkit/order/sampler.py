@@ -35,7 +35,8 @@ Resuming. ``state_dict()`` records what was yielded apart from what was stepped:
 ``torchdata``'s ``StatefulDataLoader`` saves a sampler when it hands indices to workers, ahead of
 training. After ``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch
 (from the yielded count) and the next ``step`` continues at the stepped count, so feeding the
-gradients of the examples that were in flight reproduces the uninterrupted run exactly.
+gradients of the examples that were in flight reproduces the uninterrupted run exactly. A state
+saved after the whole epoch was yielded resumes with the next epoch, like ``StatefulDataLoader``.
 """
 
 from __future__ import annotations
@@ -404,6 +405,8 @@ class GraBSampler(Sampler[int]):
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        if self._requested_epoch == self._epoch and (self._resume or not self._started):
+            self._requested_epoch = None  # set_epoch(e) for the epoch already under way
         if self._resume:
             self._resume = False
         elif self._started:
