@@ -139,8 +139,9 @@ class GraBSampler(Sampler[int]):
 
     Args:
         data_source: the dataset (only ``len()`` is used).
-        params: the trainable parameters (dict name -> tensor, or an iterable of tensors); only
-            their total size d is used, to check the gradients. Optional.
+        params / trainable_params: the trainable parameters (dict name -> tensor, or an
+            iterable of tensors); only their total size d is used, to check the gradients.
+            Optional.
         model: hook mode: a ``torch.nn.Module``; the sampler installs
             ``grabkit.stats.PerSampleStats(model, loss_reduction=loss_reduction)`` and
             ``step()`` without arguments balances its per-example statistics after
@@ -182,6 +183,7 @@ class GraBSampler(Sampler[int]):
         data_source: Sized,
         params: Mapping[str, torch.Tensor] | Any = None,
         *,
+        trainable_params: Mapping[str, torch.Tensor] | None = None,
         model: torch.nn.Module | None = None,
         stats: Any = None,
         balance_type: str = "mean",
@@ -247,6 +249,13 @@ class GraBSampler(Sampler[int]):
         self.rule = SignRule(bool(probabilistic), prob_balance_c)
         self._setup_projection(projection, projection_dim, random_projection, pi_eps, kron_order)
         self._setup_topology(num_replicas, rank)
+        if trainable_params is not None:
+            if params is not None and params is not trainable_params:
+                raise ValueError(
+                    "`params` and its grab-sampler spelling `trainable_params` were both given; "
+                    "pass only one of them."
+                )
+            params = trainable_params
         self.dim = self._param_dim(params, model)
         self.stats = stats
         if model is not None and stats is None:
