@@ -360,3 +360,13 @@ def test_bad_inputs_have_clear_errors() -> None:
     with pytest.raises(ValueError, match="CDimPadder value has shape"):
         bad = DataCollection("(B, L_s, 3)", [torch.zeros(2, 3)], padding=CDimPadder(torch.eye(3)))
         bad.group(UniGrouper())
+
+
+def test_padding_given_to_group_survives_moves_keys_and_regrouping() -> None:
+    data = [{"x": torch.ones(n, 2)} for n in (1, 3, 2)]
+    dc = DataCollection({"x": "(B, L_s, M_f)"}, data)
+    dc.group(LengthThresholdGrouper("s", [1]), padding={"x": 5.0})
+    moved = dc.to("cpu")["x"]
+    moved.regroup(UniGrouper())
+    full = moved.data_groups[0].value
+    assert full[0, 1:].eq(5.0).all() and full[2, 2:].eq(5.0).all() and full[1].eq(1.0).all()

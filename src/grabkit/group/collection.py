@@ -153,6 +153,7 @@ class DataCollection:
             None if padding is None else _padding_tree(self.shapesig_data, padding)
         )
         self._dirty = False
+        self._active_padding = None
         if data_list is not None:
             if data_groups is not None or length_info is not None or data_partition is not None:
                 raise ValueError("give either data_list or data_groups with length_info, not both")
@@ -207,6 +208,7 @@ class DataCollection:
         dc._lengths = lengths
         dc._groups = groups
         dc._dirty = dirty
+        dc._active_padding = None
         return dc
 
     @classmethod
@@ -351,8 +353,7 @@ class DataCollection:
             full[path] = pad_stack(items, sig, self._lengths_for(sig), tree_get(padders, path))
         self.data_list = None
         self._split(full, list(plan.groups), forget_order)
-        if padding is not None:
-            self.preset_padding = padders
+        self._active_padding = padders
 
     def _split(self, full: dict[tuple[str, ...], Tensor], groups: list[Tensor], forget: bool):
         """Cut full padded tensors (items in original order) into groups."""
@@ -392,7 +393,7 @@ class DataCollection:
 
     def _merge(self) -> dict[tuple[str, ...], Tensor]:
         """Full padded tensors, items in original order, padded positions reset to padding."""
-        padders = self._padders(None)
+        padders = self._active_padding or self._padders(None)
         trivial = len(self._groups) == 1 and torch.equal(
             self._groups[0], torch.arange(len(self._groups[0]))
         )
@@ -447,6 +448,7 @@ class DataCollection:
         self.data_groups = None
         self._groups = None
         self._dirty = False
+        self._active_padding = None
 
     def regroup(self, grouper: Grouper, padding: Any = None, forget_order: bool = False) -> None:
         """Group again with another grouper; from a grouped state this never builds items."""
@@ -661,7 +663,7 @@ class DataCollection:
             return TensorData(map_tree(fn, data.value))
 
         if self.is_grouped:
-            return DataCollection._grouped(
+            dc = DataCollection._grouped(
                 self.shapesig_data,
                 [move(g) for g in self.data_groups],
                 dict(self._lengths),
@@ -669,6 +671,11 @@ class DataCollection:
                 padding,
                 self._dirty,
             )
+            active = self._active_padding
+            if active is not None and device is not None:
+                active = map_tree(lambda p: p.to(device), active)
+            dc._active_padding = active
+            return dc
         dc = DataCollection._grouped(self.shapesig_data, None, dict(self._lengths), None, padding)
         dc.data_list = [move(d) for d in self.data_list]
         return dc
@@ -696,9 +703,12 @@ class DataCollection:
         padding = None if self.preset_padding is None else self.preset_padding[key]
         if self.is_grouped:
             groups = [g[key] for g in self.data_groups]
-            return DataCollection._grouped(
+            dc = DataCollection._grouped(
                 signatures, groups, lengths, list(self._groups), padding, self._dirty
             )
+            if self._active_padding is not None:
+                dc._active_padding = self._active_padding[key]
+            return dc
         dc = DataCollection._grouped(signatures, None, lengths, None, padding)
         dc.data_list = [d[key] for d in self.data_list]
         return dc
