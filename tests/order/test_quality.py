@@ -9,7 +9,7 @@ import torch
 
 from grabkit.order import GraBSampler, herding_bound
 
-N, D, BATCH, EPOCHS = 512, 8, 32, 5
+N, D, BATCH, EPOCHS = 512, 8, 64, 5
 
 
 @pytest.fixture(scope="module")
