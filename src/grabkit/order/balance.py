@@ -148,22 +148,27 @@ class HostProducts:
     Attributes:
         gram: (B, B) <x_i, x_j>, or None when not requested.
         xv: (B, m) <x_i, v_j> for the m vectors passed to ``fetch_inner_products``.
-        vv: (m, m) <v_i, v_j>.
+        fv: (f, m) <v_i, v_j> for the last f of them (the fixed vectors) against all m; products
+            between running sums are never needed, so never computed.
     """
 
     gram: np.ndarray | None
     xv: np.ndarray
-    vv: np.ndarray
+    fv: np.ndarray
 
 
 def fetch_inner_products(
-    batch: GradientBatch, vectors: torch.Tensor | None, *, need_gram: bool = True
+    batch: GradientBatch,
+    vectors: torch.Tensor | None,
+    *,
+    num_fixed: int = 0,
+    need_gram: bool = True,
 ) -> HostProducts:
-    """Compute X X^T, X V^T, V V^T on the batch's device and move them to the host at once.
+    """Compute X X^T, X V^T and F V^T on the batch's device and move them to the host at once.
 
     Args:
         batch: B per-example gradients.
-        vectors: (m, d) accumulators and fixed vectors, or None (m = 0).
+        vectors: (m, d) running sums followed by ``num_fixed`` fixed vectors F, or None (m = 0).
         need_gram: skip X X^T when the caller decides signs without it.
     Raises:
         ValueError: when any product is NaN or Inf (a non-finite gradient).
@@ -173,10 +178,12 @@ def fetch_inner_products(
     if need_gram:
         parts.append(batch.gram().reshape(-1))
     m = 0 if vectors is None else vectors.shape[0]
+    f = num_fixed if m else 0
     if m:
         v = vectors.to(device=batch.device, dtype=batch.dtype)
         parts.append(batch.dot(v).reshape(-1))
-        parts.append((v @ v.T).reshape(-1))
+        if f:
+            parts.append((v[m - f :] @ v.T).reshape(-1))
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
@@ -190,10 +197,10 @@ def fetch_inner_products(
         offset = B * B
     if m:
         xv = flat[offset : offset + B * m].reshape(B, m)
-        vv = flat[offset + B * m :].reshape(m, m)
+        fv = flat[offset + B * m : offset + B * m + f * m].reshape(f, m)
     else:
-        xv, vv = np.zeros((B, 0)), np.zeros((0, 0))
-    return HostProducts(gram=gram, xv=xv, vv=vv)
+        xv, fv = np.zeros((B, 0)), np.zeros((0, 0))
+    return HostProducts(gram=gram, xv=xv, fv=fv)
 
 
 def run_recursion(

@@ -176,12 +176,12 @@ def balance_combinations(
     r = accumulators.shape[0]
     f = 0 if fixed is None else fixed.shape[0]
     vectors = accumulators if fixed is None else torch.cat([accumulators, fixed.to(accumulators)])
-    products = fetch_inner_products(batch, vectors, need_gram=sequential)
+    products = fetch_inner_products(batch, vectors, num_fixed=f, need_gram=sequential)
     if before_update is not None:
         before_update()
     W = np.eye(batch.size) if weights is None else weights
     xs, xf = products.xv[:, :r], products.xv[:, r:]
-    fs, ff = products.vv[r:, :r], products.vv[r:, r:]
+    fs, ff = products.fv[:, :r], products.fv[:, r:]
     U = np.zeros((W.shape[0], f)) if fixed_weights is None else fixed_weights
     values = W @ xs - U @ fs  # (k, r): <s_j, z_k>
     kernel = None
