@@ -5,7 +5,9 @@ Workload (asym's notebook): 1024 token sequences, lengths {1, 4, 16, 64} with p 
 backward + SGD step. Width 1024 on CPU, 8192 on a GPU. Also: planning + split + merge overhead
 per batch of 256, and padding efficiency (real / computed tokens) on IMDB review lengths.
 
-Run: ``python benchmarks/run.py group`` (``--quick`` for a smoke run).
+Run: ``python benchmarks/run.py group`` (``--quick`` for a smoke run, ``--threads=N`` to fix
+the torch thread count: on a shared, oversubscribed machine one thread avoids OpenMP barrier
+stalls that otherwise dominate every small kernel).
 """
 
 from __future__ import annotations
@@ -266,7 +268,12 @@ def efficiency_comparison(limit: int | None) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_group")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     width = (8192 if device.type == "cuda" else 1024) if not args.quick else 128
     print(machine_description(), flush=True)

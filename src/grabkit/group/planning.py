@@ -231,7 +231,7 @@ def plan_groups(
         cost: price of one item at padded length ``L``: ``"linear"``, ``"quadratic"`` or a
             callable (e.g. a :class:`CostModel` from :func:`calibrate_cost`).
         alpha: price of one group (one module call) in ``cost`` units. ``None``: ``overhead``
-            times the cost of the whole batch padded to its longest item.
+            times the padding-free cost of the batch, ``sum_i cost(L_i)``.
         max_group_cost: optional cap on ``rows_g * cost(L_g)`` (e.g. an activation-memory budget).
         length_buckets / size_buckets: allowed padded lengths / row counts (``torch.compile``
             sees at most ``len(length_buckets) * len(size_buckets)`` shapes).
@@ -245,9 +245,10 @@ def plan_groups(
         return GroupPlan([], [])
     length_buckets = _check_buckets(length_buckets, "length_buckets")
     size_buckets = _check_buckets(size_buckets, "size_buckets")
-    key = matrix[:, 0]
-    order = torch.sort(key, stable=True).indices
-    sorted_len = key[order].numpy()
+    table = matrix.numpy()
+    key = table[:, 0]
+    order_np = np.argsort(key, kind="stable")
+    sorted_len = key[order_np]
     padded_len = sorted_len
     if length_buckets is not None:
         padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
@@ -257,7 +258,7 @@ def plan_groups(
     if alpha is None:
         if overhead < 0:
             raise ValueError(f"overhead should be non-negative, but got overhead={overhead}")
-        alpha = overhead * n * float(unit[-1])
+        alpha = overhead * float(resolve_cost(cost)(sorted_len).sum())
     if alpha < 0:
         raise ValueError(f"alpha should be non-negative, but got alpha={alpha}")
     if max_group_cost is not None and max_group_cost <= 0:
@@ -280,8 +281,15 @@ def plan_groups(
     while bounds[-1] != 0:
         bounds.append(int(back[bounds[-1]]))
     bounds.reverse()
-    partition = [order[cuts[a] : cuts[b]] for a, b in itertools.pairwise(bounds)]
-    return plan_from_partition(partition, matrix, length_buckets, size_buckets)
+    order = torch.from_numpy(order_np)
+    groups, lengths, rows = [], [], []
+    for a, b in itertools.pairwise(bounds):
+        start, stop = int(cuts[a]), int(cuts[b])
+        groups.append(order[start:stop])
+        top = table[order_np[start:stop]].max(0) if table.shape[1] > 1 else (sorted_len[stop - 1],)
+        lengths.append([_round_up(int(v), length_buckets) for v in top])
+        rows.append(_round_up(stop - start, size_buckets))
+    return GroupPlan(groups, lengths, rows)
 
 
 def plan_cost(plan: GroupPlan, cost: CostLike = "linear", alpha: float = 0.0) -> float:
