@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.accumulate.helpers import (
     capture_applied_gradients,
     full_batch_gradient,
@@ -268,3 +270,35 @@ def test_sparse_gradients_are_rejected_clearly():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(TypeError, match="sparse"):
         wrapper.step()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    token_weights=st.booleans(),
+)
+def test_any_window_applies_the_exact_example_weighted_mean(sizes, token_weights):
+    """Property: whatever the microbatch sizes, the applied gradient is the full-batch one."""
+    model = make_model(1)
+    batches = make_microbatches(sizes, seed=len(sizes))
+    reference = full_batch_gradient(model, batches)
+    inner = torch.optim.SGD(model.parameters(), lr=0.0)
+    applied = capture_applied_gradients(inner)
+    wrapper = never_before(len(sizes), inner)
+    for x, y in batches:
+        mean_loss(model, x, y).backward()
+        count = torch.tensor(float(len(x))) if token_weights else len(x)
+        wrapper.step(count=count)
+    for got, want in zip(applied[0], reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_sbc_counts_tokens_when_given():
+    model = make_model()
+    wrapper = OptimizerWrapperSBC(torch.optim.SGD(model.parameters(), lr=0.0), 4, 16)
+    outcomes = []
+    for tokens in (10, 5, 1, 7):  # 10 + 5 + 1 = 16 reaches the logical batch at the third
+        x, y = make_microbatches([2])[0]
+        mean_loss(model, x, y).backward()
+        outcomes.append(wrapper.step(count=tokens))
+    assert outcomes == [False, False, True, False]
