@@ -7,7 +7,6 @@ returns a :class:`~grabkit.group.planning.GroupPlan`. Grouping never changes res
 from __future__ import annotations
 
 import itertools
-from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -89,12 +88,7 @@ class LengthThresholdGrouper(Grouper):
     (the convention :func:`find_thresholds` returns); empty bins are dropped.
     """
 
-    def __init__(
-        self,
-        ldim_label: str,
-        thresholds: Sequence[int],
-        length_buckets: Sequence[int] | None = None,
-    ) -> None:
+    def __init__(self, ldim_label: str, thresholds: Sequence[int]) -> None:
         values = sorted(int(t) for t in thresholds)
         if not values:
             raise ValueError("thresholds should hold at least one length, but got []")
@@ -102,10 +96,6 @@ class LengthThresholdGrouper(Grouper):
             raise ValueError(f"thresholds should be distinct, but got {list(thresholds)}")
         self.ldim_label = ldim_label
         self.thresholds = values
-        self.length_buckets = length_buckets
-
-    def bin_of(self, length: int) -> int:
-        return bisect_left(self.thresholds, length)
 
     def plan(self, lengths, size):
         key = self._need_label(lengths, self.ldim_label)
@@ -114,14 +104,15 @@ class LengthThresholdGrouper(Grouper):
         counts = torch.bincount(bins, minlength=len(self.thresholds) + 1).tolist()
         partition = [part for part in torch.split(order, counts) if len(part)]
         matrix = _stack_lengths(lengths, size, self.ldim_label)
-        return plan_from_partition(partition, matrix, self.length_buckets)
+        return plan_from_partition(partition, matrix)
 
 
 class DynamicGrouper(Grouper):
     """Per-batch optimal groups on ``label`` (:func:`~grabkit.group.planning.plan_groups`).
 
-    ``cost``, ``alpha``, ``overhead``, ``max_group_cost``, ``length_buckets`` and
-    ``size_buckets`` are passed through.
+    ``cost``, ``alpha``, ``overhead`` and ``max_group_cost`` are passed through. (Shape
+    bucketing for ``torch.compile`` is an option of the tensor API: ``plan_groups``,
+    ``GroupingCollate``, ``run_grouped``.)
     """
 
     def __init__(
@@ -131,17 +122,10 @@ class DynamicGrouper(Grouper):
         alpha: float | None = None,
         overhead: float = 0.02,
         max_group_cost: float | None = None,
-        length_buckets: Sequence[int] | None = None,
-        size_buckets: Sequence[int] | None = None,
     ) -> None:
         self.ldim_label = ldim_label
         self.options = dict(
-            cost=cost,
-            alpha=alpha,
-            overhead=overhead,
-            max_group_cost=max_group_cost,
-            length_buckets=length_buckets,
-            size_buckets=size_buckets,
+            cost=cost, alpha=alpha, overhead=overhead, max_group_cost=max_group_cost
         )
 
     def plan(self, lengths, size):
