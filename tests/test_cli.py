@@ -15,7 +15,7 @@ from grabkit.demo import DemoOptions, MissingDemoDependency, run_demo
 from grabkit.demo.deps import require
 from grabkit.demo.digits import load_digits_split, make_model
 from grabkit.demo.recipe import EpochResult, per_example_gradients
-from grabkit.demo.report import format_table, summarize
+from grabkit.demo.report import format_final_comparison, format_table, summarize
 from grabkit.order import GraBSampler
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -75,7 +75,7 @@ def test_demo_writes_png_and_table(tmp_path, capsys):
         "bound",
         "seconds",
     ]
-    rows = [line.split() for line in stdout.splitlines() if line.startswith(("logreg", "mlp"))]
+    rows = [line.split() for line in stdout.splitlines() if line.startswith(("logreg ", "mlp "))]
     assert [(r[0], r[1], r[2]) for r in rows] == [
         (model, "1", ordering) for model in ("logreg", "mlp") for ordering in ("rr", "mean", "pair")
     ]
@@ -83,6 +83,7 @@ def test_demo_writes_png_and_table(tmp_path, capsys):
         loss, accuracy, bound, seconds = float(row[3]), float(row[4][:-1]), float(row[5]), row[6]
         assert 0 < loss < 2.5 and 50 < accuracy <= 100 and bound > 0 and float(seconds) >= 0
     assert f"plot written to {out}" in stdout
+    assert "logreg, epoch 1, vs rr: mean train loss" in stdout
 
 
 def test_run_demo_returns_every_epoch_and_restores_threads(tmp_path):
@@ -140,6 +141,11 @@ def test_summary_means_and_bands_over_seeds():
     assert (rows[0].low["herding_bound"], rows[0].high["herding_bound"]) == (2.0, 6.0)
     table = format_table(rows).splitlines()
     assert table[2].split() == ["logreg", "1", "mean", "2.0000", "50.0%", "4.000", "0.100"]
+    assert format_final_comparison(rows) == ""  # no rr to compare with
+    baseline = EpochResult("logreg", "rr", 0, 2, 1.0, 0.5, 4.0, 0.1)
+    assert format_final_comparison(summarize([baseline, result(0, 2, 0.5)])) == (
+        "logreg, epoch 2, vs rr: mean train loss -50.0%, herding bound 0.25x"
+    )
 
 
 @pytest.mark.parametrize(

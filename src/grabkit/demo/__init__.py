@@ -18,7 +18,13 @@ import torch
 from grabkit.demo.deps import MissingDemoDependency, require
 from grabkit.demo.digits import MODELS, DigitsSplit, load_digits_split
 from grabkit.demo.recipe import EpochResult, RunSettings, train_run
-from grabkit.demo.report import SummaryRow, format_table, summarize, write_plot
+from grabkit.demo.report import (
+    SummaryRow,
+    format_final_comparison,
+    format_table,
+    summarize,
+    write_plot,
+)
 
 __all__ = ["DEMO_ORDERINGS", "MODELS", "DemoOptions", "MissingDemoDependency", "run_demo"]
 
@@ -139,4 +145,7 @@ def _print_report(
         "full gradient more closely).\nseconds: the epoch's training loop, measurement excluded.",
         file=stdout,
     )
+    comparison = format_final_comparison(rows)
+    if comparison:
+        print(f"\n{comparison}", file=stdout)
     print(f"\nplot written to {out}", file=stdout)

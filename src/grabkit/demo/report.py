@@ -11,7 +11,14 @@ from pathlib import Path
 from grabkit.demo.deps import require
 from grabkit.demo.recipe import EpochResult
 
-__all__ = ["METRICS", "SummaryRow", "format_table", "summarize", "write_plot"]
+__all__ = [
+    "METRICS",
+    "SummaryRow",
+    "format_final_comparison",
+    "format_table",
+    "summarize",
+    "write_plot",
+]
 
 #: metric attribute -> (column heading, plot title)
 METRICS = {
@@ -92,6 +99,28 @@ def format_table(rows: Sequence[SummaryRow]) -> str:
         out.append(render(line))
         previous = (row.model, row.epoch)
     return "\n".join(out)
+
+
+def format_final_comparison(rows: Sequence[SummaryRow], baseline: str = "rr") -> str:
+    """One line per model: each ordering's last-epoch train loss and herding bound vs ``baseline``.
+
+    Empty when the baseline ordering was not run.
+    """
+    lines = []
+    for model in dict.fromkeys(row.model for row in rows):
+        last = max(row.epoch for row in rows if row.model == model)
+        final = {row.ordering: row.mean for row in rows if row.model == model and row.epoch == last}
+        if baseline not in final or len(final) < 2:
+            continue
+        base = final[baseline]
+        parts = [
+            f"{ordering} train loss {100 * (m['train_loss'] / base['train_loss'] - 1):+.1f}%, "
+            f"herding bound {m['herding_bound'] / base['herding_bound']:.2f}x"
+            for ordering, m in final.items()
+            if ordering != baseline
+        ]
+        lines.append(f"{model}, epoch {last}, vs {baseline}: " + "; ".join(parts))
+    return "\n".join(lines)
 
 
 def write_plot(rows: Sequence[SummaryRow], path: Path) -> None:

@@ -91,7 +91,9 @@ class Projection(ABC):
         """Bytes held by the projection's tensors (values and indices)."""
 
     @abstractmethod
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> Projection:
         """Move the projection's tensors in place; returns ``self``."""
 
     @abstractmethod
@@ -160,7 +162,9 @@ class GaussianProjection(Projection):
     def memory_bytes(self) -> int:
         return self.matrix.numel() * self.matrix.element_size()
 
-    def to(self, device=None, dtype=None) -> GaussianProjection:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> GaussianProjection:
         self.matrix = self.matrix.to(device=device, dtype=dtype)
         return self
 
@@ -248,7 +252,9 @@ class SparseProjection(Projection):
         """The (k, d) matrix R as a dense tensor (for tests and inspection; d * k numbers)."""
         return torch.cat([b.to_dense() for b in self.blocks], dim=1)
 
-    def to(self, device=None, dtype=None) -> SparseProjection:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> SparseProjection:
         self.blocks = [b.to(device=device, dtype=dtype) for b in self.blocks]
         return self
 
@@ -333,7 +339,9 @@ class KroneckerProjection(Projection):
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.left, self.right))
 
-    def to(self, device=None, dtype=None) -> KroneckerProjection:
+    def to(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> KroneckerProjection:
         self.left = self.left.to(device=device, dtype=dtype)
         self.right = self.right.to(device=device, dtype=dtype)
         return self
