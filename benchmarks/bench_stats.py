@@ -16,8 +16,8 @@ Contenders, each with its own copy of the model and its own SGD optimizer:
   (when opacus imports).
 
 Peak memory: each contender runs a few steps in a fresh subprocess on synthetic batches of the
-same shapes; the figure is the growth of the process's peak RSS (``ru_maxrss``) from just before
-the first step to after the last, i.e. what the training steps themselves add.
+same shapes; the figure is the process's peak RSS during the steps (``VmHWM``, reset just before
+the first step) minus its RSS before them, i.e. what the training steps themselves add (Linux).
 
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
@@ -31,7 +31,6 @@ import argparse
 import gzip
 import json
 import os
-import resource
 import subprocess
 import sys
 from collections import Counter
@@ -241,16 +240,29 @@ def opacus_available() -> str | None:
 
 
 # -- measurements -------------------------------------------------------------------------------
+def _status_kib(field: str) -> int:
+    """A memory field (VmRSS, VmHWM) of /proc/self/status, in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def memory_child(workload: str, kind: str, threads: int) -> None:
-    """Print the peak-RSS growth (MiB) of MEMORY_STEPS training steps of one contender."""
+    """Print the peak-RSS growth (MiB) of MEMORY_STEPS training steps of one contender.
+
+    The process's peak RSS is reset just before the first step (``/proc/self/clear_refs``), so
+    the figure is the peak during the steps minus the RSS before them. (``ru_maxrss`` is no use
+    here: Linux carries it over from the parent across fork + exec.)
+    """
     torch.set_num_threads(threads)
     fresh, (batches, n, _) = build(workload, synthetic=True, rounds=MEMORY_STEPS)
     loop = Loop(kind, fresh(), n, batches[:MEMORY_STEPS])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    before = _status_kib("VmRSS")
     for _ in range(MEMORY_STEPS):
         loop.step()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_growth_mib": (after - before) / 1024}))
+    print(json.dumps({"peak_growth_mib": (_status_kib("VmHWM") - before) / 1024}))
 
 
 def peak_memory(workload: str, kind: str, threads: int) -> float:
