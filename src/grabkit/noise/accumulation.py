@@ -1,0 +1,155 @@
+"""Measure microbatch gradient norms with hooks while gradients accumulate; no extra pass.
+
+A hook on each parameter sees the increment d_k that the k-th backward adds to ``.grad``, before
+it is added. From it the hook takes |d_k|^2 and the cross term <d_k, .grad so far>, so that at the
+end of the step both the microbatch norms and the norm of the accumulated gradient
+|sum_k d_k|^2 = sum_k (|d_k|^2 + 2 <d_k, sum_{j<k} d_j>) are known, all at the same loss scale,
+before any clipping or unscaling touches ``.grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
+from grabkit.noise.microbatch import MicrobatchNoiseScale, _check_count
+from grabkit.noise.result import NoiseScaleResult
+
+__all__ = ["AccumulationNoiseScale"]
+
+
+def _reduction_dtype(t: torch.Tensor) -> torch.dtype:
+    """Half-precision gradients are reduced in float32 so that squares do not overflow."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+class AccumulationNoiseScale:
+    """Gradient noise scale of an accumulating training loop, measured by gradient hooks.
+
+    Usage (the accumulated ``.grad`` must be the step's *mean* gradient: scale each microbatch
+    loss by its share of the step, ``n_k / B``, e.g. ``loss / K`` for K equal microbatches)::
+
+        gns = AccumulationNoiseScale(model, update_rate=0.01)
+        for step in ...:
+            for x, y in microbatches:
+                (loss_fn(model(x), y) * len(x) / step_examples).backward()
+                gns.end_microbatch(len(x))
+            result = gns.end_step()          # before clipping / unscaling
+            optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        params: a module, tensors, or ``(name, tensor)`` pairs; one block per tensor.
+        update_rate, window, confidence: as in ``MicrobatchNoiseScale``.
+        grad_scaler: a ``torch.amp.GradScaler`` whose scale multiplies the losses; its current
+            scale is read at each ``end_microbatch`` and divided out (squared) before use.
+
+    One ``backward()`` per microbatch; ``.grad`` must start each step at zero or None (the usual
+    ``zero_grad()``). Call ``remove()`` (or use ``with``) to detach the hooks.
+    """
+
+    def __init__(
+        self,
+        params: ParamsLike,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        named = named_trainable_parameters(params, "AccumulationNoiseScale")
+        self.block_names = tuple(name for name, _ in named)
+        self.estimator = MicrobatchNoiseScale(update_rate, window, confidence, self.block_names)
+        self.grad_scaler = grad_scaler
+        self._params = [p for _, p in named]
+        self._square: list[torch.Tensor | None] = [None] * len(named)
+        self._cross: list[torch.Tensor | None] = [None] * len(named)
+        self._micro_squares: list[torch.Tensor] = []  # per microbatch, (P,), loss-scale removed
+        self._micro_counts: list[float] = []
+        self._step_cross: torch.Tensor | None = None  # sum over microbatches of (P,) cross terms
+        self._handles = [p.register_hook(self._make_hook(i, p)) for i, p in enumerate(self._params)]
+
+    def _make_hook(self, index: int, param: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:
+            dtype = _reduction_dtype(grad)
+            flat = grad.detach().reshape(-1).to(dtype)
+            square = torch.dot(flat, flat)
+            self._square[index] = (
+                square if self._square[index] is None else self._square[index] + square
+            )
+            if param.grad is not None:
+                cross = torch.dot(flat, param.grad.detach().reshape(-1).to(dtype))
+                previous = self._cross[index]
+                self._cross[index] = cross if previous is None else previous + cross
+
+        return hook
+
+    def _collect(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
+        values = [
+            torch.zeros((), dtype=torch.float64, device=p.device)
+            if v is None
+            else v.to(torch.float64)
+            for v, p in zip(parts, self._params, strict=True)
+        ]
+        device = values[0].device
+        return torch.stack([v.to(device) for v in values])
+
+    def _loss_scale_sq(self) -> float:
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return 1.0
+        return float(self.grad_scaler.get_scale()) ** 2
+
+    def end_microbatch(self, count: float) -> None:
+        """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count."""
+        count = _check_count(count)
+        scale_sq = self._loss_scale_sq()
+        square = self._collect(self._square) / scale_sq
+        cross = self._collect(self._cross) / scale_sq
+        self._square = [None] * len(self._params)
+        self._cross = [None] * len(self._params)
+        self._micro_squares.append(square)
+        self._micro_counts.append(count)
+        self._step_cross = cross if self._step_cross is None else self._step_cross + cross
+
+    def end_step(self) -> NoiseScaleResult | None:
+        """Close the step: fold its estimate into the averages and return the current result.
+
+        Call it after the last microbatch's ``end_microbatch`` and before anything rescales or
+        clips ``.grad``. Returns None until a step with at least two microbatches was seen.
+        """
+        if any(v is not None for v in self._square):
+            raise RuntimeError(
+                "a backward pass ran after the last end_microbatch(); call "
+                "end_microbatch(count) after every microbatch's backward()"
+            )
+        squares, counts = self._micro_squares, self._micro_counts
+        cross = self._step_cross
+        self._micro_squares, self._micro_counts, self._step_cross = [], [], None
+        if not counts:
+            return self.estimator.estimate
+        total = sum(counts)
+        step_sq = torch.stack(squares).sum(0) + 2.0 * cross
+        for square, count in zip(squares, counts, strict=True):
+            # the increment is (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
+            self.estimator.observe_microbatch(square * (total / count) ** 2, count)
+        return self.estimator.observe_step(step_sq)
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        return self.estimator.estimate
+
+    def remove(self) -> None:
+        """Detach the gradient hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> AccumulationNoiseScale:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def state_dict(self) -> dict:
+        return self.estimator.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.estimator.load_state_dict(state)

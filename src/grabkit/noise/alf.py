@@ -1,0 +1,220 @@
+"""ALF-compatible ``GradientNoiseScaleEstimator``: two extra backward passes per update.
+
+Drop-in for ``alf.utils.gradient_noise_scale.GradientNoiseScaleEstimator``: same constructor,
+same ``estimator(loss, tensors)`` call and the same returned value, with two fixes:
+
+* odd batch sizes work in "alternative" mode (the two halves may differ by one example; the
+  effective size 2 b1 b2 / (b1 + b2) replaces b, which is exact for the identity below);
+* the per-block |G|^2, tr(Sigma) and a confidence interval are available from ``result()``.
+
+Each call splits the batch at random into two disjoint parts and differentiates the mean loss of
+each ("paper" mode: a small part of ``batch_size_ratio`` and the rest; "alternative": two halves):
+
+* paper:        the two-batch identity on |G_small|^2 and |G_big|^2;
+* alternative:  alpha = <G_1, G_2> (unbiased for |G|^2 since the parts are independent) and
+  beta = (|G_1|^2 + |G_2|^2) / 2 (= |G|^2 + tr(Sigma) / b on average); GNS = (beta / alpha - 1) b.
+
+As in ALF, each quantity is averaged with a bias-corrected EMA of rate ``update_rate``, a
+negative estimate returns the last non-negative one, and ``gradient_norm_clip`` clips each part's
+gradient before measuring it (which biases the estimate: leave it None for a faithful number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.identities import two_batch_estimates
+from grabkit.noise.result import NoiseScaleResult
+from grabkit.noise.tracker import NoiseScaleTracker
+
+__all__ = ["GradientNoiseScaleEstimator"]
+
+_MODES = ("paper", "alternative")
+# ALF's guard against a zero denominator, kept so that returned values match ALF's
+_DENOMINATOR_EPS = 1e-8
+
+
+def _flatten_tensors(tensors: object, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) leaves of a tensor, a list/tuple/dict nest, or an iterable of tensors.
+
+    Dict keys are visited in sorted order (ALF's nest order); list items by position.
+    """
+    if isinstance(tensors, torch.Tensor):
+        return [(prefix or "0", tensors)]
+    if isinstance(tensors, Mapping):
+        items: Iterable = ((str(k), tensors[k]) for k in sorted(tensors))
+    elif isinstance(tensors, Iterable) and not isinstance(tensors, (str, bytes)):
+        items = ((str(i), t) for i, t in enumerate(tensors))
+    else:
+        raise TypeError(
+            "tensors should be a tensor, a list/tuple/dict of tensors or an iterable of "
+            f"parameters, but got {type(tensors).__name__}"
+        )
+    leaves = []
+    for key, value in items:
+        leaves.extend(_flatten_tensors(value, f"{prefix}.{key}" if prefix else key))
+    return leaves
+
+
+class GradientNoiseScaleEstimator(nn.Module):
+    """Simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018).
+
+    Args:
+        batch_size_ratio: "paper" mode: the share of the batch used as the small batch, in
+            (0, 0.5); the small batch has max(1, int(B * ratio)) examples and the big batch the
+            rest. Ignored (0.5) in "alternative" mode.
+        update_rate: EMA weight of the newest update (ALF's ``ScalarEMAverager`` meaning).
+        gradient_norm_clip: if given, each part's gradient is clipped to this global norm before
+            measuring (ALF's behaviour; it biases the estimate).
+        mode: "paper" or "alternative".
+        name: a label, as in ALF.
+    """
+
+    def __init__(
+        self,
+        batch_size_ratio: float = 0.1,
+        update_rate: float = 0.001,
+        gradient_norm_clip: float | None = None,
+        mode: str = "alternative",
+        name: str = "GNSEstimator",
+    ) -> None:
+        super().__init__()
+        if mode not in _MODES:
+            raise ValueError(f"mode should be one of {_MODES}, but got mode={mode!r}")
+        if mode == "paper" and not 0.0 < batch_size_ratio < 0.5:
+            raise ValueError(
+                "batch_size_ratio should be in (0, 0.5) in paper mode, but got "
+                f"batch_size_ratio={batch_size_ratio}"
+            )
+        if gradient_norm_clip is not None and not gradient_norm_clip > 0:
+            raise ValueError(
+                f"gradient_norm_clip should be positive or None, but got {gradient_norm_clip}"
+            )
+        self._name = name
+        self._mode = mode
+        self._batch_size_ratio = batch_size_ratio if mode == "paper" else 0.5
+        self._grad_norm_clip = gradient_norm_clip
+        self._update_rate = update_rate
+        self._gradient_norm_averager = BiasCorrectedEMA(update_rate)
+        self._var_trace_averager = BiasCorrectedEMA(update_rate)
+        self._tracker: NoiseScaleTracker | None = None
+        self.register_buffer("_last_valid_gns", torch.zeros(()))
+
+    def _part_gradients(self, loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        grads = torch.autograd.grad(loss.mean(), leaves, retain_graph=True, allow_unused=True)
+        grads = [
+            torch.zeros_like(t) if g is None else g.detach()
+            for g, t in zip(grads, leaves, strict=True)
+        ]
+        if self._grad_norm_clip is not None:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+            factor = self._grad_norm_clip / torch.clamp(norm, min=self._grad_norm_clip)
+            grads = [g * factor for g in grads]
+        return grads
+
+    @staticmethod
+    def _block_dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([(x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)])
+
+    def _split_sizes(self, batch: int) -> tuple[int, int]:
+        if self._mode == "paper":
+            small = max(1, int(batch * self._batch_size_ratio))
+            if batch - small <= small:
+                raise ValueError(
+                    f"paper mode needs a big part larger than the small one, but a batch of "
+                    f"{batch} with batch_size_ratio={self._batch_size_ratio} splits into "
+                    f"{small} and {batch - small}; use a larger batch"
+                )
+            return small, batch - small
+        if batch < 2:
+            raise ValueError(f"the loss needs at least 2 examples, but has a batch of {batch}")
+        return batch // 2, batch - batch // 2
+
+    def forward(self, loss: torch.Tensor, tensors: object) -> torch.Tensor:
+        """Update the averages with one split of this batch and return the estimated GNS.
+
+        Args:
+            loss: per-example losses *before* the mean, shape [B] or [T, B] (the last dimension
+                indexes examples); its graph is kept (``retain_graph=True``).
+            tensors: the tensors whose gradients count: a tensor, a list/tuple/dict nest of
+                tensors, or ``model.parameters()``.
+        Returns:
+            0-d float32 tensor, detached: the GNS, or the last non-negative one if this one is
+            negative (0 before any).
+        """
+        if not isinstance(loss, torch.Tensor) or loss.ndim not in (1, 2):
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss should be a [B] or [T, B] tensor, but got {shape}")
+        named = _flatten_tensors(tensors)
+        if not named:
+            raise ValueError("tensors should contain at least one tensor, but is empty")
+        names = tuple(n for n, _ in named)
+        leaves = [t for _, t in named]
+        small, big = self._split_sizes(loss.shape[-1])
+        shuffled = loss[..., torch.randperm(loss.shape[-1], device=loss.device)]
+        big_grads = self._part_gradients(shuffled[..., small:], leaves)
+        small_grads = self._part_gradients(shuffled[..., :small], leaves)
+        big_sq = self._block_dot(big_grads, big_grads)
+        small_sq = self._block_dot(small_grads, small_grads)
+        if self._mode == "paper":
+            block_grad_norm, block_trace = two_batch_estimates(small_sq, small, big_sq, big)
+            grad_norm, var_trace = block_grad_norm.sum(), block_trace.sum()
+            size = 1.0
+        else:
+            size = 2.0 * small * big / (small + big)
+            block_grad_norm = self._block_dot(big_grads, small_grads)
+            block_trace = ((big_sq + small_sq) / 2.0 - block_grad_norm) * size
+            grad_norm, var_trace = block_grad_norm.sum(), ((big_sq + small_sq) / 2.0).sum()
+        self._track(names, block_grad_norm, block_trace, small + big)
+        avg_grad_norm = self._gradient_norm_averager.update(grad_norm)
+        avg_var_trace = self._var_trace_averager.update(var_trace)
+        gns = avg_var_trace / (avg_grad_norm + _DENOMINATOR_EPS)
+        if self._mode == "alternative":
+            gns = (gns - 1.0) * size
+        gns = gns.to(self._last_valid_gns.dtype)
+        if gns < 0:
+            return self._last_valid_gns.clone()
+        self._last_valid_gns = gns.detach().clone()
+        return gns.detach()
+
+    def _track(self, names, block_grad_norm, block_trace, examples: int) -> None:
+        if self._tracker is None:
+            self._tracker = NoiseScaleTracker(self._update_rate, block_names=names)
+        elif self._tracker.block_names != names:
+            raise ValueError(
+                f"tensors changed between calls: first {self._tracker.block_names}, now {names}"
+            )
+        self._tracker.update(block_grad_norm, block_trace, examples)
+
+    def get_extra_state(self) -> dict:
+        """The averages, saved by ``state_dict()`` next to the ``_last_valid_gns`` buffer."""
+        return {
+            "gradient_norm": self._gradient_norm_averager.state_dict(),
+            "var_trace": self._var_trace_averager.state_dict(),
+            "tracker": None if self._tracker is None else self._tracker.state_dict(),
+        }
+
+    def set_extra_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != {"gradient_norm", "var_trace", "tracker"}:
+            raise ValueError(
+                "GradientNoiseScaleEstimator extra state should have keys gradient_norm, "
+                f"var_trace and tracker, but got {state!r:.200}"
+            )
+        self._gradient_norm_averager.load_state_dict(state["gradient_norm"])
+        self._var_trace_averager.load_state_dict(state["var_trace"])
+        tracker = state["tracker"]
+        if tracker is None:
+            self._tracker = None
+        else:
+            self._tracker = NoiseScaleTracker(self._update_rate, block_names=tracker["block_names"])
+            self._tracker.load_state_dict(tracker)
+
+    def result(self) -> NoiseScaleResult:
+        """Per-block |G|^2 and tr(Sigma), B_simple and its interval, from the same splits."""
+        if self._tracker is None:
+            raise RuntimeError("no estimate yet: call the estimator on a loss first")
+        return self._tracker.result()

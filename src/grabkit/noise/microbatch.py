@@ -1,0 +1,124 @@
+"""Noise scale from gradient accumulation: microbatch norms against the norm of their mean.
+
+A step that accumulates K microbatches of n_1..n_K examples (B = sum n_k) already computes the
+gradients needed by the two-batch identity, E |G_b|^2 = |G|^2 + tr(Sigma) / b:
+
+* small batches: each microbatch's mean gradient g_k. Averaging |g_k|^2 with weights n_k / B
+  gives E = |G|^2 + tr(Sigma) K / B, i.e. an effective small batch size of B / K;
+* big batch: the step's mean gradient G_B = sum_k (n_k / B) g_k, of size B.
+
+No extra forward or backward pass is needed: only the squared norms. ``MicrobatchNoiseScale`` takes
+those norms as plain numbers or per-block tensors; ``AccumulationNoiseScale`` (in
+``grabkit.noise.accumulation``) measures them with gradient hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from grabkit.noise.identities import two_batch_estimates
+from grabkit.noise.result import NoiseScaleResult
+from grabkit.noise.tracker import NoiseScaleTracker
+
+__all__ = ["MicrobatchNoiseScale"]
+
+
+def _check_count(count: float, name: str = "count") -> float:
+    if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
+        raise ValueError(f"`{name}` should be a positive number of examples, but got {count!r}")
+    return float(count)
+
+
+class MicrobatchNoiseScale:
+    """B_simple from the squared norms of microbatch gradients and of the step gradient.
+
+    Per step: call ``observe_microbatch(grad_norm_sq, count)`` once per microbatch, then
+    ``observe_step(grad_norm_sq)`` with the squared norm of the step's mean gradient. Norms may be
+    Python floats, 0-d tensors, or (P,) tensors with one entry per parameter block.
+
+    Args:
+        update_rate: EMA weight of the newest step (or example, with window="examples"),
+            with the meaning of ALF's ``ScalarEMAverager(update_rate)``.
+        window: "steps" or "examples", the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        block_names: names of the P blocks when norms are (P,) tensors.
+
+    Norms must be of *mean* gradients (per-example loss averaged over the microbatch / step) and
+    measured before clipping and after undoing any loss scaling.
+    """
+
+    def __init__(
+        self,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+    ) -> None:
+        self.tracker = NoiseScaleTracker(update_rate, window, confidence, block_names)
+        self._micro_norms: list[torch.Tensor] = []
+        self._micro_counts: list[float] = []
+
+    @property
+    def pending_microbatches(self) -> int:
+        """Microbatches observed since the last ``observe_step``."""
+        return len(self._micro_counts)
+
+    def observe_microbatch(self, grad_norm_sq: torch.Tensor | float, count: float) -> None:
+        """Record |g_k|^2 of one microbatch's mean gradient, over ``count`` examples."""
+        self._micro_counts.append(_check_count(count))
+        self._micro_norms.append(torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1))
+
+    def step_estimates(
+        self, grad_norm_sq: torch.Tensor | float
+    ) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """This step's unbiased (|G|^2, tr Sigma, examples), without averaging; clears the step.
+
+        Returns None when fewer than two microbatches were observed (no information).
+        """
+        norms, counts = self._micro_norms, self._micro_counts
+        self._micro_norms, self._micro_counts = [], []
+        if len(counts) < 2:
+            return None
+        total = sum(counts)
+        weights = torch.tensor([c / total for c in counts], dtype=torch.float64)
+        stacked = torch.stack([n.to(weights.device) for n in norms])  # (K, P)
+        small = (weights.to(stacked.device)[:, None] * stacked).sum(0)
+        big = torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1).to(small.device)
+        if big.shape != small.shape:
+            raise ValueError(
+                f"step grad_norm_sq has {big.numel()} block entries but the microbatch norms "
+                f"have {small.numel()}; pass both per block or both as totals"
+            )
+        grad_norm, trace = two_batch_estimates(small, total / len(counts), big, total)
+        return grad_norm, trace, total
+
+    def observe_step(self, grad_norm_sq: torch.Tensor | float) -> NoiseScaleResult | None:
+        """Close the step with |G_B|^2 of its mean gradient and return the current estimate.
+
+        Steps with fewer than two microbatches carry no noise information and leave the averages
+        unchanged. Steps whose norms are not finite (an overflowing loss scale) are skipped.
+        Returns None until the first informative step.
+        """
+        estimates = self.step_estimates(grad_norm_sq)
+        if estimates is not None:
+            grad_norm, trace, examples = estimates
+            if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
+                self.tracker.update(grad_norm, trace, examples)
+        return self.estimate
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        """The current ``NoiseScaleResult``, or None before the first informative step."""
+        return self.tracker.result() if self.tracker.observations else None
+
+    def state_dict(self) -> dict:
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"tracker"}:
+            raise ValueError(
+                f"MicrobatchNoiseScale state has keys {sorted(state)}, expected ['tracker']"
+            )
+        self.tracker.load_state_dict(state["tracker"])

@@ -1,0 +1,204 @@
+"""Averaging per-step (|G|^2, tr Sigma) estimates into a ``NoiseScaleResult`` with an interval.
+
+Every estimator in ``grabkit.noise`` turns one step into unbiased estimates of |G|^2 and
+tr(Sigma) per parameter block (via ``two_batch_estimates``) and hands them to a
+``NoiseScaleTracker``. The tracker keeps bias-corrected EMAs of both (numerator and denominator
+separately; the ratio is taken only when reporting), plus the second moments of the totals, from
+which it derives the uncertainty of the averages and Fieller's confidence interval for the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from statistics import NormalDist
+
+import torch
+
+from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.result import NoiseScaleResult
+
+__all__ = ["NoiseScaleTracker", "ratio_interval"]
+
+_WINDOWS = ("steps", "examples")
+
+
+def ratio_interval(
+    numerator: float,
+    denominator: float,
+    var_numerator: float,
+    var_denominator: float,
+    covariance: float,
+    confidence: float,
+) -> tuple[float, float]:
+    """Fieller's confidence interval for numerator / denominator.
+
+    The estimates are taken as jointly normal with the given (co)variances. The interval is the
+    set of ratios R with (T - R G)^2 <= z^2 Var(T - R G); it is bounded only when the denominator
+    is significantly non-zero, otherwise ``(-inf, inf)`` is returned.
+    """
+    z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
+    z2 = z * z
+    a = denominator * denominator - z2 * var_denominator
+    if a <= 0.0:
+        return (-math.inf, math.inf)
+    half_b = numerator * denominator - z2 * covariance
+    c = numerator * numerator - z2 * var_numerator
+    disc = max(half_b * half_b - a * c, 0.0)
+    root = math.sqrt(disc)
+    return ((half_b - root) / a, (half_b + root) / a)
+
+
+class NoiseScaleTracker:
+    """Bias-corrected EMAs of per-block |G|^2 and tr(Sigma), reported as a ``NoiseScaleResult``.
+
+    Args:
+        update_rate: weight of the newest observation, as in ALF's ``ScalarEMAverager``: per step
+            when ``window="steps"``, per example when ``window="examples"`` (a step of n examples
+            then weighs like n single-example steps).
+        window: "steps" or "examples", the unit ``update_rate`` is measured in.
+        confidence: coverage of the reported interval for B_simple, in (0, 1).
+        block_names: names of the P parameter blocks the observations are split into.
+
+    ``last_observation`` holds the newest step's raw (|G|^2, tr Sigma) per block, (P,) each
+    (not saved in ``state_dict``).
+    """
+
+    def __init__(
+        self,
+        update_rate: float,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+    ) -> None:
+        if window not in _WINDOWS:
+            raise ValueError(f"window should be one of {_WINDOWS}, but got window={window!r}")
+        if not 0.0 < confidence < 1.0:
+            raise ValueError(f"confidence should be in (0, 1), but got confidence={confidence}")
+        if len(block_names) == 0:
+            raise ValueError("block_names should name at least one parameter block, but is empty")
+        self.window = window
+        self.confidence = float(confidence)
+        self.block_names = tuple(str(n) for n in block_names)
+        self._blocks = BiasCorrectedEMA(update_rate)  # (2, P): rows |G|^2 and tr(Sigma)
+        self._moments = BiasCorrectedEMA(update_rate)  # (3,): G^2, T^2, G*T of the totals
+        self._weight_sq_sum = 0.0  # sum of squared EMA weights, for the effective sample size
+        self.observations = 0
+        self.examples = 0.0
+        self.last_observation: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def update_rate(self) -> float:
+        return self._blocks.update_rate
+
+    def update(
+        self,
+        grad_norm_sq: torch.Tensor | float,
+        trace_sigma: torch.Tensor | float,
+        examples: float,
+    ) -> None:
+        """Fold in one step's unbiased estimates.
+
+        Args:
+            grad_norm_sq: scalar or (P,) estimate of |G|^2 per block.
+            trace_sigma: same shape, estimate of tr(Sigma) per block.
+            examples: number of examples the step used (the weight when window="examples").
+        """
+        g = torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1)
+        t = torch.as_tensor(trace_sigma, dtype=torch.float64).reshape(-1).to(g.device)
+        if g.numel() != len(self.block_names) or t.numel() != len(self.block_names):
+            raise ValueError(
+                f"expected {len(self.block_names)} block values {self.block_names}, but got "
+                f"grad_norm_sq with {g.numel()} and trace_sigma with {t.numel()} entries"
+            )
+        if not examples > 0:
+            raise ValueError(f"examples should be positive, but got examples={examples}")
+        weight = float(examples) if self.window == "examples" else 1.0
+        g_total, t_total = g.sum(), t.sum()
+        moments = torch.stack([g_total * g_total, t_total * t_total, g_total * t_total])
+        self._blocks.update(torch.stack([g, t]), weight=weight)
+        self._moments.update(moments, weight=weight)
+        decay = math.pow(1.0 - self.update_rate, weight)
+        self._weight_sq_sum = decay * decay * self._weight_sq_sum + (1.0 - decay) ** 2
+        self.observations += 1
+        self.examples += float(examples)
+        self.last_observation = (g, t)
+
+    @property
+    def effective_count(self) -> float:
+        """Kish's effective number of observations behind the EMA: (sum w)^2 / sum w^2."""
+        if self.observations == 0:
+            return 0.0
+        return self._blocks.count_weight**2 / self._weight_sq_sum
+
+    def result(self) -> NoiseScaleResult:
+        """The current averages, B_simple and its interval; raises before the first update."""
+        if self.observations == 0:
+            raise RuntimeError("no step observed yet: the noise scale needs at least one step")
+        blocks = self._blocks.value.cpu()
+        block_g, block_t = blocks[0], blocks[1]
+        g, t = float(block_g.sum()), float(block_t.sum())
+        g2, t2, gt = self._moments.value.cpu().tolist()
+        n_eff = self.effective_count
+        if n_eff > 1.0 + 1e-9:
+            scale = 1.0 / (n_eff - 1.0)  # weighted variance, reliability-weights correction
+            var_g = max(g2 - g * g, 0.0) * scale
+            var_t = max(t2 - t * t, 0.0) * scale
+            cov = (gt - g * t) * scale
+            interval = ratio_interval(t, g, var_t, var_g, cov, self.confidence)
+        else:
+            interval = (-math.inf, math.inf)
+        return NoiseScaleResult(
+            grad_norm_sq=g,
+            trace_sigma=t,
+            b_simple=t / g if g > 0 else math.inf,
+            interval=interval,
+            confidence=self.confidence,
+            block_names=self.block_names,
+            block_grad_norm_sq=block_g,
+            block_trace_sigma=block_t,
+            observations=self.observations,
+            examples=self.examples,
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "window": self.window,
+            "confidence": self.confidence,
+            "block_names": list(self.block_names),
+            "blocks": self._blocks.state_dict(),
+            "moments": self._moments.state_dict(),
+            "weight_sq_sum": self._weight_sq_sum,
+            "observations": self.observations,
+            "examples": self.examples,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        expected = {
+            "window",
+            "confidence",
+            "block_names",
+            "blocks",
+            "moments",
+            "weight_sq_sum",
+            "observations",
+            "examples",
+        }
+        if set(state) != expected:
+            raise ValueError(
+                f"NoiseScaleTracker state has keys {sorted(state)}, expected {sorted(expected)}"
+            )
+        if tuple(state["block_names"]) != self.block_names:
+            raise ValueError(
+                f"state was saved for blocks {tuple(state['block_names'])}, but this estimator "
+                f"tracks {self.block_names}; build it over the same parameters"
+            )
+        if state["window"] not in _WINDOWS:
+            raise ValueError(f"state has an unknown window {state['window']!r}")
+        self.window = state["window"]
+        self.confidence = float(state["confidence"])
+        self._blocks.load_state_dict(state["blocks"])
+        self._moments.load_state_dict(state["moments"])
+        self._weight_sq_sum = float(state["weight_sq_sum"])
+        self.observations = int(state["observations"])
+        self.examples = float(state["examples"])

@@ -1,0 +1,178 @@
+"""MicrobatchNoiseScale (norms in) and AccumulationNoiseScale (hooks) against exact truth."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from tests.noise.helpers import Z_LIMIT, per_example_loss, problem, z_score
+
+from grabkit.noise import AccumulationNoiseScale, MicrobatchNoiseScale
+
+
+def _microbatch_norms(prob, index: torch.Tensor, sizes: list[int]):
+    """Per-block |g_k|^2 of each microbatch's mean gradient and |G_B|^2 of the step mean."""
+    grads = prob.per_example[index]
+    parts = torch.split(grads, sizes)
+    micro = [prob.block_sq(p.mean(0)) for p in parts]
+    return micro, prob.block_sq(grads.mean(0))
+
+
+@pytest.mark.parametrize("sizes", [[16, 16, 16, 16], [5, 20, 9]])
+def test_step_estimates_are_unbiased_without_replacement(sizes):
+    prob = problem(10)
+    expected_g, expected_t = prob.expected_without_replacement()
+    gen = torch.Generator().manual_seed(1)
+    est = MicrobatchNoiseScale(block_names=prob.names)
+    g_draws, t_draws = [], []
+    for _ in range(400):
+        index = torch.randperm(prob.n, generator=gen)[: sum(sizes)]
+        micro, big = _microbatch_norms(prob, index, sizes)
+        for norm, size in zip(micro, sizes, strict=True):
+            est.observe_microbatch(norm, size)
+        g, t, examples = est.step_estimates(big)
+        assert examples == sum(sizes)
+        g_draws.append(g)
+        t_draws.append(t)
+    g_draws, t_draws = torch.stack(g_draws), torch.stack(t_draws)
+    assert abs(z_score(g_draws.sum(1), float(expected_g.sum()))) < Z_LIMIT
+    assert abs(z_score(t_draws.sum(1), float(expected_t.sum()))) < Z_LIMIT
+    for block in range(len(prob.names)):  # per-block estimates are unbiased too
+        assert abs(z_score(t_draws[:, block], float(expected_t[block]))) < Z_LIMIT
+
+
+def _hooked_step(model, gns, x, y, sizes, scaler=None):
+    total = sum(sizes)
+    for xs, ys in zip(torch.split(x, sizes), torch.split(y, sizes), strict=True):
+        loss = per_example_loss(model, xs, ys).mean() * len(xs) / total
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        gns.end_microbatch(len(xs))
+    return gns.end_step()
+
+
+def test_hooks_measure_the_same_norms_as_torch_func():
+    prob = problem(10)
+    model = prob.model
+    sizes = [7, 12, 5]
+    index = torch.arange(100, 124)
+    gns = AccumulationNoiseScale(model, update_rate=1.0)
+    model.zero_grad()
+    hooked = _hooked_step(model, gns, prob.x[index], prob.y[index], sizes)
+    reference = MicrobatchNoiseScale(update_rate=1.0, block_names=prob.names)
+    micro, big = _microbatch_norms(prob, index, sizes)
+    for norm, size in zip(micro, sizes, strict=True):
+        reference.observe_microbatch(norm, size)
+    expected = reference.observe_step(big)
+    torch.testing.assert_close(hooked.block_grad_norm_sq, expected.block_grad_norm_sq)
+    torch.testing.assert_close(hooked.block_trace_sigma, expected.block_trace_sigma)
+    assert hooked.block_names == prob.names
+    gns.remove()
+    model.zero_grad()
+
+
+def test_ema_converges_to_the_truth():
+    prob = problem(10)
+    model = prob.model
+    gen = torch.Generator().manual_seed(2)
+    with AccumulationNoiseScale(model, update_rate=0.005) as gns:
+        for _ in range(800):
+            index = torch.randint(prob.n, (64,), generator=gen)  # with replacement: no FPC
+            model.zero_grad()
+            result = _hooked_step(model, gns, prob.x[index], prob.y[index], [16, 16, 16, 16])
+    model.zero_grad()
+    truth = prob.b_simple()
+    assert abs(result.b_simple - truth) < 0.1 * truth
+    low, high = result.interval
+    assert low < result.b_simple < high
+    assert result.observations == 800 and result.examples == 800 * 64
+
+
+def test_grad_scaler_and_clipping_after_measuring_leave_the_estimate_unchanged():
+    prob = problem(10)
+    model = prob.model
+    index = torch.arange(40)
+    sizes = [10, 10, 20]
+    results = []
+    for scaler, clip in [(None, False), (torch.amp.GradScaler("cpu", init_scale=1024.0), True)]:
+        model.zero_grad()
+        with AccumulationNoiseScale(model, update_rate=1.0, grad_scaler=scaler) as gns:
+            result = _hooked_step(model, gns, prob.x[index], prob.y[index], sizes, scaler)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            results.append((result, gns.estimate))
+    model.zero_grad()
+    (plain, _), (scaled, after_clip) = results
+    assert plain.trace_sigma == pytest.approx(scaled.trace_sigma, rel=1e-9)
+    assert plain.grad_norm_sq == pytest.approx(scaled.grad_norm_sq, rel=1e-9)
+    assert after_clip.b_simple == scaled.b_simple
+
+
+def test_single_microbatch_steps_carry_no_information():
+    est = MicrobatchNoiseScale()
+    est.observe_microbatch(1.0, 8)
+    assert est.observe_step(1.0) is None
+    assert est.pending_microbatches == 0
+
+
+def test_state_dict_round_trips_through_weights_only_load():
+    def feed(est, steps):
+        for i in range(steps):
+            est.observe_microbatch(torch.tensor([1.0 + i, 2.0]), 4)
+            est.observe_microbatch(torch.tensor([2.0, 1.0 + 0.5 * i]), 4)
+            est.observe_step(torch.tensor([1.2, 1.1]))
+
+    names = ("w", "b")
+    whole = MicrobatchNoiseScale(update_rate=0.1, block_names=names)
+    feed(whole, 6)
+    first = MicrobatchNoiseScale(update_rate=0.1, block_names=names)
+    feed(first, 3)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = MicrobatchNoiseScale(update_rate=0.1, block_names=names)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for i in range(3, 6):
+        resumed.observe_microbatch(torch.tensor([1.0 + i, 2.0]), 4)
+        resumed.observe_microbatch(torch.tensor([2.0, 1.0 + 0.5 * i]), 4)
+        resumed.observe_step(torch.tensor([1.2, 1.1]))
+    assert resumed.estimate.b_simple == pytest.approx(whole.estimate.b_simple, rel=1e-12)
+    assert resumed.estimate.interval == pytest.approx(whole.estimate.interval, rel=1e-9)
+
+    with pytest.raises(ValueError, match="blocks"):
+        MicrobatchNoiseScale(block_names=("other", "b")).load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="keys"):
+        resumed.load_state_dict({**first.state_dict(), "extra": 1})
+
+
+def test_bad_input_is_rejected_with_a_clear_message():
+    est = MicrobatchNoiseScale(block_names=("a", "b"))
+    with pytest.raises(ValueError, match="count"):
+        est.observe_microbatch(1.0, 0)
+    with pytest.raises(ValueError, match="update_rate"):
+        MicrobatchNoiseScale(update_rate=0.0)
+    with pytest.raises(ValueError, match="window"):
+        MicrobatchNoiseScale(window="epochs")
+    est.observe_microbatch(torch.ones(2), 4)
+    est.observe_microbatch(torch.ones(2), 4)
+    with pytest.raises(ValueError, match="block"):
+        est.observe_step(1.0)
+    with pytest.raises(ValueError, match="requires grad"):
+        AccumulationNoiseScale(torch.nn.Linear(2, 2).requires_grad_(False))
+
+    model = torch.nn.Linear(3, 1)
+    with AccumulationNoiseScale(model) as gns:
+        model(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(RuntimeError, match="end_microbatch"):
+            gns.end_step()
+
+
+def test_example_window_weighs_a_step_by_its_examples():
+    by_steps = MicrobatchNoiseScale(update_rate=0.5)
+    by_examples = MicrobatchNoiseScale(update_rate=1 - 0.5**0.25, window="examples")
+    for est in (by_steps, by_examples):
+        for big in (1.0, 2.0, 1.5):
+            est.observe_microbatch(3.0, 2)
+            est.observe_microbatch(2.0 * big, 2)
+            est.observe_step(big)
+    assert by_steps.estimate.b_simple == pytest.approx(by_examples.estimate.b_simple)
