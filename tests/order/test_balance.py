@@ -7,6 +7,7 @@ import pytest
 import torch
 from tests.order.reference import ReferenceBalancer
 
+import grabkit.order.balance as balance_module
 import grabkit.order.orderings.base as base_module
 from grabkit.order import GraBSampler
 from grabkit.order.balance import SignRule, run_recursion
@@ -42,14 +43,22 @@ def run_against_reference(kind: str, probabilistic: bool, c, seed: int = 3) -> N
         assert order == expected, f"{kind}: epoch {epoch + 1} order differs"
 
 
+@pytest.fixture(params=["cpu-blocks", "one-transfer"])
+def balancing_path(request, monkeypatch):
+    """Run a test through both the CPU block path and the one-transfer (device) path."""
+    if request.param == "one-transfer":
+        monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", BALANCERS)
-def test_deterministic_decisions_equal_sequential_loop(kind):
+def test_deterministic_decisions_equal_sequential_loop(kind, balancing_path):
     run_against_reference(kind, probabilistic=False, c=None)
 
 
 @pytest.mark.parametrize("kind", BALANCERS)
 @pytest.mark.parametrize("c", [None, 0.5])
-def test_probabilistic_decisions_equal_sequential_loop(kind, c):
+def test_probabilistic_decisions_equal_sequential_loop(kind, c, balancing_path):
     run_against_reference(kind, probabilistic=True, c=c)
 
 
@@ -74,6 +83,7 @@ def test_run_recursion_matches_explicit_tree_walk():
 @pytest.mark.parametrize("kind", ["mean", "pair", "recursive", "recursive-pair", "batch", "ema"])
 def test_one_host_transfer_per_batch(kind, monkeypatch):
     """Each step moves the batch's inner products to the host once (not once per example)."""
+    monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 0)  # as for device batches
     calls = []
     real = base_module.fetch_inner_products
 

@@ -16,14 +16,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+import grabkit.order.balance as balance_module
 from grabkit.order.balance import (
+    NON_FINITE_HELP,
     SignRule,
     apply_update,
+    balance_dense_blocks,
     epoch_generator,
     fetch_inner_products,
     run_recursion,
 )
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = [
     "FrontBackOrder",
@@ -145,6 +148,37 @@ class FrontBackOrder:
         self.back = [int(i) for i in state["back"]]
 
 
+def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
+    return (
+        isinstance(batch, DenseGradientBatch)
+        and batch.device.type == "cpu"
+        and accumulators.device.type == "cpu"
+    )
+
+
+def _materialise(
+    X: torch.Tensor,
+    weights: np.ndarray | None,
+    fixed: torch.Tensor | None,
+    fixed_weights: np.ndarray | None,
+) -> torch.Tensor:
+    """Z = W X - U F as a dense (k, d) tensor, after checking X and F are finite."""
+    # a sum is NaN or Inf as soon as one entry is (one fast pass, no temporary)
+    total = X.sum() if fixed is None else X.sum() + fixed.sum()
+    if not bool(torch.isfinite(total)):
+        raise ValueError(NON_FINITE_HELP)
+    if weights is None:
+        Z = X
+    else:  # W has a couple of nonzeros per row: gather and add them, nnz * d work
+        rows, cols = np.nonzero(weights)
+        coefficients = torch.from_numpy(weights[rows, cols]).to(X.dtype)
+        Z = X.new_zeros(weights.shape[0], X.shape[1])
+        Z.index_add_(0, torch.from_numpy(rows), X[torch.from_numpy(cols)] * coefficients[:, None])
+    if fixed is not None and fixed_weights is not None:
+        Z = Z - torch.from_numpy(fixed_weights).to(X.dtype) @ fixed.to(X.dtype)
+    return Z
+
+
 def balance_combinations(
     batch: GradientBatch,
     accumulators: torch.Tensor,
@@ -157,7 +191,8 @@ def balance_combinations(
     sequential: bool = True,
     before_update: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``, one host sync.
+    """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``, one host sync
+    (dense CPU batches: in blocks, see ``grabkit.order.balance.balance_dense_blocks``).
 
     Args:
         batch: B per-example gradients x_i.
@@ -173,6 +208,13 @@ def balance_combinations(
     Returns:
         signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
     """
+    if sequential and _dense_on_cpu(batch, accumulators) and balance_module.CPU_BLOCK_ROWS > 0:
+        Z = _materialise(batch.matrix, weights, fixed, fixed_weights)
+        if before_update is not None:
+            before_update()
+        return balance_dense_blocks(
+            Z, accumulators, rule, depth=depth, block=balance_module.CPU_BLOCK_ROWS
+        )
     r = accumulators.shape[0]
     f = 0 if fixed is None else fixed.shape[0]
     vectors = accumulators if fixed is None else torch.cat([accumulators, fixed.to(accumulators)])
