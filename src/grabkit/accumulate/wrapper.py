@@ -188,59 +188,31 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         params = self._params()
         pending = self._accumulator.pending_gradients(params)
         device = pending[0][1].device if pending else params[0].device
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
+        agreed = self._agree_on_microbatch(count, metric, device)
+        if agreed is None:
+            return self._skip_overflowed(params)
+        weight, global_count, metric = agreed
 
-        # phase 1: the microbatch's weight (and overflow flag), agreed by all ranks
-        distributed = self._reducer.world_size > 1
-        weight: float | torch.Tensor = count
-        metric_sum = None
-        if distributed or found_inf is not None or isinstance(count, torch.Tensor):
-            head = torch.zeros(3, dtype=torch.float64, device=device)
-            head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
-            if metric is not None:
-                head[1] = head[0] * metric.to(device)
-            if found_inf is not None:
-                head[2] = found_inf.to(device=device, dtype=torch.float64)
-            self._reducer.sum(head)
-            if found_inf is not None and bool(head[2] > 0):
-                return self._skip_overflowed(params)
-            weight, metric_sum = head[0], head[1]
-        elif metric is not None:
-            metric_sum = metric.to(device) * count
-        global_count = torch.as_tensor(weight, dtype=torch.float64, device=device)
-        if metric is not None:
-            metric = metric_sum / global_count
-
-        fold_weight = weight
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
+        inverse_scale = None
         if grad_scale is not None:
             inverse_scale = grad_scale.double().reciprocal().to(device)
-            fold_weight = global_count * inverse_scale
-        else:
-            inverse_scale = None
+            weight = global_count * inverse_scale
 
-        # phase 2: fold, then the norms the controller reads (one more all-reduce if distributed)
         microbatch_norm_sq = None
         if self.controller.needs_microbatch_norm:
             microbatch_norm_sq = squared_norm([g for _, g in pending]).to(device)
             if inverse_scale is not None:
                 microbatch_norm_sq = microbatch_norm_sq * inverse_scale.square()
-        self._accumulator.fold(pending, fold_weight)
+        self._accumulator.fold(pending, weight)
         self._total_count = (
             global_count if self._total_count is None else self._total_count + global_count
         )
         self.num_draws += 1
         self.num_batches += 1
-        sum_norm_sq = self._accumulator.sum_squared_norm().to(device)
-        if distributed:
-            tail = torch.stack(
-                [sum_norm_sq, microbatch_norm_sq if microbatch_norm_sq is not None else sum_norm_sq]
-            )
-            tail = self._reducer.sum(tail) * self._reducer.norm_sq_scale()
-            sum_norm_sq, microbatch_norm_sq = (
-                tail[0],
-                (tail[1] if microbatch_norm_sq is not None else None),
-            )
+        sum_norm_sq, microbatch_norm_sq = self._agree_on_norms(
+            self._accumulator.sum_squared_norm().to(device), microbatch_norm_sq
+        )
         obs = Observation(
             count=global_count,
             total_count=self._total_count,
@@ -262,6 +234,45 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             return False
         self._apply(obs)
         return True
+
+    def _agree_on_microbatch(
+        self, count: float | torch.Tensor, metric: torch.Tensor | None, device: torch.device
+    ) -> tuple[float | torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The microbatch's weight, total count and metric as all ranks see them.
+
+        Returns (fold weight, count, metric), or None when a GradScaler found an overflow on
+        any rank. Single process with a plain-number count: no tensor is even created.
+        """
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
+        if (
+            self._reducer.world_size == 1
+            and found_inf is None
+            and not isinstance(count, torch.Tensor)
+        ):
+            global_count = torch.tensor(count, dtype=torch.float64, device=device)
+            return count, global_count, None if metric is None else metric.to(device)
+        head = torch.zeros(3, dtype=torch.float64, device=device)
+        head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
+        if metric is not None:
+            head[1] = head[0] * metric.to(device)
+        if found_inf is not None:
+            head[2] = found_inf.to(device=device, dtype=torch.float64)
+        self._reducer.sum(head)
+        if found_inf is not None and bool(head[2] > 0):
+            return None
+        return head[0], head[0], None if metric is None else head[1] / head[0]
+
+    def _agree_on_norms(
+        self, sum_norm_sq: torch.Tensor, microbatch_norm_sq: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """|S|^2 and |g|^2 combined over ranks as the gradient layout requires."""
+        if self._reducer.world_size == 1:
+            return sum_norm_sq, microbatch_norm_sq
+        pair = torch.stack(
+            [sum_norm_sq, sum_norm_sq if microbatch_norm_sq is None else microbatch_norm_sq]
+        )
+        pair = self._reducer.sum(pair) * self._reducer.norm_sq_scale()
+        return pair[0], None if microbatch_norm_sq is None else pair[1]
 
     def _skip_overflowed(self, params: list[torch.Tensor]) -> bool:
         for p in params:
