@@ -522,3 +522,18 @@ def test_dtype_option_and_record_orders():
         b.step(X[order])
     assert list(a) == list(b)
     assert len(a.orders_history) == 4 and a.orders_history[-1] == a.order.tolist()
+
+
+def test_normalize_in_hook_mode_matches_dense_mode():
+    X = torch.randn(12, 4, dtype=torch.float64) * torch.rand(12, 1, dtype=torch.float64) * 5
+    dense = GraBSampler(range(12), balance_type="pair", normalize=True)
+    stats = FakeStats()
+    hooked = GraBSampler(range(12), balance_type="pair", normalize=True, stats=stats)
+    for _ in range(3):
+        order = list(dense)
+        assert list(hooked) == order
+        for start in range(0, 12, 5):
+            dense.step(X[order[start : start + 5]])
+            stats.current = InnerProductsOnly(X[order[start : start + 5]])
+            hooked.step()
+    assert list(dense) == list(hooked)

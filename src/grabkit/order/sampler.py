@@ -106,6 +106,14 @@ def jl_dimension(n: int, eps: float) -> int:
     return max(1, math.ceil(4 * math.log(max(n, 2)) / (eps**2 / 2 - eps**3 / 3)))
 
 
+def _normalized(batch: GradientBatch) -> GradientBatch:
+    """g_i / ||g_i|| for every example (zero rows stay zero)."""
+    if isinstance(batch, DenseGradientBatch):
+        norms = torch.linalg.vector_norm(batch.matrix, dim=1, keepdim=True)
+        return DenseGradientBatch(batch.matrix / torch.where(norms > 0, norms, 1.0))
+    return _NormalizedBatch(batch)
+
+
 class _NormalizedBatch:
     """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
 
@@ -546,7 +554,7 @@ class GraBSampler(Sampler[int]):
             if not bool(keep.all()):
                 batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
             if self.normalize:
-                batch = _NormalizedBatch(batch)
+                batch = _normalized(batch)
             if indices.numel():
                 self._observe(batch, indices)
         self._stepped += B
