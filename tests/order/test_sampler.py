@@ -537,3 +537,56 @@ def test_normalize_in_hook_mode_matches_dense_mode():
             stats.current = InnerProductsOnly(X[order[start : start + 5]])
             hooked.step()
     assert list(dense) == list(hooked)
+
+
+def test_in_flight_examples_not_stepped_after_resume_are_skipped():
+    X = torch.randn(12, 3, dtype=torch.float64)
+    sampler = GraBSampler(range(12), seed=2)
+    it = iter(sampler)
+    handed_out = [next(it) for _ in range(6)]
+    sampler.step(X[handed_out[:3]])
+    state = sampler.state_dict()
+    assert (state["yielded"], state["stepped"]) == (6, 3)
+    resumed = GraBSampler(range(12), seed=2)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert rest == sampler.order.tolist()[6:]
+    resumed.step(X[rest])  # the rest of the epoch, not the three in flight at the snapshot
+    resumed.step(torch.zeros(0, 3))  # an empty batch is a no-op
+    nxt = list(resumed)
+    in_flight = handed_out[3:]
+    positions = sorted(nxt.index(i) for i in in_flight)
+    assert positions == list(range(positions[0], positions[0] + 3))  # between front and back
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resume(num_workers):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    n, bs = 17, 3
+    X = torch.randn(n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ds = TensorDataset(torch.arange(n))
+
+    def run(state=None, save_at=None, epochs=3):
+        sampler = GraBSampler(ds, prob_balance=True, seed=3)
+        loader = stateful.StatefulDataLoader(
+            ds, sampler=sampler, batch_size=bs, num_workers=num_workers
+        )
+        if state is not None:
+            loader.load_state_dict(state)
+        seen_epochs, saved = [], None
+        for epoch in range(epochs):
+            seen = []
+            for k, (idx,) in enumerate(loader):
+                seen += idx.tolist()
+                sampler.step(X[idx])
+                if (epoch, k) == save_at:
+                    saved = loader.state_dict()
+            seen_epochs.append(seen)
+        return seen_epochs, saved
+
+    full, saved = run(save_at=(1, 2))
+    resumed, _ = run(state=saved, epochs=2)
+    assert resumed[0] == full[1][9:]  # the rest of the interrupted epoch
+    assert all(sorted(e) == list(range(n)) for e in resumed[1:])
+    if num_workers == 0:  # nothing in flight at the snapshot: exact
+        assert resumed[1:] == full[2:]

@@ -34,9 +34,13 @@ are not balanced.
 Resuming. ``state_dict()`` records what was yielded apart from what was stepped:
 ``torchdata``'s ``StatefulDataLoader`` saves a sampler when it hands indices to workers, ahead of
 training. After ``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch
-(from the yielded count) and the next ``step`` continues at the stepped count, so feeding the
-gradients of the examples that were in flight reproduces the uninterrupted run exactly. A state
-saved after the whole epoch was yielded resumes with the next epoch, like ``StatefulDataLoader``.
+(from the yielded count). Gradients stepped between the load and that ``iter()`` belong to the
+examples that were in flight at the snapshot, in order, so a state saved with nothing in flight
+(``state_dict()`` right after ``step``, or ``StatefulDataLoader`` with ``num_workers=0``), or one
+whose in-flight gradients are stepped again, reproduces the uninterrupted run exactly. In-flight
+examples not stepped by then get no decision in that epoch (they keep their place between the
+front and back parts); later gradients are never attributed to them. A state saved after the
+whole epoch was yielded resumes with the next epoch, like ``StatefulDataLoader``.
 """
 
 from __future__ import annotations
@@ -426,6 +430,10 @@ class GraBSampler(Sampler[int]):
             self._requested_epoch = None  # set_epoch(e) for the epoch already under way
         if self._resume:
             self._resume = False
+            # examples handed out before the snapshot whose gradients were not stepped since the
+            # load were trained on before it: they get no decision this epoch, and later
+            # gradients are never attributed to them
+            self._stepped = max(self._stepped, self._yielded)
         elif self._started:
             self._advance()
         else:
@@ -473,7 +481,7 @@ class GraBSampler(Sampler[int]):
                     "step() expects per-example gradients with a leading batch dimension, (B, d) "
                     f"or (B, ...), but got a tensor of shape {tuple(grads.shape)}"
                 )
-            return DenseGradientBatch(grads.detach().reshape(grads.shape[0], -1))
+            return DenseGradientBatch(grads.detach().flatten(1))
         if isinstance(grads, GradientBatch):
             return grads
         raise TypeError(
