@@ -282,3 +282,31 @@ def test_runs_on_cuda():
         x, y = torch.randn(6, 4, device="cuda"), torch.randint(0, 3, (6,), device="cuda")
         F.cross_entropy(model(x), y).backward()
         assert stats.gram().device.type == "cuda"
+
+
+def test_layer_outside_the_loss_contributes_zero():
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 5)
+            self.used = nn.Linear(5, 3)
+            self.unused = nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.body(x))
+            return self.used(h), self.unused(h)
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x = torch.randn(6, 4)
+    with PerSampleStats(model, loss_reduction="sum") as stats:
+        out, _ = model(x)
+        out.pow(2).sum().backward()
+        batch = stats.gradient_batch()
+        summed = stats.weighted_sum(torch.ones(6))
+        for name in ("unused.weight", "unused.bias"):
+            assert summed[name].abs().max() == 0
+            assert stats.total()[name].abs().max() == 0
+        torch.testing.assert_close(batch.weighted_sum(torch.ones(6)), batch.total())
+        model_only_used = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert set(model_only_used) == {"body.weight", "body.bias", "used.weight", "used.bias"}

@@ -95,10 +95,10 @@ def small_cnn1d() -> nn.Module:
     )
 
 
-def run_and_compare(model, inputs, targets, loss, reduction, tools, masks_needed=False):
+def run_and_compare(model, inputs, targets, loss, reduction, tools, masks_needed=False, **options):
     """Hooked forward/backward vs the torch.func reference on the same batch."""
     masks, handles = tools.record_dropout_masks(model)
-    with PerSampleStats(model, loss_reduction=reduction) as stats:
+    with PerSampleStats(model, loss_reduction=reduction, **options) as stats:
         batch_loss(loss(model(inputs), targets), reduction).backward()
         for handle in handles:
             handle.remove()
@@ -198,3 +198,26 @@ def test_batchnorm_training_mode_treats_batch_statistics_as_constants(reference_
     err_sum = reference_tools.relative_error(batch.weighted_sum(weights)[d_first:], weights @ tail)
     assert max(err_dot, err_sum) <= 1e-6, (err_dot, err_sum)
     stats.close()
+
+
+class Gain(nn.Module):
+    """A custom layer with its own parameter and a child layer: no rule for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.inner(x) * self.gain
+
+
+def test_torch_func_fallback_for_layers_without_rules(reference_tools):
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 6), nn.PReLU(6), Gain(), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    with pytest.raises(ValueError, match="torch_func_fallback=True"):
+        PerSampleStats(model)
+    run_and_compare(
+        model, x, y, classification_loss, "mean", reference_tools, torch_func_fallback=True
+    )

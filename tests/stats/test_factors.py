@@ -24,6 +24,17 @@ def check_factor(factor, dense: torch.Tensor, seed: int) -> None:
     torch.testing.assert_close(factor.dot(vectors), flat @ vectors.reshape(3, -1).T)
     expected = (weights.T @ flat).reshape(2, *dense.shape[1:])
     torch.testing.assert_close(factor.weighted_sum(weights), expected)
+    torch.testing.assert_close(factor.weighted_sum(weights[:, :1]), expected[:1])
+    # into views of a larger flat buffer, as HookGradientBatch does: contiguous for k = 1,
+    # strided for k = 2
+    n = flat.shape[1]
+    for k in (1, 2):
+        buffer = torch.full((k, n + 3), float("nan"), dtype=dense.dtype)
+        view = buffer[:, 1 : n + 1].view(k, *dense.shape[1:])
+        returned = factor.weighted_sum(weights[:, :k], out=view)
+        torch.testing.assert_close(view, expected[:k])
+        torch.testing.assert_close(returned, expected[:k])
+        assert buffer[:, 0].isnan().all() and buffer[:, n + 1 :].isnan().all()
 
 
 @SETTINGS

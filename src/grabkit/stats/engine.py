@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from grabkit.stats.factors import ParameterFactor
+from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
@@ -75,6 +76,9 @@ class PerSampleStats:
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
             (``grabkit.stats.rules.register_rule``), and no parameter may be shared by two layers.
         loss_reduction: ``"mean"`` or ``"sum"``, how the batch loss combines the examples.
+        torch_func_fallback: layers with trainable parameters but no rule get their per-example
+            gradients by ``torch.func`` (materialised for that layer only; see
+            ``grabkit.stats.fallback``) instead of an error at attach time.
 
     Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
     ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
@@ -91,7 +95,9 @@ class PerSampleStats:
     per-example gradient is the sum over the calls).
     """
 
-    def __init__(self, model: nn.Module, loss_reduction: str = "mean") -> None:
+    def __init__(
+        self, model: nn.Module, loss_reduction: str = "mean", *, torch_func_fallback: bool = False
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
         if loss_reduction not in _LOSS_REDUCTIONS:
@@ -112,7 +118,8 @@ class PerSampleStats:
         self.param_shapes: dict[str, torch.Size] = {
             name: p.shape for name, p in model.named_parameters() if p.requires_grad
         }
-        self._layers = self._find_layers(model, names)
+        self.torch_func_fallback = bool(torch_func_fallback)
+        self._layers = self._find_layers(model, names, self.torch_func_fallback)
         self._handles: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._new_step()
@@ -131,7 +138,9 @@ class PerSampleStats:
                 )
 
     @staticmethod
-    def _find_layers(model: nn.Module, names: dict[int, str]) -> list[_TrackedLayer]:
+    def _find_layers(
+        model: nn.Module, names: dict[int, str], fallback: bool
+    ) -> list[_TrackedLayer]:
         owner: dict[int, str] = {}
         layers: list[_TrackedLayer] = []
         seen: set[int] = set()
@@ -156,13 +165,16 @@ class PerSampleStats:
             seen.add(id(module))
             rule = find_rule(module)
             label = module_name or "<root>"
+            if rule is None and fallback:
+                rule = TorchFuncFallbackRule()
             if rule is None:
                 raise ValueError(
                     f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
                     f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
                     f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
                     f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
-                    f"with grabkit.stats.register_rule({type(module).__name__}, rule)."
+                    f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
+                    f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
                 )
             rule.check(module)
             params = {local: names[id(p)] for local, p in own.items()}

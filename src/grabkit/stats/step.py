@@ -58,15 +58,18 @@ class StepStatistics:
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
 
+    @torch.no_grad()
     def total(self) -> torch.Tensor:
         """(d,) sum_i g_i in the flat layout: the batch gradient autograd computed, rescaled."""
         flat = torch.cat([g.reshape(-1) for g in self.batch_gradients.values()])
         return flat.mul_(self.scale) if self.scale != 1.0 else flat
 
+    @torch.no_grad()
     def total_named(self) -> dict[str, torch.Tensor]:
         """{name: sum_i g_i}."""
         return {name: g * self.scale for name, g in self.batch_gradients.items()}
 
+    @torch.no_grad()
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 (the Gram diagonal when the Gram matrix was already read)."""
         if self._norms is None:
@@ -79,6 +82,7 @@ class StepStatistics:
                 self._norms = total * self.scale**2
         return self._norms
 
+    @torch.no_grad()
     def gram(self) -> torch.Tensor:
         """(B, B) <g_i, g_j>."""
         if self._gram is None:
@@ -88,6 +92,7 @@ class StepStatistics:
             self._gram = total * self.scale**2
         return self._gram
 
+    @torch.no_grad()
     def dot_stacked(self, vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """(B, k) <g_i, v_j> for k vectors given as name -> (k, *shape); absent names are zero."""
         k = next(iter(vectors.values())).shape[0] if vectors else 1
@@ -98,6 +103,7 @@ class StepStatistics:
                 total = total + factor.dot(v).to(self.stat_dtype)
         return total * self.scale
 
+    @torch.no_grad()
     def weighted_sum_stacked(
         self, weights: torch.Tensor, out: Mapping[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
