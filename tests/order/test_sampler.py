@@ -590,3 +590,10 @@ def test_stateful_dataloader_resume(num_workers):
     assert all(sorted(e) == list(range(n)) for e in resumed[1:])
     if num_workers == 0:  # nothing in flight at the snapshot: exact
         assert resumed[1:] == full[2:]
+
+
+@pytest.mark.parametrize("kwargs", [{"balance_type": "sign"}, {"projection": "gaussian"}])
+def test_hook_mode_rejects_coordinate_needs_at_construction(kwargs):
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="hook mode"):
+        GraBSampler(range(4), model=model, **kwargs)

@@ -269,11 +269,6 @@ class GraBSampler(Sampler[int]):
                 )
             params = trainable_params
         self.dim = self._param_dim(params, model)
-        self.stats = stats
-        if model is not None and stats is None:
-            from grabkit.stats import PerSampleStats
-
-            self.stats = PerSampleStats(model, loss_reduction=loss_reduction)
         options: dict[str, Any] = {
             "recursive": {"depth": depth},
             "ema": {"ema_decay": ema_decay},
@@ -299,6 +294,22 @@ class GraBSampler(Sampler[int]):
             self.n, seed=seed, rule=self.rule, random_first_epoch=bool(random_first_epoch),
             **options,
         )  # fmt: skip
+        self.stats = stats
+        if model is not None and stats is None:
+            if self.ordering.needs_coordinates or self.projection_kind is not None:
+                what = (
+                    f'balance_type="{balance_type}"'
+                    if self.ordering.needs_coordinates
+                    else "a random projection"
+                )
+                raise ValueError(
+                    f"{what} needs dense per-example gradients, but model= selects hook mode, "
+                    "which reads inner products only. Pass the per-example gradients to step() "
+                    "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
+                )
+            from grabkit.stats import PerSampleStats
+
+            self.stats = PerSampleStats(model, loss_reduction=loss_reduction)
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
         self._epoch = 0
