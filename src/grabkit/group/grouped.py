@@ -314,7 +314,8 @@ def infer_output_lengths(
     kwargs = dict(kwargs or {})
     length_dims = tuple(length_dims)
     cache = _probe_cache.setdefault(module, {}) if isinstance(module, nn.Module) else {}
-    signature = (tuple(example.shape), example.dtype, length_dims, pass_mask)
+    fixed = tuple(-1 if d in length_dims else size for d, size in enumerate(example.shape))
+    signature = (fixed, example.dtype, length_dims, pass_mask)
     distinct, index = torch.unique(lengths, dim=0, return_inverse=True)
     shapes = []
     for sizes in map(tuple, distinct.tolist()):
