@@ -370,3 +370,18 @@ def test_padding_given_to_group_survives_moves_keys_and_regrouping() -> None:
     moved.regroup(UniGrouper())
     full = moved.data_groups[0].value
     assert full[0, 1:].eq(5.0).all() and full[2, 2:].eq(5.0).all() and full[1].eq(1.0).all()
+
+
+def test_building_a_grouped_collection_directly() -> None:
+    groups = [torch.arange(6.0).reshape(2, 3), torch.arange(4.0).reshape(2, 2)]
+    dc = DataCollection(
+        "(B, L_s)",
+        data_groups=groups,
+        length_info={"s": [[3, 1], [2, 2]]},
+        data_partition=[[3, 0], [1, 2]],
+    )
+    assert len(dc) == 4 and dc.lengths["s"].tolist() == [1, 2, 2, 3]
+    dc.ungroup()
+    assert [d.value.tolist() for d in dc.data_list] == [[3.0], [0.0, 1.0], [2.0, 3.0], [0, 1, 2]]
+    with pytest.raises(ValueError, match="length_info"):
+        DataCollection("(B, L_s)", data_groups=groups)
