@@ -355,7 +355,7 @@ def backward_by_group(
         warn_if_batch_coupled(module, len(batch.plan))
     scale = 1.0 / len(batch) if reduction == "mean" else 1.0
     masks = batch.group_masks() if pass_mask else [None] * len(batch.plan)
-    total = torch.zeros(())
+    total: Tensor | None = None
     for x, mask, items in zip(batch.group_inputs(), masks, batch.plan.groups, strict=False):
         out = _call(module, x, mask, (), {})[: len(items)]
         losses = loss_fn(out, items)
@@ -366,5 +366,5 @@ def backward_by_group(
             )
         loss = losses.sum() * scale
         loss.backward()
-        total = total + loss.detach().cpu()
-    return total
+        total = loss.detach() if total is None else total + loss.detach()  # no host sync
+    return total if total is not None else torch.zeros(())
