@@ -133,6 +133,10 @@ def test_memory_warning_for_kernels_and_gradient_tables(monkeypatch):
     list(sampler)
     with pytest.warns(ResourceWarning, match="one gradient per example"):
         sampler.step(torch.randn(3, 50))
+    tree = GraBSampler(range(6), balance_type="recursive", depth=3)
+    list(tree)
+    with pytest.warns(ResourceWarning, match="15 running sums"):
+        tree.step(torch.randn(3, 50))
 
 
 def test_balance_type_accepts_an_enum_member():

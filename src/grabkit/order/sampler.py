@@ -320,7 +320,14 @@ class GraBSampler(Sampler[int]):
         self._token = 0
 
     # -- configuration helpers --------------------------------------------------------------
-    def _setup_projection(self, projection, projection_dim, random_projection, pi_eps, kron_order):
+    def _setup_projection(
+        self,
+        projection: str | Callable[[torch.Tensor], torch.Tensor] | None,
+        projection_dim: int | None,
+        random_projection: str | None,
+        pi_eps: float,
+        kron_order: int,
+    ) -> None:
         if random_projection is not None:
             if random_projection not in _GRAB_SAMPLER_PROJECTIONS:
                 raise ValueError(

@@ -8,6 +8,7 @@ import torch
 
 from grabkit.order.orderings.base import Ordering, balance_combinations, check_state_keys
 from grabkit.order.orderings.centred import StaleMean
+from grabkit.order.orderings.store import warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["RecursiveBalance"]
@@ -44,6 +45,12 @@ class RecursiveBalance(Ordering):
 
     def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         if self.acc is None:
+            warn_memory(
+                f'balance_type="recursive" with depth={self.depth} keeps {self.num_nodes} running '
+                f"sums of {batch.dim} numbers: that",
+                self.num_nodes * batch.dim * batch.dtype.itemsize,
+                "Lower depth=, or pass projection= to shrink the gradients first.",
+            )
             self.acc = torch.zeros(
                 self.num_nodes, batch.dim, dtype=batch.dtype, device=batch.device
             )
