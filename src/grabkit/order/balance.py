@@ -44,6 +44,7 @@ __all__ = [
     "SignRule",
     "apply_update",
     "balance_dense_blocks",
+    "epoch_generator",
     "fetch_inner_products",
     "run_recursion",
 ]

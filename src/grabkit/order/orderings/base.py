@@ -29,6 +29,10 @@ from grabkit.order.balance import (
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = [
+    "PURPOSE_FIRST_EPOCH",
+    "PURPOSE_RESHUFFLE",
+    "PURPOSE_SHUFFLE_ONCE",
+    "PURPOSE_WITH_REPLACEMENT",
     "FrontBackOrder",
     "Ordering",
     "balance_combinations",

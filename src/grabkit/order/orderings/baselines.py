@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
+from grabkit.order.balance import epoch_generator
 from grabkit.order.orderings.base import (
     PURPOSE_RESHUFFLE,
     PURPOSE_SHUFFLE_ONCE,
     PURPOSE_WITH_REPLACEMENT,
     Ordering,
-    epoch_generator,
     random_permutation,
 )
 

@@ -19,7 +19,7 @@ from grabkit.order.orderings.base import (
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
-__all__ = ["CentredBalance", "StaleMean"]
+__all__ = ["CentredBalance", "StaleMean", "dense_rows"]
 
 
 class StaleMean:

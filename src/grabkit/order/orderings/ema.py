@@ -9,7 +9,7 @@ import torch
 from grabkit.order.orderings.centred import CentredBalance
 from grabkit.stats.gradient_batch import GradientBatch
 
-__all__ = ["EMABalance", "VectorEMA"]
+__all__ = ["EMABalance", "VectorEMA", "check_rate"]
 
 
 class VectorEMA:
