@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests.order.reference import ReferenceBalancer
 
 import grabkit.order.balance as balance_module
@@ -110,3 +112,29 @@ def test_rule_rejects_bad_constant():
         SignRule(True, c=0.0)
     with pytest.raises(ValueError, match="prob_balance_c"):
         SignRule(True, c="big")
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kind=st.sampled_from(["mean", "pair", "recursive", "sign", "adamean", "norm", "greedy"]),
+    cuts=st.lists(st.integers(1, 6), min_size=1, max_size=8),
+    probabilistic=st.booleans(),
+    seed=st.integers(0, 100),
+)
+def test_sequential_orderings_ignore_how_an_epoch_is_cut_into_batches(
+    kind, cuts, probabilistic, seed
+):
+    """The sequential rule sees one example at a time, so batch boundaries cannot matter."""
+    n = sum(cuts)
+    X = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    whole = GraBSampler(range(n), balance_type=kind, prob_balance=probabilistic, depth=2)
+    pieces = GraBSampler(range(n), balance_type=kind, prob_balance=probabilistic, depth=2)
+    for _ in range(3):
+        order = list(whole)
+        assert list(pieces) == order
+        whole.step(X[order])
+        start = 0
+        for b in cuts:
+            pieces.step(X[order[start : start + b]])
+            start += b
+    assert list(whole) == list(pieces)
