@@ -119,7 +119,7 @@ class PairScore(AnnotatedModule):
 def test_two_length_dims_masks_are_and_and_results_match() -> None:
     torch.manual_seed(1)
     shapes = [(2, 5), (4, 1), (1, 3), (3, 3), (5, 2)]
-    xs = [torch.randn(a, b, 3) for a, b in shapes]
+    xs = [torch.randn(a, b, 3, requires_grad=True) for a, b in shapes]
     dc = DataCollection("(B, L_row, L_col, M_f)", xs)
     dc.group(PredefinedGrouper([[0, 2], [1, 3, 4]]))
     mask = dc.get_mask(1, mask_hint=["row", "col"])
@@ -134,10 +134,17 @@ def test_two_length_dims_masks_are_and_and_results_match() -> None:
     module = PairScore()
     out = dc.apply(module, mask_hint=["a", "b"])  # explicit hint overrides the module's
     out.ungroup()
+    loss, ref_loss = 0, 0
     for d, x in zip(out.data_list, xs, strict=True):
         ref = module(x[None], torch.ones(1, *x.shape[:2]))
         torch.testing.assert_close(d["scores"].value, ref["scores"][0], **TOL)
         torch.testing.assert_close(d["total"].value, ref["total"][0], **TOL)
+        loss = loss + d["scores"].value.square().sum() + d["total"].value
+        ref_loss = ref_loss + ref["scores"].square().sum() + ref["total"].sum()
+    params = [*xs, *module.parameters()]
+    grads = torch.autograd.grad(loss, params)
+    for a, b in zip(grads, torch.autograd.grad(ref_loss, params), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 def test_nested_data_with_structured_padding_and_key_conversion() -> None:
@@ -149,8 +156,8 @@ def test_nested_data_with_structured_padding_and_key_conversion() -> None:
     pairs = [(4, 2), (2, 5), (6, 1), (3, 3)]
     data = [
         {
-            "protein": {"p": torch.randn(r, 5), "R": torch.randn(r, 3, 3)},
-            "ligand": {"m": torch.randn(a, 2)},
+            "protein": {"p": torch.randn(r, 5, requires_grad=True), "R": torch.randn(r, 3, 3)},
+            "ligand": {"m": torch.randn(a, 2, requires_grad=True)},
         }
         for r, a in pairs
     ]
@@ -184,10 +191,22 @@ def test_nested_data_with_structured_padding_and_key_conversion() -> None:
     }
     out = dc.apply(Cross(), input_key_conv=conv)
     out.ungroup()
+    leaves = [t for item in data for t in (item["protein"]["p"], item["ligand"]["m"])]
+    weights = [torch.randn(r, a) for r, a in pairs]
+    refs = []
     for d, item, (r, a) in zip(out.data_list, data, pairs, strict=True):
         ref = item["protein"]["p"].sum(-1)[:, None] * item["ligand"]["m"].sum(-1)[None, :]
         assert d.value.shape == (r, a)
         torch.testing.assert_close(d.value, ref, **TOL)
+        refs.append(ref)
+    grads = torch.autograd.grad(
+        sum((d.value * w).sum() for d, w in zip(out.data_list, weights, strict=True)), leaves
+    )
+    ref_grads = torch.autograd.grad(
+        sum((r * w).sum() for r, w in zip(refs, weights, strict=True)), leaves
+    )
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
     # regroup on the other length keeps the identity padding; ungroup restores the items
     dc.regroup(LengthThresholdGrouper("atm", [2]))
