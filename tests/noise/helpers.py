@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-from sklearn.datasets import load_digits
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -28,6 +27,8 @@ def make_model(seed: int = 0, hidden: int = 12) -> nn.Module:
 
 @lru_cache(maxsize=1)
 def digits(n: int = 1200) -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits  # here: spawned DDP ranks never need it
+
     x, y = load_digits(return_X_y=True)
     return (
         torch.as_tensor(x[:n] / 16.0, dtype=torch.float64),

@@ -13,18 +13,24 @@ confidence interval.
 """
 
 from grabkit.noise.accumulation import AccumulationNoiseScale
+from grabkit.noise.alf import GradientNoiseScaleEstimator
 from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.ddp import DDPNoiseScale
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.microbatch import MicrobatchNoiseScale
+from grabkit.noise.per_example import PerExampleNoiseScale
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker, ratio_interval
 
 __all__ = [
     "AccumulationNoiseScale",
     "BiasCorrectedEMA",
+    "DDPNoiseScale",
+    "GradientNoiseScaleEstimator",
     "MicrobatchNoiseScale",
     "NoiseScaleResult",
     "NoiseScaleTracker",
+    "PerExampleNoiseScale",
     "ratio_interval",
     "two_batch_estimates",
 ]

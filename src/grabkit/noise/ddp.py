@@ -1,0 +1,159 @@
+"""Noise scale under DistributedDataParallel, for free: local norms against the all-reduced norm.
+
+DDP already computes both gradients of the two-batch identity. Before the all-reduce, each bucket
+holds the rank's local mean gradient g_r over its n_r examples; after it, the average
+G_R = (1/R) sum_r g_r. Averaging |g_r|^2 over ranks gives E = |G|^2 + tr(Sigma) / H with H the
+harmonic mean of the n_r, and E |G_R|^2 = |G|^2 + tr(Sigma) / (R H), so
+``two_batch_estimates(mean_r |g_r|^2, H, |G_R|^2, R H)`` is unbiased.
+
+A DDP communication hook takes the squared norms of each bucket's parameters before and after the
+all-reduce (which it performs as DDP's default hook does: divide by the world size, then SUM,
+since gloo has no AVG). ``observe_step`` then all-reduces one small vector per step (one entry per
+parameter block, plus the example counts); nothing of gradient size is communicated beyond DDP's
+own all-reduce. Under ``no_sync`` the hook does not run and gradients accumulate locally; the next
+synchronised backward carries the whole local accumulation, so pass the examples of all those
+microbatches as the step's count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from grabkit.noise.identities import two_batch_estimates
+from grabkit.noise.microbatch import _check_count
+from grabkit.noise.result import NoiseScaleResult
+from grabkit.noise.tracker import NoiseScaleTracker
+
+__all__ = ["DDPNoiseScale"]
+
+
+class DDPNoiseScale:
+    """Gradient noise scale of a ``DistributedDataParallel`` model via a communication hook.
+
+    Usage (every rank)::
+
+        model = DistributedDataParallel(net)
+        gns = DDPNoiseScale(model, update_rate=0.01)    # registers the comm hook
+        for x, y in loader:
+            loss_fn(model(x), y).backward()              # mean loss over the local batch
+            result = gns.observe_step(len(x))            # local examples of this step
+            optimizer.step(); optimizer.zero_grad()
+
+    Args:
+        model: the DDP-wrapped model (its comm hook slot must be free: DDP allows one hook).
+        update_rate, window, confidence: as in ``MicrobatchNoiseScale``.
+        grad_scaler: a ``torch.amp.GradScaler`` multiplying the losses; its scale is divided out
+            (call ``observe_step`` before ``grad_scaler.update()``).
+
+    The loss must be the mean over each rank's local examples (DDP then averages the ranks).
+    """
+
+    def __init__(
+        self,
+        model: DistributedDataParallel,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"DDPNoiseScale expects a DistributedDataParallel model, but got "
+                f"{type(model).__name__}; wrap it first (or use AccumulationNoiseScale)"
+            )
+        self.process_group = model.process_group
+        self.world_size = dist.get_world_size(self.process_group)
+        if self.world_size < 2:
+            raise ValueError(
+                f"DDPNoiseScale needs at least 2 processes, but the process group has "
+                f"{self.world_size}; use AccumulationNoiseScale in a single process"
+            )
+        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        self.block_names = tuple(name for name, _ in named)
+        self._block_of = {id(p): i for i, (_, p) in enumerate(named)}
+        self._device = named[0][1].device
+        self.tracker = NoiseScaleTracker(update_rate, window, confidence, self.block_names)
+        self.grad_scaler = grad_scaler
+        # (block indices, squared norms) per bucket; appended from hook and callback threads
+        self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        model.register_comm_hook(state=None, hook=self._hook)
+
+    @staticmethod
+    def _squares(views: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.dot(v.reshape(-1), v.reshape(-1)) for v in views]).double()
+
+    # no annotations: DDP compares them to the real classes, and postponed ones are strings
+    def _hook(self, _state, bucket):  # (None, dist.GradBucket) -> Future[torch.Tensor]
+        params = bucket.parameters()
+        index = torch.tensor([self._block_of[id(p)] for p in params], device=self._device)
+        self._local.append((index, self._squares(bucket.gradients())))
+        numels = [p.numel() for p in params]
+        buffer = bucket.buffer()
+        buffer.div_(self.world_size)
+        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+
+        def record(fut: torch.futures.Future) -> torch.Tensor:
+            reduced = fut.value()[0]
+            self._reduced.append((index, self._squares(list(reduced.split(numels)))))
+            return reduced
+
+        return work.get_future().then(record)
+
+    def _per_block(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        out = torch.zeros(len(self.block_names), dtype=torch.float64, device=self._device)
+        for index, values in parts:
+            out.index_add_(0, index, values)
+        return out
+
+    def observe_step(self, count: float) -> NoiseScaleResult | None:
+        """Fold in the step whose synchronised backward just ran; ``count`` = local examples.
+
+        Collective: every rank must call it, once per synchronised backward. Steps with
+        non-finite norms (an overflowing loss scale) are skipped; None until a finite one.
+        """
+        count = _check_count(count)
+        if not self._reduced:
+            raise RuntimeError(
+                "no synchronised backward since the last observe_step(); call it after the "
+                "backward that ran outside no_sync()"
+            )
+        seen = torch.cat([index for index, _ in self._local]).bincount()
+        if int(seen.max()) > 1:
+            self._local, self._reduced = [], []
+            raise RuntimeError(
+                f"DDP synchronised gradients {int(seen.max())} times since the last "
+                "observe_step(); call observe_step(count) after every synchronised backward, and "
+                "run both forward and backward of accumulated microbatches inside no_sync()"
+            )
+        local, reduced = self._per_block(self._local), self._per_block(self._reduced)
+        self._local, self._reduced = [], []
+        scale_sq = 1.0
+        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
+            scale_sq = float(self.grad_scaler.get_scale()) ** 2
+        extra = torch.tensor([1.0 / count, count], dtype=torch.float64, device=self._device)
+        summed = torch.cat([local, extra])
+        dist.all_reduce(summed, group=self.process_group)  # one small vector per step
+        mean_local = summed[:-2] / self.world_size / scale_sq
+        harmonic = self.world_size / float(summed[-2])
+        grad_norm, trace = two_batch_estimates(
+            mean_local, harmonic, reduced / scale_sq, self.world_size * harmonic
+        )
+        if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
+            self.tracker.update(grad_norm, trace, float(summed[-1]))
+        return self.estimate
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        """The current ``NoiseScaleResult``, or None before the first finite step."""
+        return self.tracker.result() if self.tracker.observations else None
+
+    def state_dict(self) -> dict:
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"tracker"}:
+            raise ValueError(f"DDPNoiseScale state has keys {sorted(state)}, expected ['tracker']")
+        self.tracker.load_state_dict(state["tracker"])

@@ -1,0 +1,146 @@
+"""Noise scale from per-example gradient norms: the two-batch identity with b_small = 1.
+
+With per-example gradients g_1..g_B of one batch and its mean gradient G_B,
+mean_i |g_i|^2 estimates |G|^2 + tr(Sigma) (batches of one) and |G_B|^2 estimates
+|G|^2 + tr(Sigma) / B, so ``two_batch_estimates(mean_i |g_i|^2, 1, |G_B|^2, B)`` gives unbiased
+|G|^2 and tr(Sigma) (the latter is the sample variance of the g_i, summed over coordinates).
+
+The per-example squared norms come from ``grabkit.stats.PerSampleStats`` (layer hooks, no
+per-example gradient is ever built) or from any other source as plain tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from grabkit.noise.identities import two_batch_estimates
+from grabkit.noise.result import NoiseScaleResult
+from grabkit.noise.tracker import NoiseScaleTracker
+
+if TYPE_CHECKING:
+    from grabkit.stats import PerSampleStats
+
+__all__ = ["PerExampleNoiseScale"]
+
+
+class PerExampleNoiseScale:
+    """B_simple from per-example squared gradient norms and the batch gradient's squared norm.
+
+    Args:
+        update_rate: EMA weight of the newest step (or example, with window="examples"),
+            with the meaning of ALF's ``ScalarEMAverager(update_rate)``.
+        window: "steps" or "examples", the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        block_names: names of the P blocks when norms are given per block.
+    """
+
+    def __init__(
+        self,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+    ) -> None:
+        self.tracker = NoiseScaleTracker(update_rate, window, confidence, block_names)
+
+    @staticmethod
+    def step_estimates(
+        norms_sq: torch.Tensor, batch_grad_norm_sq: torch.Tensor | float, grad_scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One batch's unbiased (|G|^2, tr Sigma) per block and its size B, without averaging.
+
+        Args:
+            norms_sq: (B,) or (B, P) squared norms |g_i|^2 of each example's loss gradient
+                (per block when (B, P)).
+            batch_grad_norm_sq: scalar or (P,) squared norm of the batch's *mean* gradient.
+            grad_scale: a loss scale that multiplies every gradient (GradScaler); divided out.
+        """
+        if not isinstance(norms_sq, torch.Tensor) or norms_sq.ndim not in (1, 2):
+            shape = tuple(norms_sq.shape) if isinstance(norms_sq, torch.Tensor) else norms_sq
+            raise ValueError(f"norms_sq should be a (B,) or (B, P) tensor, but got {shape}")
+        batch = norms_sq.shape[0]
+        if batch < 2:
+            raise ValueError(f"norms_sq needs at least 2 examples, but got a batch of {batch}")
+        if not grad_scale > 0:
+            raise ValueError(f"grad_scale should be positive, but got grad_scale={grad_scale}")
+        per_block = norms_sq.to(torch.float64).reshape(batch, -1)
+        small = per_block.mean(0) / grad_scale**2
+        big = torch.as_tensor(batch_grad_norm_sq, dtype=torch.float64).reshape(-1)
+        big = big.to(small.device) / grad_scale**2
+        if big.shape != small.shape:
+            raise ValueError(
+                f"batch_grad_norm_sq has {big.numel()} block entries but norms_sq has "
+                f"{small.numel()} per example; pass both per block or both as totals"
+            )
+        grad_norm, trace = two_batch_estimates(small, 1.0, big, float(batch))
+        return grad_norm, trace, batch
+
+    def observe(
+        self,
+        norms_sq: torch.Tensor,
+        batch_grad_norm_sq: torch.Tensor | float,
+        grad_scale: float = 1.0,
+    ) -> NoiseScaleResult | None:
+        """Fold one batch in (arguments as in ``step_estimates``) and return the estimate.
+
+        Batches with non-finite norms (an overflowing loss scale) are skipped; returns None
+        until the first finite one.
+        """
+        grad_norm, trace, batch = self.step_estimates(norms_sq, batch_grad_norm_sq, grad_scale)
+        if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
+            self.tracker.update(grad_norm, trace, batch)
+        return self.estimate
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        """The current ``NoiseScaleResult``, or None before the first finite batch."""
+        return self.tracker.result() if self.tracker.observations else None
+
+    @classmethod
+    def for_stats(cls, stats: PerSampleStats, **kwargs: object) -> PerExampleNoiseScale:
+        """An estimator with one block per trainable parameter of ``stats``' model."""
+        return cls(block_names=tuple(stats.param_shapes), **kwargs)
+
+    def observe_stats(
+        self, stats: PerSampleStats, grad_scale: float = 1.0
+    ) -> NoiseScaleResult | None:
+        """Fold in the batch that ``stats`` (a ``grabkit.stats.PerSampleStats``) just measured.
+
+        Call after ``loss.backward()``. Blocks are the model's trainable parameters when this
+        estimator was made with ``for_stats``, else one total block.
+        """
+        step = stats.statistics()
+        batch = step.batch_size
+        names = tuple(step.param_shapes)
+        totals = step.total_named()
+        mean_sq = torch.stack([(totals[n].to(torch.float64) / batch).pow(2).sum() for n in names])
+        if self.tracker.block_names == names:
+            norms = torch.stack(
+                [
+                    torch.zeros(batch, dtype=torch.float64, device=step.device)
+                    if step.factors[n] is None
+                    else step.factors[n].norms_squared().to(torch.float64) * step.scale**2
+                    for n in names
+                ],
+                dim=1,
+            )
+            return self.observe(norms, mean_sq, grad_scale)
+        if len(self.tracker.block_names) != 1:
+            raise ValueError(
+                f"this estimator tracks blocks {self.tracker.block_names}, which are not the "
+                f"model's parameters {names}; build it with PerExampleNoiseScale.for_stats(stats)"
+            )
+        return self.observe(stats.norms_squared(), mean_sq.sum(), grad_scale)
+
+    def state_dict(self) -> dict:
+        return {"tracker": self.tracker.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"tracker"}:
+            raise ValueError(
+                f"PerExampleNoiseScale state has keys {sorted(state)}, expected ['tracker']"
+            )
+        self.tracker.load_state_dict(state["tracker"])
