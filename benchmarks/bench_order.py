@@ -19,6 +19,7 @@ from __future__ import annotations
 import gzip
 import importlib
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -224,33 +225,47 @@ def herding_table(G: torch.Tensor, epochs: int, batch: int) -> list[str]:
         "|---|" + "---:|" * (len(shown) + 1),
     ]
     print("\n".join(lines), flush=True)
-    results: dict[str, list[float] | str] = {}
+    reference = math.nan  # rr's last-epoch bound; rr comes first
     for label, config in ORDERING_CONFIGS.items():
         try:
-            results[label] = epoch_bounds(G, config, epochs, batch)
+            bounds = epoch_bounds(G, config, epochs, batch)
         except Exception as error:  # an ordering that cannot run here is reported, not fatal
-            results[label] = f"{type(error).__name__}: {error}"
-    reference = results["rr"][-1] if isinstance(results["rr"], list) else math.nan
-    for label, bounds in results.items():
-        if isinstance(bounds, str):
-            lines.append(f"| {label} | not run: {bounds[:120]} |")
+            lines.append(f"| {label} | not run: {type(error).__name__}: {str(error)[:100]} |")
         else:
+            if label == "rr":
+                reference = bounds[-1]
             cells = " | ".join(f"{bounds[e - 1]:.2f}" for e in shown)
             lines.append(f"| {label} | {cells} | {reference / bounds[-1]:.1f}x |")
         print(lines[-1], flush=True)
     return lines
 
 
+def parse_threads(argv: list[str]) -> int | None:
+    """``--threads=N`` sets torch's intra-op threads (on a loaded machine 1 avoids thrashing)."""
+    for arg in argv:
+        if arg.startswith("--threads="):
+            value = arg.removeprefix("--threads=")
+            if not value.isdigit() or int(value) <= 0:
+                raise SystemExit(f"--threads should be a positive integer, but got {value!r}")
+            return int(value)
+    return None
+
+
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
+    threads = parse_threads(argv)
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     machine = machine_description()
+    flags = " ".join(a for a in argv if a == "--quick" or a.startswith("--threads="))
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     out = [
         "# Example ordering",
         "",
-        f"Machine: {machine}",
+        f"Machine: {machine}; load average at start (1, 5, 15 min): {load}",
         "",
-        f"Command: `{COMMAND}{' --quick' if quick else ''}`",
+        f"Command: `{COMMAND}{' ' + flags if flags else ''}`",
         "",
         "## Balancing time per batch",
         "",
