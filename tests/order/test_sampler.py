@@ -597,3 +597,21 @@ def test_hook_mode_rejects_coordinate_needs_at_construction(kwargs):
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="hook mode"):
         GraBSampler(range(4), model=model, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["pair", "recursive", "ema", "recursive-pair", "norm"])
+def test_non_finite_anywhere_in_the_batch_is_rejected(kind):
+    sampler = GraBSampler(range(40), balance_type=kind, depth=2)
+    list(sampler)
+    sampler.step(torch.randn(4, 3))
+    before = sampler.state_dict()
+    bad = torch.randn(33, 3)
+    bad[-1, 0] = float("inf")  # the last row: pair balance's odd one out, the last CPU block
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        sampler.step(bad)
+    after = sampler.state_dict()
+    assert after["stepped"] == before["stepped"]
+    for key in ("acc", "rule"):
+        if key in before["ordering"]:
+            assert torch.equal(before["ordering"][key], after["ordering"][key])
+    assert torch.equal(before["rule"]["generator"], after["rule"]["generator"])

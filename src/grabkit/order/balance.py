@@ -19,9 +19,9 @@ s_k = s_0 + sum_{l<k} eps_l z_l, the value <s_k, z_k> = <s_0, z_k> + sum_{l<k} e
 is exactly what a sequential loop computes, so the decisions are those of the sequential rule.
 
 On the CPU there is no host synchronisation to save, and the B x B Gram matrix costs B/2 times
-the work of the sequential loop; dense CPU batches therefore go through ``balance_dense_blocks``,
-the same recursion on blocks of ``CPU_BLOCK_ROWS`` vectors with the running sums updated between
-blocks: the same decisions for a fraction of the arithmetic.
+the work of the sequential loop; dense CPU batches therefore run the same algebra on blocks of
+``CPU_BLOCK_ROWS`` vectors, the running sums moving between blocks: the same decisions for a
+fraction of the arithmetic (``grabkit.order.orderings.base.balance_combinations``).
 
 Several accumulators are supported at once (the nodes of a recursive-balance tree): a decision
 at node j updates only s_j, and with ``depth > 0`` every vector walks from the root to a leaf,
@@ -43,7 +43,6 @@ __all__ = [
     "HostProducts",
     "SignRule",
     "apply_update",
-    "balance_dense_blocks",
     "epoch_generator",
     "fetch_inner_products",
     "run_recursion",
@@ -52,8 +51,8 @@ __all__ = [
 #: the walk's uniforms are drawn from the generator this many at a time
 UNIFORM_BLOCK = 256
 
-#: dense CPU batches are balanced this many vectors at a time (see ``balance_dense_blocks``);
-#: 0 sends them through the one-transfer path like device batches
+#: dense CPU batches are balanced this many vectors at a time; 0 sends them through the
+#: one-transfer path like device batches
 CPU_BLOCK_ROWS = 16
 
 NON_FINITE_HELP = (
@@ -281,36 +280,3 @@ def apply_update(
             accumulators.device, accumulators.dtype
         )
         accumulators += fw @ fixed.to(accumulators.dtype)
-
-
-def balance_dense_blocks(
-    Z: torch.Tensor,
-    accumulators: torch.Tensor,
-    rule: SignRule,
-    *,
-    depth: int = 0,
-    block: int = CPU_BLOCK_ROWS,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Balance the rows of a dense Z (k, d) against ``accumulators`` (r, d), ``block`` at a time.
-
-    Each block runs ``run_recursion`` on its own products Z_b S^T and Z_b Z_b^T and then moves the
-    sums by coef @ Z_b, so every decision sees the sums left by all earlier vectors: the
-    sequential rule, with about (block + 3) k d multiply-adds instead of k^2 d / 2.
-    The caller checks Z for NaN / Inf first.
-
-    Returns:
-        signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
-    """
-    signs, leaves = [], []
-    for start in range(0, Z.shape[0], block):
-        Zb = Z[start : start + block].to(accumulators.dtype)
-        b, r = Zb.shape[0], accumulators.shape[0]
-        products = torch.cat([(Zb @ accumulators.T).reshape(-1), (Zb @ Zb.T).reshape(-1)])
-        products = products.to(torch.float64).numpy()
-        values, kernel = products[: b * r].reshape(b, r), products[b * r :].reshape(b, b)
-        uniforms = rule.uniforms(Zb.shape[0] * (depth + 1))
-        s, leaf, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
-        accumulators += torch.from_numpy(coef).to(accumulators.dtype) @ Zb
-        signs.append(s)
-        leaves.append(leaf)
-    return np.concatenate(signs), np.concatenate(leaves)

@@ -19,9 +19,9 @@ import torch
 import grabkit.order.balance as balance_module
 from grabkit.order.balance import (
     NON_FINITE_HELP,
+    HostProducts,
     SignRule,
     apply_update,
-    balance_dense_blocks,
     epoch_generator,
     fetch_inner_products,
     run_recursion,
@@ -160,29 +160,6 @@ def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
     )
 
 
-def _materialise(
-    X: torch.Tensor,
-    weights: np.ndarray | None,
-    fixed: torch.Tensor | None,
-    fixed_weights: np.ndarray | None,
-) -> torch.Tensor:
-    """Z = W X - U F as a dense (k, d) tensor, after checking X and F are finite."""
-    # a sum is NaN or Inf as soon as one entry is (one fast pass, no temporary)
-    total = X.sum() if fixed is None else X.sum() + fixed.sum()
-    if not bool(torch.isfinite(total)):
-        raise ValueError(NON_FINITE_HELP)
-    if weights is None:
-        Z = X
-    else:  # W has a couple of nonzeros per row: gather and add them, nnz * d work
-        rows, cols = np.nonzero(weights)
-        coefficients = torch.from_numpy(weights[rows, cols]).to(X.dtype)
-        Z = X.new_zeros(weights.shape[0], X.shape[1])
-        Z.index_add_(0, torch.from_numpy(rows), X[torch.from_numpy(cols)] * coefficients[:, None])
-    if fixed is not None and fixed_weights is not None:
-        Z = Z - torch.from_numpy(fixed_weights).to(X.dtype) @ fixed.to(X.dtype)
-    return Z
-
-
 def balance_combinations(
     batch: GradientBatch,
     accumulators: torch.Tensor,
@@ -195,46 +172,92 @@ def balance_combinations(
     sequential: bool = True,
     before_update: Any = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``, one host sync
-    (dense CPU batches: in blocks, see ``grabkit.order.balance.balance_dense_blocks``).
+    """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
+
+    Device batches and hook statistics: one host transfer for the whole batch. Dense CPU
+    batches have no transfer to save, and there the (B, B) Gram matrix would cost B/2 times the
+    sequential loop's arithmetic, so their vectors are taken ``CPU_BLOCK_ROWS`` at a time, each
+    block reading only its own rows of X and seeing the sums left by the blocks before it: the
+    same decisions for a fraction of the work.
 
     Args:
         batch: B per-example gradients x_i.
         accumulators: (r, d) running signed sums, updated in place (r = 1, or a heap-ordered tree
             of 2^(depth+1) - 1 nodes).
-        weights: W (k, B); None means the identity (z_i = x_i - ...).
+        weights: W (k, B); None means the identity (z_i = x_i - ...). Each row's nonzeros must
+            lie at or after those of the row before (true of every balancer here).
         fixed: (f, d) fixed vectors v_f (a centre, a carried-over example), with U (k, f) in
             ``fixed_weights``.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
-        before_update: a callable run after the products were checked finite and before anything
-            changes, so that a rejected batch leaves every piece of state untouched.
+        before_update: a callable run once the whole batch was checked finite, so that a rejected
+            batch leaves every piece of state untouched.
     Returns:
         signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
     """
-    if sequential and _dense_on_cpu(batch, accumulators) and balance_module.CPU_BLOCK_ROWS > 0:
-        Z = _materialise(batch.matrix, weights, fixed, fixed_weights)
+    W = np.eye(batch.size) if weights is None else weights
+    U = np.zeros((W.shape[0], 0 if fixed is None else fixed.shape[0]))
+    if fixed_weights is not None:
+        U = fixed_weights
+    block = balance_module.CPU_BLOCK_ROWS
+    if not (sequential and block > 0 and _dense_on_cpu(batch, accumulators)):
+        products = fetch_inner_products(
+            batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
+        )
         if before_update is not None:
             before_update()
-        return balance_dense_blocks(
-            Z, accumulators, rule, depth=depth, block=balance_module.CPU_BLOCK_ROWS
-        )
-    r = accumulators.shape[0]
-    f = 0 if fixed is None else fixed.shape[0]
-    vectors = accumulators if fixed is None else torch.cat([accumulators, fixed.to(accumulators)])
-    products = fetch_inner_products(batch, vectors, num_fixed=f, need_gram=sequential)
+        return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
+    # dense CPU: blocks of balance vectors over contiguous row ranges of X
+    saved_sums, saved_rule = accumulators.clone(), rule.state_dict()
+    signs, leaves = [], []
+    try:
+        unused = torch.from_numpy(np.abs(W).sum(axis=0) == 0)  # e.g. pair balance's odd one out
+        if unused.any() and not bool(torch.isfinite(batch.matrix[unused].sum())):
+            raise ValueError(NON_FINITE_HELP)
+        for k0 in range(0, W.shape[0], block):
+            Wb, Ub = W[k0 : k0 + block], U[k0 : k0 + block]
+            used = np.flatnonzero(np.abs(Wb).sum(axis=0))
+            lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
+            rows = DenseGradientBatch(batch.matrix[lo:hi])
+            products = fetch_inner_products(rows, _stack(accumulators, fixed), num_fixed=U.shape[1])
+            s, leaf = _decide_and_update(
+                rows, products, accumulators, rule, Wb[:, lo:hi], fixed, Ub, depth
+            )
+            signs.append(s)
+            leaves.append(leaf)
+    except ValueError:  # a non-finite block: undo the blocks before it
+        accumulators.copy_(saved_sums)
+        rule.load_state_dict(saved_rule)
+        raise
     if before_update is not None:
         before_update()
-    W = np.eye(batch.size) if weights is None else weights
+    return np.concatenate(signs), np.concatenate(leaves)
+
+
+def _stack(accumulators: torch.Tensor, fixed: torch.Tensor | None) -> torch.Tensor:
+    return accumulators if fixed is None else torch.cat([accumulators, fixed.to(accumulators)])
+
+
+def _decide_and_update(
+    batch: GradientBatch,
+    products: HostProducts,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    W: np.ndarray,
+    fixed: torch.Tensor | None,
+    U: np.ndarray,
+    depth: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The host half of a balancing step: products -> signs, then one update of the sums."""
+    r = accumulators.shape[0]
     xs, xf = products.xv[:, :r], products.xv[:, r:]
     fs, ff = products.fv[:, :r], products.fv[:, r:]
-    U = np.zeros((W.shape[0], f)) if fixed_weights is None else fixed_weights
     values = W @ xs - U @ fs  # (k, r): <s_j, z_k>
     kernel = None
-    if sequential:
+    if products.gram is not None:
         wxf_u = W @ xf @ U.T
         kernel = W @ products.gram @ W.T - wxf_u - wxf_u.T + U @ ff @ U.T  # (k, k): <z_k, z_l>
     uniforms = rule.uniforms(W.shape[0] * (depth + 1))
     signs, leaves, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
-    apply_update(accumulators, batch, (coef @ W).T, fixed, -(coef @ U) if f else None)
+    apply_update(accumulators, batch, (coef @ W).T, fixed, -(coef @ U) if U.shape[1] else None)
     return signs, leaves

@@ -39,21 +39,24 @@ class RecursivePairBalance(Ordering):
         if self.acc is not None:
             self.acc.zero_()
 
-    def _ensure_nodes(self, batch: GradientBatch) -> None:
+    def _node_sums(self, batch: GradientBatch) -> torch.Tensor:
+        """The node sums, grown with zeros to cover this batch's tree (not stored yet)."""
         levels = max(1, (batch.size - 1).bit_length())
         needed = 2**levels - 1
         if self.acc is None:
-            self.acc = torch.zeros(needed, batch.dim, dtype=batch.dtype, device=batch.device)
-        elif self.acc.shape[0] < needed:
+            return torch.zeros(needed, batch.dim, dtype=batch.dtype, device=batch.device)
+        if self.acc.shape[0] < needed:
             grow = self.acc.new_zeros(needed - self.acc.shape[0], self.acc.shape[1])
-            self.acc = torch.cat([self.acc, grow])
+            return torch.cat([self.acc, grow])
+        return self.acc
 
     def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
-        self._ensure_nodes(batch)
-        products = fetch_inner_products(batch, self.acc, need_gram=True)
-        coef = np.zeros((self.acc.shape[0], batch.size))
+        acc = self._node_sums(batch)
+        products = fetch_inner_products(batch, acc, need_gram=True)
+        self.acc = acc
+        coef = np.zeros((acc.shape[0], batch.size))
         rows = self._solve(list(range(batch.size)), 0, products, coef)
-        apply_update(self.acc, batch, coef.T)
+        apply_update(acc, batch, coef.T)
         index_list = indices.tolist()
         self.batch_orders.append([index_list[r] for r in rows])
 
