@@ -68,6 +68,15 @@ def test_same_seed_same_map_other_seed_other_map(kind):
 
 
 @pytest.mark.parametrize("kind", PROJECTION_KINDS)
+def test_same_numbers_in_every_dtype(kind):
+    # drawn once in float32 on the CPU, then cast: float64 sees the float32 map exactly
+    X = torch.randn(3, 40, dtype=torch.float64)
+    single = make_projection(kind, 40, 6, seed=7)(X.float())
+    double = make_projection(kind, 40, 6, seed=7, dtype=torch.float64)(X)
+    torch.testing.assert_close(double.float(), single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", PROJECTION_KINDS)
 def test_shapes_and_dtype_follow_input(kind):
     p = make_projection(kind, 30, 6, seed=0)
     assert p(torch.randn(4, 30)).shape == (4, 6)
