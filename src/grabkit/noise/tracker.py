@@ -35,12 +35,12 @@ def ratio_interval(
 
     The estimates are taken as jointly normal with the given (co)variances. The interval is the
     set of ratios R with (T - R G)^2 <= z^2 Var(T - R G); it is bounded only when the denominator
-    is significantly non-zero, otherwise ``(-inf, inf)`` is returned.
+    (|G|^2, positive in truth) is significantly positive, otherwise ``(-inf, inf)`` is returned.
     """
     z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
     z2 = z * z
     a = denominator * denominator - z2 * var_denominator
-    if a <= 0.0:
+    if denominator <= 0.0 or a <= 0.0:
         return (-math.inf, math.inf)
     half_b = numerator * denominator - z2 * covariance
     c = numerator * numerator - z2 * var_numerator
