@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 
@@ -404,3 +405,66 @@ def test_building_a_grouped_collection_directly() -> None:
     assert [d.value.tolist() for d in dc.data_list] == [[3.0], [0.0, 1.0], [2.0, 3.0], [0, 1, 2]]
     with pytest.raises(ValueError, match="length_info"):
         DataCollection("(B, L_s)", data_groups=groups)
+
+
+def test_protein_ligand_scenario_with_copies_and_abbreviated_dims() -> None:
+    """Two ragged entities per item, regrouped on either length, copied under a new key."""
+    annot = {
+        "protein": {"p": "(B, L_res, M_1)", "R": "(B, L_res, 3, 3)", "t": "(B, L_res, 3)"},
+        "ligand": {"m": "(B, L_atm, M_2)", "t": "(B, L_atm, 3)"},
+    }
+    sizes = [(10, 3), (20, 6), (12, 20)]
+    data = [
+        {
+            "protein": {"p": torch.rand(r, 8), "R": torch.rand(r, 3, 3), "t": torch.rand(r, 3)},
+            "ligand": {"m": torch.rand(a, 4), "t": torch.rand(a, 3)},
+        }
+        for r, a in sizes
+    ]
+    dc = DataCollection(annot, data_list=data)
+    identity = {"protein": {"R": CDimPadder(torch.eye(3))}}
+    dc.group(grouper=LengthThresholdGrouper("res", [15]), padding=identity)
+    assert dc.data_partition == [[0, 2], [1]]
+    dc.regroup(grouper=LengthThresholdGrouper("atm", [10]))
+    assert dc.data_partition == [[0, 1], [2]]
+    R = dc["protein"].data_groups[0]["R"].value
+    assert R.shape == (2, 20, 3, 3) and torch.equal(R[0, 10:], torch.eye(3).expand(10, 3, 3))
+    dc["duplicate"] = copy.deepcopy(dc)
+    other = copy.deepcopy(dc)
+    other.regroup(UniGrouper())
+    with pytest.raises(IncompatibleDataCollectionError):
+        dc["another"] = other
+
+    class Pairwise(AnnotatedModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 5), nn.Linear(4, 5)
+
+        def forward(self, d):
+            x1, x2 = self.a(d["objects1"]["feature"]), self.b(d["objects2"]["feature"])
+            return torch.einsum("bih,bjh->bij", x1, x2)
+
+        def get_input_annot(self):
+            return {
+                "objects1": {"feature": "(b, .., m_1)"},
+                "objects2": {"feature": "(b, .2., m_2)"},
+            }
+
+        def get_output_annot(self):
+            return "(b, .., .2.)"
+
+    conv = {
+        "protein": ("objects1", {"p": ("feature", None)}),
+        "ligand": ("objects2", {"m": ("feature", None)}),
+    }
+    module = Pairwise()
+    result = dc.apply(module, input_key_conv=conv)
+    result.ungroup()
+    for got, item in zip(result.data_list, data, strict=True):
+        ref = module(
+            {
+                "objects1": {"feature": item["protein"]["p"][None]},
+                "objects2": {"feature": item["ligand"]["m"][None]},
+            }
+        )[0]
+        torch.testing.assert_close(got.value, ref, **TOL)

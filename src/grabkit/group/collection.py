@@ -742,12 +742,14 @@ class DataCollection:
         self.shapesig_data[key] = sub.shapesig_data
         self._lengths.update(sub._lengths)
         self._dirty = self._dirty or sub._dirty
+        others = {k: v for k, v in self.shapesig_data.items() if k != key}
+        theirs = sub.preset_padding or _padding_tree(sub.shapesig_data, None)
         if self.preset_padding is not None or sub.preset_padding is not None:
-            mine = self.preset_padding or _padding_tree(
-                {k: v for k, v in self.shapesig_data.items() if k != key}, None
-            )
-            mine[key] = sub.preset_padding or _padding_tree(sub.shapesig_data, None)
-            self.preset_padding = mine
+            self.preset_padding = dict(self.preset_padding or _padding_tree(others, None))
+            self.preset_padding[key] = theirs
+        if self._active_padding is not None:
+            self._active_padding = dict(self._active_padding)
+            self._active_padding[key] = sub._active_padding or theirs
 
     @classmethod
     def from_dict(cls, collections: Mapping[str, DataCollection]) -> DataCollection:
