@@ -615,3 +615,41 @@ def test_non_finite_anywhere_in_the_batch_is_rejected(kind):
         if key in before["ordering"]:
             assert torch.equal(before["ordering"][key], after["ordering"][key])
     assert torch.equal(before["rule"]["generator"], after["rule"]["generator"])
+
+
+def test_grab_sampler_readme_verbatim_with_torchopt():
+    """The grab-sampler README loop, its '...' filled in, with only the import changed."""
+    torchopt = pytest.importorskip("torchopt")
+    from torch.func import grad_and_value
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    dataset = TensorDataset(torch.randn(16, 5), torch.randint(0, 3, (16,)))
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    optimizer = torchopt.sgd(lr=0.1)
+    opt_state = optimizer.init(params)
+
+    sampler = GraBSampler(dataset, params)
+    dataloader = DataLoader(dataset, sampler=sampler)
+
+    def compute_loss(model, loss_fn, params, buffers, inputs, targets):
+        prediction = functional_call(model, (params, buffers), (inputs,))
+        return loss_fn(prediction, targets)
+
+    ft_compute_sample_grad_and_loss = vmap(
+        grad_and_value(partial(compute_loss, model, loss_fn)), in_dims=(None, None, 0, 0)
+    )
+    orders = []
+    for _epoch in range(3):
+        for _, (x, y) in enumerate(dataloader):
+            ft_per_sample_grads, _batch_loss = ft_compute_sample_grad_and_loss(
+                params, buffers, x, y
+            )
+            sampler.step(ft_per_sample_grads)
+            grads = {k: g.mean(dim=0) for k, g in ft_per_sample_grads.items()}
+            updates, opt_state = optimizer.update(grads, opt_state, params=params)
+            params = torchopt.apply_updates(params, updates)
+        orders.append(sampler.order.tolist())
+    assert all(sorted(o) == list(range(16)) for o in orders)
