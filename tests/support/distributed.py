@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,10 @@ def run_distributed(
     fn: Callable[[int, int, Any], Any], world_size: int, payload: Any = None, timeout: float = 120.0
 ) -> list[Any]:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, payload)``; results by rank."""
+    # spawned children rebuild sys.path from the parent's: make test modules importable there
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if repo_root not in sys.path:
+        sys.path.insert(0, repo_root)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

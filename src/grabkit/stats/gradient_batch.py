@@ -108,7 +108,8 @@ class DenseGradientBatch:
         return self.matrix.sum(dim=0)  # (d,)
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        return weights.T.to(self.dtype) @ self.matrix  # (d,) or (k, d)
+        w = weights.to(self.dtype)
+        return (w if w.ndim == 1 else w.mT) @ self.matrix  # (d,) or (k, d)
 
 
 def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:
