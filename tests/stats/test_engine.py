@@ -310,3 +310,11 @@ def test_layer_outside_the_loss_contributes_zero():
         torch.testing.assert_close(batch.weighted_sum(torch.ones(6)), batch.total())
         model_only_used = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert set(model_only_used) == {"body.weight", "body.bias", "used.weight", "used.bias"}
+
+
+def test_layer_called_on_batches_of_different_sizes_is_reported():
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        (model(torch.randn(3, 4)).sum() + model(torch.randn(5, 4)).sum()).backward()
+        with pytest.raises(ValueError, match="same examples in every call"):
+            stats.norms_squared()

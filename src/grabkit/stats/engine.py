@@ -9,7 +9,9 @@ dots, Gram matrices and weighted sums are computed on read, layer by layer, from
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
 
 The first forward pass (with grad enabled) after a backward starts a new step and drops the
-previous step's references.
+previous step's references, so the statistics always describe the latest backward's batch
+(with gradient accumulation over micro-batches: the latest micro-batch). Forward passes under
+``torch.no_grad()`` or inside ``torch.func`` transforms are ignored.
 """
 
 from __future__ import annotations
@@ -234,7 +236,9 @@ class PerSampleStats:
             self._warned.add(module)
             warnings.warn(f"layer {layer.name!r}: {layer.rule.training_mode_warning}", stacklevel=2)
         layer_input = args[0] if args else next(iter(kwargs.values()))
-        call = _Call(layer.rule.capture(module, layer_input.detach()))
+        if isinstance(layer_input, torch.Tensor):
+            layer_input = layer_input.detach()  # a reference, not a copy
+        call = _Call(layer.rule.capture(module, layer_input))
         layer.calls.append(call)
         output.register_hook(functools.partial(self._on_output_grad, call))
 
@@ -261,23 +265,25 @@ class PerSampleStats:
         return self._statistics
 
     def _batch_size(self) -> int:
-        sizes = {
-            layer.name: call.output_grad.shape[0]
-            for layer in self._layers
-            for call in layer.calls
-            if call.output_grad is not None
-        }
+        sizes: dict[str, list[int]] = {}
+        for layer in self._layers:
+            for call in layer.calls:
+                if call.output_grad is not None:
+                    sizes.setdefault(layer.name, []).append(call.output_grad.shape[0])
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
                 "loss.backward() before reading."
             )
-        if len(set(sizes.values())) > 1:
+        distinct = {size for per_layer in sizes.values() for size in per_layer}
+        if len(distinct) > 1:
             raise ValueError(
-                f"layers saw different batch sizes in dim 0 ({sizes}); PerSampleStats needs "
-                f"the batch in dim 0 of every layer's input (use batch_first layouts)."
+                f"layers saw different batch sizes in dim 0 ({sizes}, per layer and call); "
+                f"PerSampleStats needs the batch in dim 0 of every layer's input (use "
+                f"batch_first layouts) and, for a layer called several times, the same "
+                f"examples in every call."
             )
-        return next(iter(sizes.values()))
+        return distinct.pop()
 
     def _check_gradients_came_through_layers(self) -> None:
         for layer in self._layers:
