@@ -62,9 +62,10 @@ class AccumulationNoiseScale:
         self._params = [p for _, p in named]
         self._square: list[torch.Tensor | None] = [None] * len(named)
         self._cross: list[torch.Tensor | None] = [None] * len(named)
-        self._micro_squares: list[torch.Tensor] = []  # per microbatch, (P,), loss-scale removed
+        self._device = self._params[0].device
+        # per microbatch of this step: (squares, cross terms, loss scale squared), and counts
+        self._micro_parts: list[tuple[list, list, float]] = []
         self._micro_counts: list[float] = []
-        self._step_cross: torch.Tensor | None = None  # sum over microbatches of (P,) cross terms
         self._handles = [p.register_hook(self._make_hook(i, p)) for i, p in enumerate(self._params)]
 
     def _make_hook(self, index: int, param: torch.Tensor):
@@ -82,16 +83,6 @@ class AccumulationNoiseScale:
 
         return hook
 
-    def _collect(self, parts: list[torch.Tensor | None]) -> torch.Tensor:
-        values = [
-            torch.zeros((), dtype=torch.float64, device=p.device)
-            if v is None
-            else v.to(torch.float64)
-            for v, p in zip(parts, self._params, strict=True)
-        ]
-        device = values[0].device
-        return torch.stack([v.to(device) for v in values])
-
     def _loss_scale_sq(self) -> float:
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
             return 1.0
@@ -99,15 +90,18 @@ class AccumulationNoiseScale:
 
     def end_microbatch(self, count: float) -> None:
         """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count."""
-        count = _check_count(count)
-        scale_sq = self._loss_scale_sq()
-        square = self._collect(self._square) / scale_sq
-        cross = self._collect(self._cross) / scale_sq
+        self._micro_counts.append(_check_count(count))
+        self._micro_parts.append((self._square, self._cross, self._loss_scale_sq()))
         self._square = [None] * len(self._params)
         self._cross = [None] * len(self._params)
-        self._micro_squares.append(square)
-        self._micro_counts.append(count)
-        self._step_cross = cross if self._step_cross is None else self._step_cross + cross
+
+    def _stack(self, rows: list[list[torch.Tensor | None]]) -> torch.Tensor:
+        """(K, P) float64 from per-microbatch lists of per-block scalars (None: no gradient)."""
+        zero = torch.zeros((), dtype=torch.float64, device=self._device)
+        flat = [
+            zero if v is None else v.to(self._device, torch.float64) for row in rows for v in row
+        ]
+        return torch.stack(flat).reshape(len(rows), len(self._params))
 
     def end_step(self) -> NoiseScaleResult | None:
         """Close the step: fold its estimate into the averages and return the current result.
@@ -120,16 +114,18 @@ class AccumulationNoiseScale:
                 "a backward pass ran after the last end_microbatch(); call "
                 "end_microbatch(count) after every microbatch's backward()"
             )
-        squares, counts = self._micro_squares, self._micro_counts
-        cross = self._step_cross
-        self._micro_squares, self._micro_counts, self._step_cross = [], [], None
-        if not counts:
+        parts, counts = self._micro_parts, self._micro_counts
+        self._micro_parts, self._micro_counts = [], []
+        if len(counts) < 2:
             return self.estimator.estimate
+        scale_sq = torch.tensor([s for _, _, s in parts], dtype=torch.float64, device=self._device)
+        squares = self._stack([sq for sq, _, _ in parts]) / scale_sq[:, None]  # |d_k|^2
+        crosses = self._stack([cr for _, cr, _ in parts]) / scale_sq[:, None]
+        step_sq = squares.sum(0) + 2.0 * crosses.sum(0)  # |sum_k d_k|^2
         total = sum(counts)
-        step_sq = torch.stack(squares).sum(0) + 2.0 * cross
-        for square, count in zip(squares, counts, strict=True):
-            # the increment is (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
-            self.estimator.observe_microbatch(square * (total / count) ** 2, count)
+        # the increment is d_k = (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
+        share = torch.tensor(counts, dtype=torch.float64, device=self._device) / total
+        self.estimator.observe_microbatches(squares / share[:, None] ** 2, counts)
         return self.estimator.observe_step(step_sq)
 
     @property

@@ -68,7 +68,18 @@ class MicrobatchNoiseScale:
     def observe_microbatch(self, grad_norm_sq: torch.Tensor | float, count: float) -> None:
         """Record |g_k|^2 of one microbatch's mean gradient, over ``count`` examples."""
         self._micro_counts.append(_check_count(count))
-        self._micro_norms.append(torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1))
+        self._micro_norms.append(torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(1, -1))
+
+    def observe_microbatches(self, grad_norm_sq: torch.Tensor, counts: Sequence[float]) -> None:
+        """Record several microbatches at once: (K,) or (K, P) norms and K example counts."""
+        norms = torch.as_tensor(grad_norm_sq, dtype=torch.float64)
+        if norms.ndim not in (1, 2) or norms.shape[0] != len(counts):
+            raise ValueError(
+                f"grad_norm_sq should be (K,) or (K, P) with K = len(counts) = {len(counts)}, "
+                f"but got shape {tuple(norms.shape)}"
+            )
+        self._micro_counts.extend(_check_count(c) for c in counts)
+        self._micro_norms.append(norms.reshape(len(counts), -1))
 
     def step_estimates(
         self, grad_norm_sq: torch.Tensor | float
@@ -81,10 +92,10 @@ class MicrobatchNoiseScale:
         self._micro_norms, self._micro_counts = [], []
         if len(counts) < 2:
             return None
+        stacked = torch.cat([n.to(norms[0].device) for n in norms])  # (K, P)
         total = sum(counts)
-        weights = torch.tensor([c / total for c in counts], dtype=torch.float64)
-        stacked = torch.stack([n.to(weights.device) for n in norms])  # (K, P)
-        small = (weights.to(stacked.device)[:, None] * stacked).sum(0)
+        weights = torch.tensor(counts, dtype=torch.float64, device=stacked.device) / total
+        small = (weights[:, None] * stacked).sum(0)
         big = torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1).to(small.device)
         if big.shape != small.shape:
             raise ValueError(

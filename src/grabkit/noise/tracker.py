@@ -80,8 +80,9 @@ class NoiseScaleTracker:
         self.window = window
         self.confidence = float(confidence)
         self.block_names = tuple(str(n) for n in block_names)
-        self._blocks = BiasCorrectedEMA(update_rate)  # (2, P): rows |G|^2 and tr(Sigma)
-        self._moments = BiasCorrectedEMA(update_rate)  # (3,): G^2, T^2, G*T of the totals
+        # one EMA over (2P + 3,): |G|^2 per block, tr(Sigma) per block, then G^2, T^2 and G*T of
+        # the totals (the second moments behind the interval)
+        self._ema = BiasCorrectedEMA(update_rate)
         self._weight_sq_sum = 0.0  # sum of squared EMA weights, for the effective sample size
         self.observations = 0
         self.examples = 0.0
@@ -89,7 +90,7 @@ class NoiseScaleTracker:
 
     @property
     def update_rate(self) -> float:
-        return self._blocks.update_rate
+        return self._ema.update_rate
 
     def update(
         self,
@@ -116,8 +117,7 @@ class NoiseScaleTracker:
         weight = float(examples) if self.window == "examples" else 1.0
         g_total, t_total = g.sum(), t.sum()
         moments = torch.stack([g_total * g_total, t_total * t_total, g_total * t_total])
-        self._blocks.update(torch.stack([g, t]), weight=weight)
-        self._moments.update(moments, weight=weight)
+        self._ema.update(torch.cat([g, t, moments]), weight=weight)
         decay = math.pow(1.0 - self.update_rate, weight)
         self._weight_sq_sum = decay * decay * self._weight_sq_sum + (1.0 - decay) ** 2
         self.observations += 1
@@ -129,16 +129,17 @@ class NoiseScaleTracker:
         """Kish's effective number of observations behind the EMA: (sum w)^2 / sum w^2."""
         if self.observations == 0:
             return 0.0
-        return self._blocks.count_weight**2 / self._weight_sq_sum
+        return self._ema.count_weight**2 / self._weight_sq_sum
 
     def result(self) -> NoiseScaleResult:
         """The current averages, B_simple and its interval; raises before the first update."""
         if self.observations == 0:
             raise RuntimeError("no step observed yet: the noise scale needs at least one step")
-        blocks = self._blocks.value.cpu()
-        block_g, block_t = blocks[0], blocks[1]
+        p = len(self.block_names)
+        values = self._ema.value.cpu()
+        block_g, block_t = values[:p], values[p : 2 * p]
         g, t = float(block_g.sum()), float(block_t.sum())
-        g2, t2, gt = self._moments.value.cpu().tolist()
+        g2, t2, gt = values[2 * p :].tolist()
         n_eff = self.effective_count
         if n_eff > 1.0 + 1e-9:
             scale = 1.0 / (n_eff - 1.0)  # weighted variance, reliability-weights correction
@@ -166,8 +167,7 @@ class NoiseScaleTracker:
             "window": self.window,
             "confidence": self.confidence,
             "block_names": list(self.block_names),
-            "blocks": self._blocks.state_dict(),
-            "moments": self._moments.state_dict(),
+            "averages": self._ema.state_dict(),
             "weight_sq_sum": self._weight_sq_sum,
             "observations": self.observations,
             "examples": self.examples,
@@ -178,8 +178,7 @@ class NoiseScaleTracker:
             "window",
             "confidence",
             "block_names",
-            "blocks",
-            "moments",
+            "averages",
             "weight_sq_sum",
             "observations",
             "examples",
@@ -197,8 +196,7 @@ class NoiseScaleTracker:
             raise ValueError(f"state has an unknown window {state['window']!r}")
         self.window = state["window"]
         self.confidence = float(state["confidence"])
-        self._blocks.load_state_dict(state["blocks"])
-        self._moments.load_state_dict(state["moments"])
+        self._ema.load_state_dict(state["averages"])
         self._weight_sq_sum = float(state["weight_sq_sum"])
         self.observations = int(state["observations"])
         self.examples = float(state["examples"])
