@@ -17,7 +17,7 @@ __all__ = ["build_parser", "main"]
 
 # defaults, repeated from grabkit.demo.DemoOptions so --help works without the demo extras
 _DEMO_DEFAULTS = {
-    "epochs": 10,
+    "epochs": 8,
     "seeds": 3,
     "orderings": "rr,mean,pair",
     "models": "logreg,mlp",

@@ -63,7 +63,7 @@ def _check_names(option: str, names: tuple[str, ...], allowed: tuple[str, ...]) 
 class DemoOptions:
     """The demo's settings (the command line's options); invalid values raise ValueError."""
 
-    epochs: int = 10
+    epochs: int = 8
     seeds: int = 3
     orderings: tuple[str, ...] = ("rr", "mean", "pair")
     models: tuple[str, ...] = ("logreg", "mlp")
