@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from grabkit.cli import main
+from grabkit.cli import build_parser, main
 from grabkit.demo import DemoOptions, MissingDemoDependency, run_demo
 from grabkit.demo.deps import require
 from grabkit.demo.digits import load_digits_split, make_model
@@ -178,3 +178,17 @@ def test_missing_demo_dependency_names_the_install_command(monkeypatch, tmp_path
     with pytest.raises(MissingDemoDependency, match="scikit-learn"):
         monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
         require("sklearn.datasets", "scikit-learn")
+
+
+def test_command_line_defaults_are_the_demo_defaults():
+    args = build_parser().parse_args(["demo"])
+    defaults = DemoOptions()
+    assert (args.epochs, args.seeds, args.batch_size, args.lr) == (
+        defaults.epochs,
+        defaults.seeds,
+        defaults.batch_size,
+        defaults.lr,
+    )
+    assert tuple(args.orderings.split(",")) == defaults.orderings
+    assert tuple(args.models.split(",")) == defaults.models
+    assert args.out == str(defaults.out)
