@@ -36,7 +36,7 @@ COMMAND = ".venv/bin/python benchmarks/run.py order"
 
 GRAB_SAMPLER_INSTALL = (
     "`pip install grab-sampler torch==2.13.0` fails: grab-sampler 0.1.3 requires torch-sparse, "
-    "which has no wheel for torch 2.13 and whose source build stops with "
+    "which PyPI ships as source only, and its build stops with "
     "`ModuleNotFoundError: No module named 'torch'` (\"Failed to build 'torch-sparse' when "
     'getting requirements to build wheel"). Without it, `import grabsampler` fails '
     "(it imports torch_sparse, absl, pandas at import time)."
