@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from grabkit.stats import PerSampleStats
@@ -221,3 +223,26 @@ def test_torch_func_fallback_for_layers_without_rules(reference_tools):
     run_and_compare(
         model, x, y, classification_loss, "mean", reference_tools, torch_func_fallback=True
     )
+
+
+# The fixtures (float64 default dtype, reference helpers) hold no per-example state.
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batch=st.integers(1, 4),
+    length=st.integers(1, 5),
+    width=st.integers(1, 6),
+    hidden=st.integers(1, 9),
+    reduction=st.sampled_from(["mean", "sum"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_sequence_models_match_reference(
+    batch, length, width, hidden, reduction, seed, reference_tools
+):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(width, hidden), nn.LayerNorm(hidden), nn.Tanh(), nn.Linear(hidden, 3)
+    )
+    x, y = torch.randn(batch, length, width), torch.randint(0, 3, (batch, length))
+    run_and_compare(model, x, y, sequence_loss, reduction, reference_tools)

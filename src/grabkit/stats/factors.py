@@ -78,10 +78,6 @@ class ParameterFactor(Protocol):
         """The factor of g_i + h_i, where ``other`` holds h_i from another call of the layer."""
         ...
 
-    def select(self, rows: torch.Tensor) -> ParameterFactor:
-        """The factor of the examples ``rows`` (a 1-D index tensor) only."""
-        ...
-
 
 class PerExampleFactor:
     """Per-example gradients held outright as a (B, *param_shape) tensor.
@@ -108,9 +104,6 @@ class PerExampleFactor:
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = weights.to(self.grads.dtype).T @ self.grads  # (k, n)
         return _deliver(rows.reshape(weights.shape[1], *self.param_shape), out)
-
-    def select(self, rows: torch.Tensor) -> ParameterFactor:
-        return PerExampleFactor(self.grads[rows], self.param_shape)
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, PerExampleFactor):
@@ -251,11 +244,6 @@ class OuterProductFactor:
             blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
         return _deliver(blocks.reshape(k, *self.param_shape), out)
 
-    def select(self, rows: torch.Tensor) -> ParameterFactor:
-        return OuterProductFactor(
-            self.inputs[rows], self.output_grads[rows], self.param_shape, self.strategy
-        )
-
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, OuterProductFactor):
             raise TypeError(f"cannot merge OuterProductFactor with {type(other).__name__}")
@@ -316,9 +304,6 @@ class EmbeddingFactor:
         rows = self.output_grads.new_zeros(k, *self.param_shape)
         rows.index_add_(1, self.indices.reshape(-1), values.reshape(k, -1, self.param_shape[1]))
         return _deliver(rows, out)
-
-    def select(self, rows: torch.Tensor) -> ParameterFactor:
-        return EmbeddingFactor(self.indices[rows], self.output_grads[rows], self.param_shape)
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, EmbeddingFactor):

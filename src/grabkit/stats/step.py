@@ -114,7 +114,6 @@ class StepStatistics:
         """
         k = weights.shape[1]
         w = weights * self.scale  # (B, k): cheaper than scaling any gradient factor
-        two_valued = self._two_valued(w) if k == 1 else None
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
@@ -122,51 +121,8 @@ class StepStatistics:
             if factor is None:
                 zeros = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
                 sums[name] = zeros if target is None else target.copy_(zeros)
-            elif two_valued is not None and name in self.batch_gradients:
-                sums[name] = self._two_valued_sum(name, factor, *two_valued, target)
             elif target is not None:
                 sums[name] = factor.weighted_sum(w, out=target)
             else:
                 sums[name] = factor.weighted_sum(w).to(self.dtype)
         return sums
-
-    @staticmethod
-    def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
-        """For (B, 1) weights taking at most two values: (rows of the rarer value a, a, other b).
-
-        Signed sums (every GraB update: weights +-1) are then sum_i w_i g_i =
-        b sum_i g_i + (a - b) sum_{w_i = a} g_i, where sum_i g_i is the batch gradient autograd
-        already computed, so only the rarer rows (at most B / 2) go through a GEMM.
-        """
-        values, counts = torch.unique(w[:, 0], return_counts=True)
-        if values.numel() > 2:
-            return None
-        if values.numel() == 1:
-            return w.new_zeros(0, dtype=torch.long), 0.0, float(values[0])
-        rare = int(torch.argmin(counts))
-        a, b = float(values[rare]), float(values[1 - rare])
-        return torch.nonzero(w[:, 0] == a).squeeze(1), a, b
-
-    def _two_valued_sum(
-        self,
-        name: str,
-        factor: ParameterFactor,
-        rows: torch.Tensor,
-        a: float,
-        b: float,
-        target: torch.Tensor | None,
-    ) -> torch.Tensor:
-        total = self.batch_gradients[name]  # sum_i g_i / scale
-        shape = (1, *self.param_shapes[name])
-        if target is None:
-            target = torch.empty(shape, dtype=self.dtype, device=self.device)
-        if rows.numel():
-            weights = torch.full(
-                (rows.numel(), 1), a - b, dtype=self.stat_dtype, device=rows.device
-            )
-            factor.select(rows).weighted_sum(weights, out=target)
-            if b != 0.0:
-                target.add_(total.reshape(shape), alpha=b)
-        else:
-            torch.mul(total.reshape(shape), b, out=target)
-        return target
