@@ -27,7 +27,8 @@ def train_and_measure(rank: int, world_size: int, payload: dict) -> list[dict]:
             # no_sync must cover the forward too: DDP decides at forward time
             with ddp.no_sync() if i < k - 1 else contextlib.nullcontext():
                 (per_example_loss(ddp, xs[i], ys[i]).mean() / k).backward()
-        result = gns.observe_step(x.shape[2])
+        gns.observe_step(x.shape[2])
+        result = gns.estimate  # waits for this step's small all-reduce
         out.append(
             {
                 "grad_norm_sq": result.block_grad_norm_sq.tolist(),

@@ -1,10 +1,9 @@
 """Measure microbatch gradient norms with hooks while gradients accumulate; no extra pass.
 
 A hook on each parameter sees the increment d_k that the k-th backward adds to ``.grad``, before
-it is added. From it the hook takes |d_k|^2 and the cross term <d_k, .grad so far>, so that at the
-end of the step both the microbatch norms and the norm of the accumulated gradient
-|sum_k d_k|^2 = sum_k (|d_k|^2 + 2 <d_k, sum_{j<k} d_j>) are known, all at the same loss scale,
-before any clipping or unscaling touches ``.grad``.
+it is added, and takes its squared norm |d_k|^2 (one pass over the gradient per microbatch, no
+copy). At the end of the step ``.grad`` holds sum_k d_k, whose squared norm is read once, before
+any clipping or unscaling touches it; both are at the same loss scale, divided out at the end.
 """
 
 from __future__ import annotations
@@ -61,25 +60,22 @@ class AccumulationNoiseScale:
         self.grad_scaler = grad_scaler
         self._params = [p for _, p in named]
         self._square: list[torch.Tensor | None] = [None] * len(named)
-        self._cross: list[torch.Tensor | None] = [None] * len(named)
         self._device = self._params[0].device
-        # per microbatch of this step: (squares, cross terms, loss scale squared), and counts
-        self._micro_parts: list[tuple[list, list, float]] = []
+        # per microbatch of this step: (per-block squares, loss scale squared), and counts
+        self._micro_parts: list[tuple[list, float]] = []
         self._micro_counts: list[float] = []
-        self._handles = [p.register_hook(self._make_hook(i, p)) for i, p in enumerate(self._params)]
+        self._handles = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
 
-    def _make_hook(self, index: int, param: torch.Tensor):
+    @staticmethod
+    def _square_norm(t: torch.Tensor) -> torch.Tensor:
+        flat = t.detach().reshape(-1).to(_reduction_dtype(t))
+        return torch.dot(flat, flat)
+
+    def _make_hook(self, index: int):
         def hook(grad: torch.Tensor) -> None:
-            dtype = _reduction_dtype(grad)
-            flat = grad.detach().reshape(-1).to(dtype)
-            square = torch.dot(flat, flat)
-            self._square[index] = (
-                square if self._square[index] is None else self._square[index] + square
-            )
-            if param.grad is not None:
-                cross = torch.dot(flat, param.grad.detach().reshape(-1).to(dtype))
-                previous = self._cross[index]
-                self._cross[index] = cross if previous is None else previous + cross
+            square = self._square_norm(grad)
+            previous = self._square[index]
+            self._square[index] = square if previous is None else previous + square
 
         return hook
 
@@ -91,9 +87,8 @@ class AccumulationNoiseScale:
     def end_microbatch(self, count: float) -> None:
         """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count."""
         self._micro_counts.append(_check_count(count))
-        self._micro_parts.append((self._square, self._cross, self._loss_scale_sq()))
+        self._micro_parts.append((self._square, self._loss_scale_sq()))
         self._square = [None] * len(self._params)
-        self._cross = [None] * len(self._params)
 
     def _stack(self, rows: list[list[torch.Tensor | None]]) -> torch.Tensor:
         """(K, P) float64 from per-microbatch lists of per-block scalars (None: no gradient)."""
@@ -107,7 +102,8 @@ class AccumulationNoiseScale:
         """Close the step: fold its estimate into the averages and return the current result.
 
         Call it after the last microbatch's ``end_microbatch`` and before anything rescales or
-        clips ``.grad``. Returns None until a step with at least two microbatches was seen.
+        clips ``.grad`` (``grad_scaler.unscale_``, ``clip_grad_norm_``): it reads the accumulated
+        ``.grad``. Returns None until a step with at least two microbatches was seen.
         """
         if any(v is not None for v in self._square):
             raise RuntimeError(
@@ -118,10 +114,10 @@ class AccumulationNoiseScale:
         self._micro_parts, self._micro_counts = [], []
         if len(counts) < 2:
             return self.estimator.estimate
-        scale_sq = torch.tensor([s for _, _, s in parts], dtype=torch.float64, device=self._device)
-        squares = self._stack([sq for sq, _, _ in parts]) / scale_sq[:, None]  # |d_k|^2
-        crosses = self._stack([cr for _, cr, _ in parts]) / scale_sq[:, None]
-        step_sq = squares.sum(0) + 2.0 * crosses.sum(0)  # |sum_k d_k|^2
+        scale_sq = torch.tensor([s for _, s in parts], dtype=torch.float64, device=self._device)
+        squares = self._stack([sq for sq, _ in parts]) / scale_sq[:, None]  # |d_k|^2
+        accumulated = [None if p.grad is None else self._square_norm(p.grad) for p in self._params]
+        step_sq = self._stack([accumulated])[0] / scale_sq[-1]  # |sum_k d_k|^2
         total = sum(counts)
         # the increment is d_k = (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
         share = torch.tensor(counts, dtype=torch.float64, device=self._device) / total

@@ -9,10 +9,10 @@ harmonic mean of the n_r, and E |G_R|^2 = |G|^2 + tr(Sigma) / (R H), so
 A DDP communication hook takes the squared norms of each bucket's parameters before and after the
 all-reduce (which it performs as DDP's default hook does: divide by the world size, then SUM,
 since gloo has no AVG). ``observe_step`` then all-reduces one small vector per step (one entry per
-parameter block, plus the example counts); nothing of gradient size is communicated beyond DDP's
-own all-reduce. Under ``no_sync`` the hook does not run and gradients accumulate locally; the next
-synchronised backward carries the whole local accumulation, so pass the examples of all those
-microbatches as the step's count.
+parameter block, plus the example counts) asynchronously, overlapping the next step; nothing of
+gradient size is communicated beyond DDP's own all-reduce. Under ``no_sync`` the hook does not run
+and gradients accumulate locally; the next synchronised backward carries the whole local
+accumulation, so pass the examples of all those microbatches as the step's count.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class DDPNoiseScale:
         gns = DDPNoiseScale(model, update_rate=0.01)    # registers the comm hook
         for x, y in loader:
             loss_fn(model(x), y).backward()              # mean loss over the local batch
-            result = gns.observe_step(len(x))            # local examples of this step
+            gns.observe_step(len(x))                     # local examples of this step
             optimizer.step(); optimizer.zero_grad()
+        print(gns.estimate.b_simple)
 
     Args:
         model: the DDP-wrapped model (its comm hook slot must be free: DDP allows one hook).
@@ -79,20 +80,33 @@ class DDPNoiseScale:
         # (block indices, squared norms) per bucket; appended from hook and callback threads
         self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._hook_calls: dict[int, int] = {}  # bucket index -> hook runs since observe_step
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        # the previous step's small all-reduce, still in flight: (work, summed, reduced, scale^2)
+        self._pending: tuple[dist.Work, torch.Tensor, torch.Tensor, float] | None = None
         model.register_comm_hook(state=None, hook=self._hook)
 
     @staticmethod
     def _squares(views: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([torch.dot(v.reshape(-1), v.reshape(-1)) for v in views]).double()
 
+    def _block_index(self, params: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple(id(p) for p in params)
+        index = self._index_cache.get(key)
+        if index is None:
+            blocks = [self._block_of[id(p)] for p in params]
+            index = self._index_cache[key] = torch.tensor(blocks, device=self._device)
+        return index
+
     # no annotations: DDP compares them to the real classes, and postponed ones are strings
     def _hook(self, _state, bucket):  # (None, dist.GradBucket) -> Future[torch.Tensor]
         params = bucket.parameters()
-        index = torch.tensor([self._block_of[id(p)] for p in params], device=self._device)
+        index = self._block_index(params)
+        self._hook_calls[bucket.index()] = self._hook_calls.get(bucket.index(), 0) + 1
         self._local.append((index, self._squares(bucket.gradients())))
         numels = [p.numel() for p in params]
         buffer = bucket.buffer()
-        buffer.div_(self.world_size)
+        buffer.div_(self.world_size)  # gloo has no AVG: divide, then SUM
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
 
         def record(fut: torch.futures.Future) -> torch.Tensor:
@@ -109,10 +123,13 @@ class DDPNoiseScale:
         return out
 
     def observe_step(self, count: float) -> NoiseScaleResult | None:
-        """Fold in the step whose synchronised backward just ran; ``count`` = local examples.
+        """Start folding in the step whose synchronised backward just ran (``count``: local
+        examples) and return the estimate up to the previous step.
 
-        Collective: every rank must call it, once per synchronised backward. Steps with
-        non-finite norms (an overflowing loss scale) are skipped; None until a finite one.
+        The step's few scalars are all-reduced asynchronously, overlapping the next step; they are
+        folded in at the next ``observe_step`` or when ``estimate`` is read. Collective: every
+        rank must call it, once per synchronised backward. Steps with non-finite norms (an
+        overflowing loss scale) are skipped. Returns None until a step was folded in.
         """
         count = _check_count(count)
         if not self._reduced:
@@ -120,37 +137,48 @@ class DDPNoiseScale:
                 "no synchronised backward since the last observe_step(); call it after the "
                 "backward that ran outside no_sync()"
             )
-        seen = torch.cat([index for index, _ in self._local]).bincount()
-        if int(seen.max()) > 1:
-            self._local, self._reduced = [], []
-            raise RuntimeError(
-                f"DDP synchronised gradients {int(seen.max())} times since the last "
-                "observe_step(); call observe_step(count) after every synchronised backward, and "
-                "run both forward and backward of accumulated microbatches inside no_sync()"
-            )
+        repeats = max(self._hook_calls.values())
         local, reduced = self._per_block(self._local), self._per_block(self._reduced)
-        self._local, self._reduced = [], []
+        self._local, self._reduced, self._hook_calls = [], [], {}
+        if repeats > 1:
+            raise RuntimeError(
+                f"DDP synchronised gradients {repeats} times since the last observe_step(); "
+                "call observe_step(count) after every synchronised backward, and run both "
+                "forward and backward of accumulated microbatches inside no_sync()"
+            )
         scale_sq = 1.0
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale_sq = float(self.grad_scaler.get_scale()) ** 2
         extra = torch.tensor([1.0 / count, count], dtype=torch.float64, device=self._device)
         summed = torch.cat([local, extra])
-        dist.all_reduce(summed, group=self.process_group)  # one small vector per step
+        work = dist.all_reduce(summed, group=self.process_group, async_op=True)
+        self._fold_pending()
+        self._pending = (work, summed, reduced, scale_sq)
+        return self.tracker.result() if self.tracker.observations else None
+
+    def _fold_pending(self) -> None:
+        if self._pending is None:
+            return
+        work, summed, reduced, scale_sq = self._pending
+        self._pending = None
+        work.wait()
         mean_local = summed[:-2] / self.world_size / scale_sq
-        harmonic = self.world_size / float(summed[-2])
+        harmonic = self.world_size / float(summed[-2])  # of the ranks' example counts
         grad_norm, trace = two_batch_estimates(
             mean_local, harmonic, reduced / scale_sq, self.world_size * harmonic
         )
         if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
             self.tracker.update(grad_norm, trace, float(summed[-1]))
-        return self.estimate
 
     @property
     def estimate(self) -> NoiseScaleResult | None:
-        """The current ``NoiseScaleResult``, or None before the first finite step."""
+        """The current ``NoiseScaleResult`` including the last observed step (waits for its
+        all-reduce), or None before the first finite step."""
+        self._fold_pending()
         return self.tracker.result() if self.tracker.observations else None
 
     def state_dict(self) -> dict:
+        self._fold_pending()
         return {"tracker": self.tracker.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
