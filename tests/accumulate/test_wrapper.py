@@ -302,3 +302,17 @@ def test_sbc_counts_tokens_when_given():
         mean_loss(model, x, y).backward()
         outcomes.append(wrapper.step(count=tokens))
     assert outcomes == [False, False, True, False]
+
+
+def test_add_param_group_reaches_the_inner_optimizer_and_is_accumulated():
+    model = make_model()
+    first, second = model[0], model[2]
+    inner = torch.optim.SGD(first.parameters(), lr=0.1)
+    wrapper = never_before(1, inner)
+    wrapper.add_param_group({"params": list(second.parameters()), "lr": 0.01})
+    assert len(inner.param_groups) == 2 and inner.param_groups[1]["lr"] == 0.01
+    before = second.weight.detach().clone()
+    x, y = make_microbatches([3])[0]
+    mean_loss(model, x, y).backward()
+    assert wrapper.step()
+    assert not torch.equal(second.weight, before)
