@@ -316,3 +316,31 @@ def test_add_param_group_reaches_the_inner_optimizer_and_is_accumulated():
     mean_loss(model, x, y).backward()
     assert wrapper.step()
     assert not torch.equal(second.weight, before)
+
+
+@pytest.mark.parametrize("kind", ["gnts", "gns", "mht", "sbc"])
+def test_one_host_transfer_per_microbatch(kind, monkeypatch):
+    """The decision flag is the only tensor read on the host (no .item() in the statistics)."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.01)
+    wrapper = {
+        "gnts": lambda: OptimizerWrapperGNTS(inner, norm_threshold=1e-9),
+        "gns": lambda: OptimizerWrapperGNS(inner),
+        "mht": lambda: OptimizerWrapperMHT(inner),
+        "sbc": lambda: OptimizerWrapperSBC(inner, 2, 1000),
+    }[kind]()
+    reads = []
+    for name in ("item", "__bool__", "__float__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    batches = make_microbatches([2] * 6)
+    for x, y in batches:
+        loss = mean_loss(model, x, y)
+        loss.backward()
+        wrapper.step(loss.detach()) if kind == "mht" else wrapper.step()
+    assert 0 < len(reads) <= len(batches), reads
