@@ -6,6 +6,19 @@ every one accepts the wrapper's keyword options (``default_count``, ``clip_grad_
 multiplier, error tolerance, target norm, logical batch size) is ``wrapper.scheduled_value``;
 the schedules in :mod:`grabkit.accumulate.schedules` set it, and stock LR schedulers attached to
 the wrapper act on the inner optimizer's learning rate, as they would without the wrapper.
+
+Deliberate differences from torch-gqc 0.8.1:
+
+* ``param_groups`` are the inner optimizer's (GQC exposed a fake ``[{"lr": threshold}]``), so
+  a ``LambdaLR`` on the wrapper schedules the learning rate; thresholds are scheduled with
+  grabkit's schedules, whose values are absolute (GQC's batch schedules were multiplied by the
+  initial batch size).
+* ``zero_grad()`` is safe; GNTS steps at ``|m| <= threshold`` (GQC: strictly below).
+* GNS decides on the gradient noise scale B_simple (GQC's statistic, var/mean of squared norms,
+  can never exceed 1, so it always stepped after two microbatches).
+* MHT compares with ``|mean|``, so negative metrics work, and takes a closure's loss as the
+  metric when none is given.
+* The inner step's return value is ``last_optimizer_result``; statistics are Python numbers.
 """
 
 from __future__ import annotations

@@ -127,6 +127,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self._last_mean_norm_sq: torch.Tensor | None = None  # |mean|^2 at the last step
         self.last_reason = "none"
         self.last_closure_loss: Any = None
+        self.last_optimizer_result: Any = None  # what the inner optimizer's step returned
 
     # ----------------------------------------------------------------- forwarding
     def __getattr__(self, name: str) -> Any:
@@ -291,7 +292,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     def _apply(self, obs: Observation) -> None:
         grads = self._accumulator.write_mean(self._total_count)
         self._transform_mean_gradient(grads, obs)
-        self.optimizer.step()
+        self.last_optimizer_result = self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.controller.end_window(obs)
         self.last_step_num_draws = self.num_draws
