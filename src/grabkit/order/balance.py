@@ -19,9 +19,10 @@ s_k = s_0 + sum_{l<k} eps_l z_l, the value <s_k, z_k> = <s_0, z_k> + sum_{l<k} e
 is exactly what a sequential loop computes, so the decisions are those of the sequential rule.
 
 On the CPU there is no host synchronisation to save, and the B x B Gram matrix costs B/2 times
-the work of the sequential loop; dense CPU batches therefore run the same algebra on blocks of
-``CPU_BLOCK_ROWS`` vectors, the running sums moving between blocks: the same decisions for a
-fraction of the arithmetic (``grabkit.order.orderings.base.balance_combinations``).
+the work of the sequential loop; dense CPU batches therefore run the same algebra on blocks of a
+few rows (at most ``CPU_BLOCK_ROWS`` rows and about ``CPU_BLOCK_BYTES`` of X), the running sums
+moving between blocks: the same decisions for a fraction of the arithmetic, each block read from
+memory once (``grabkit.order.orderings.base.balance_combinations``).
 
 Several accumulators are supported at once (the nodes of a recursive-balance tree): a decision
 at node j updates only s_j, and with ``depth > 0`` every vector walks from the root to a leaf,
@@ -39,6 +40,7 @@ import torch
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = [
+    "CPU_BLOCK_BYTES",
     "CPU_BLOCK_ROWS",
     "HostProducts",
     "SignRule",
@@ -51,9 +53,13 @@ __all__ = [
 #: the walk's uniforms are drawn from the generator this many at a time
 UNIFORM_BLOCK = 256
 
-#: dense CPU batches are balanced this many vectors at a time; 0 sends them through the
-#: one-transfer path like device batches
+#: dense CPU batches are balanced at most this many rows of X at a time; 0 sends them through
+#: the one-transfer path like device batches
 CPU_BLOCK_ROWS = 16
+
+#: ... and at most about this many bytes of X at a time (at least one row): a block, the running
+#: sums and the fixed vectors then stay in a typical last-level cache while the block is used
+CPU_BLOCK_BYTES = 8 << 20
 
 NON_FINITE_HELP = (
     "step() received per-example gradients containing NaN or Inf, so no balancing decision can "

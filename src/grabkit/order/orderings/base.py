@@ -157,6 +157,7 @@ def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
         isinstance(batch, DenseGradientBatch)
         and batch.device.type == "cpu"
         and accumulators.device.type == "cpu"
+        and accumulators.dtype == batch.dtype
     )
 
 
@@ -207,30 +208,95 @@ def balance_combinations(
         if before_update is not None:
             before_update()
         return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
-    # dense CPU: blocks of balance vectors over contiguous row ranges of X
-    saved_sums, saved_rule = accumulators.clone(), rule.state_dict()
+    return _balance_dense_cpu(batch.matrix, accumulators, rule, W, fixed, U, depth, before_update)
+
+
+def _vector_blocks(W: np.ndarray, max_rows: int) -> list[tuple[int, int, int, int]]:
+    """Cut the balance vectors (rows of W) into consecutive blocks spanning <= max_rows rows of X.
+
+    Returns (k0, k1, lo, hi) per block: vectors k0..k1-1 read only rows lo..hi-1 of X. A vector
+    whose own span exceeds ``max_rows`` gets a block to itself; a vector with no nonzero weight
+    joins the block being built.
+    """
+    nonzero = W != 0
+    has_any = nonzero.any(axis=1)
+    first = np.where(has_any, nonzero.argmax(axis=1), -1).tolist()
+    last = np.where(has_any, W.shape[1] - 1 - nonzero[:, ::-1].argmax(axis=1), -1).tolist()
+    blocks: list[tuple[int, int, int, int]] = []
+    k0, lo, hi = 0, -1, -1
+    for k in range(W.shape[0]):
+        if first[k] < 0:
+            continue
+        if lo >= 0 and last[k] + 1 - lo > max_rows:
+            blocks.append((k0, k, lo, hi))
+            k0, lo = k, -1
+        lo = first[k] if lo < 0 else min(lo, first[k])
+        hi = max(hi, last[k] + 1)
+    if W.shape[0] > k0:
+        blocks.append((k0, W.shape[0], max(lo, 0), max(hi, 0)))
+    return blocks
+
+
+def _balance_dense_cpu(
+    X: torch.Tensor,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    W: np.ndarray,
+    fixed: torch.Tensor | None,
+    U: np.ndarray,
+    depth: int,
+    before_update: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``balance_combinations`` for a dense (B, d) CPU matrix X, a few rows of X at a time.
+
+    The running sums and fixed vectors live in one (r + f, d) scratch matrix V, so each block of
+    rows X_b costs one product X_b V^T (read from memory once), its small Gram X_b X_b^T and one
+    in-place update of the sums, all three while X_b is still in cache; <v_f, s_j> is carried on
+    the host (it changes by known combinations of <x_i, v_f> and <v_f, v_g>). Blocks hold at most
+    ``CPU_BLOCK_ROWS`` rows and about ``CPU_BLOCK_BYTES`` of X: few Python calls for short
+    gradients, no Gram-dominated arithmetic for long ones. The accumulators and the rule change
+    only once every block was found finite.
+    """
+    r, f = accumulators.shape[0], U.shape[1]
+    max_rows = balance_module.CPU_BLOCK_ROWS
+    max_rows = max(1, min(max_rows, balance_module.CPU_BLOCK_BYTES // X[0].nbytes))
+    unused = np.flatnonzero(np.abs(W).sum(axis=0) == 0)  # e.g. pair balance's odd one out
+    if unused.size and not bool(torch.isfinite(X[torch.from_numpy(unused)].sum())):
+        raise ValueError(NON_FINITE_HELP)
+    V = _stack(accumulators, fixed).to(X.dtype, copy=True)  # (r + f, d) scratch
+    sums, fixed_rows = V[:r], V[r:]
+    ff = (fixed_rows @ V.T).double().numpy() if f else np.zeros((0, r))  # (f, r + f)
+    if not np.isfinite(ff).all():
+        raise ValueError(NON_FINITE_HELP)
+    fs, ff = ff[:, :r].copy(), ff[:, r:]  # <v_f, s_j> (tracked), <v_f, v_g>
+    saved_rule = rule.state_dict()
     signs, leaves = [], []
     try:
-        unused = torch.from_numpy(np.abs(W).sum(axis=0) == 0)  # e.g. pair balance's odd one out
-        if unused.any() and not bool(torch.isfinite(batch.matrix[unused].sum())):
-            raise ValueError(NON_FINITE_HELP)
-        for k0 in range(0, W.shape[0], block):
-            Wb, Ub = W[k0 : k0 + block], U[k0 : k0 + block]
-            used = np.flatnonzero(np.abs(Wb).sum(axis=0))
-            lo, hi = (int(used[0]), int(used[-1]) + 1) if used.size else (0, 0)
-            rows = DenseGradientBatch(batch.matrix[lo:hi])
-            products = fetch_inner_products(rows, _stack(accumulators, fixed), num_fixed=U.shape[1])
-            s, leaf = _decide_and_update(
-                rows, products, accumulators, rule, Wb[:, lo:hi], fixed, Ub, depth
-            )
+        for k0, k1, lo, hi in _vector_blocks(W, max_rows):
+            Xb, Wb, Ub = X[lo:hi], W[k0:k1, lo:hi], U[k0:k1]
+            xv = (Xb @ V.T).double().numpy()  # (b, r + f): <x_i, s_j>, <x_i, v_f>
+            gram = (Xb @ Xb.T).double().numpy()
+            if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
+                raise ValueError(NON_FINITE_HELP)
+            xs, xf = xv[:, :r], xv[:, r:]
+            values = Wb @ xs - Ub @ fs  # (k, r): <s_j, z_k>
+            wxf_u = Wb @ xf @ Ub.T
+            kernel = Wb @ gram @ Wb.T - wxf_u - wxf_u.T + Ub @ ff @ Ub.T  # (k, k): <z_k, z_l>
+            uniforms = rule.uniforms((k1 - k0) * (depth + 1))
+            s, leaf, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
+            x_coef, f_coef = coef @ Wb, -(coef @ Ub)  # (r, b), (r, f): the change of each s_j
+            sums.addmm_(torch.from_numpy(x_coef).to(X.dtype), Xb)
+            if f:
+                sums.addmm_(torch.from_numpy(f_coef).to(X.dtype), fixed_rows)
+                fs += (x_coef @ xf + f_coef @ ff).T
             signs.append(s)
             leaves.append(leaf)
-    except ValueError:  # a non-finite block: undo the blocks before it
-        accumulators.copy_(saved_sums)
+    except ValueError:
         rule.load_state_dict(saved_rule)
         raise
     if before_update is not None:
         before_update()
+    accumulators.copy_(sums)
     return np.concatenate(signs), np.concatenate(leaves)
 
 
