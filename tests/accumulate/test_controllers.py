@@ -20,7 +20,7 @@ from grabkit.accumulate import (
     window_noise_estimates,
 )
 from grabkit.accumulate.student_t import student_t_quantile
-from grabkit.noise import two_batch_estimates
+from grabkit.noise.identities import two_batch_estimates
 
 f64 = torch.float64
 

@@ -11,9 +11,9 @@ examples with true gradient G and per-example covariance Sigma,
 
     E[sum_i c_i |g_i|^2] = C |G|^2 + k tr(Sigma),     E[C |m|^2] = C |G|^2 + tr(Sigma),
 
-so (``window_noise_estimates``) tr(Sigma) and |G|^2 have unbiased estimates from the window alone;
-with equal counts these are exactly :func:`grabkit.noise.two_batch_estimates` with the mean
-microbatch norm as the small batch and the window mean as the big one.
+so (``window_noise_estimates``) tr(Sigma) and |G|^2 have unbiased estimates from the window alone:
+:func:`grabkit.noise.two_batch_estimates` with sum_i c_i |g_i|^2 / C as a small batch of the mean
+count C / k and the window mean as the big batch of C.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from grabkit.accumulate.student_t import student_t_quantile
-from grabkit.noise import BiasCorrectedEMA
+from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.identities import two_batch_estimates
 
 __all__ = [
     "AlwaysStep",
@@ -76,9 +77,11 @@ def window_noise_estimates(
     """
     if draws < 2:
         raise ValueError(f"noise estimates need at least 2 microbatches, but got draws={draws}")
-    trace = (weighted_microbatch_norm_sq - total_count * mean_norm_sq) / (draws - 1)
-    grad_sq = mean_norm_sq - trace / total_count
-    return grad_sq, trace
+    # sum_i c_i |g_i|^2 / C has expectation |G|^2 + tr(Sigma) / (C / k): a "small batch" of the
+    # mean count C / k, against the window mean as the big batch of C
+    return two_batch_estimates(
+        weighted_microbatch_norm_sq / total_count, total_count / draws, mean_norm_sq, total_count
+    )
 
 
 def _positive(name: str, value: float) -> float:
