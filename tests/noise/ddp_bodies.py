@@ -39,4 +39,11 @@ def train_and_measure(rank: int, world_size: int, payload: dict) -> list[dict]:
         )
         optimizer.step()
         optimizer.zero_grad()
+    # two synchronised backwards without observe_step in between are refused clearly
+    for _ in range(2):
+        per_example_loss(ddp, x[0, rank], y[0, rank]).mean().backward()
+    try:
+        gns.observe_step(x.shape[2])
+    except RuntimeError as error:
+        out.append({"double_sync_error": str(error)})
     return out
