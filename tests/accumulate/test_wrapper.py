@@ -344,3 +344,16 @@ def test_one_host_transfer_per_microbatch(kind, monkeypatch):
         loss.backward()
         wrapper.step(loss.detach()) if kind == "mht" else wrapper.step()
     assert 0 < len(reads) <= len(batches), reads
+
+
+def test_step_hooks_fire_once_per_call_for_a_subclass_with_its_own_step():
+    model = make_model()
+    never_before(2, torch.optim.SGD(model.parameters(), lr=0.1))  # patches the base class too
+    wrapper = OptimizerWrapperMHT(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    wrapper.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    for x, y in make_microbatches([2, 2, 2]):
+        loss = mean_loss(model, x, y)
+        loss.backward()
+        wrapper.step(loss)
+    assert calls == ["pre"] * 3

@@ -144,7 +144,7 @@ class OptimizerWrapperMHT(_ScheduledKnob, AdaptiveAccumulationWrapper):
         *,
         count: float | torch.Tensor | None = None,
     ) -> bool:
-        return super().step(closure, count=count, metric=metric)
+        return self._accumulate_step(closure, count, metric)
 
     @property
     def error_tolerance(self) -> float:

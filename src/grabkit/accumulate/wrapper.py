@@ -169,6 +169,16 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         Returns:
             True when the inner optimizer stepped.
         """
+        return self._accumulate_step(closure, count, metric)
+
+    def _accumulate_step(
+        self,
+        closure: Callable[[], Any] | None,
+        count: float | torch.Tensor | None,
+        metric: float | torch.Tensor | None,
+    ) -> bool:
+        # Subclasses with another step signature call this, not super().step(): Optimizer wraps
+        # every class's own ``step`` with the hook runner, so hooks would fire twice.
         if closure is not None:
             with torch.enable_grad():
                 self.last_closure_loss = closure()
