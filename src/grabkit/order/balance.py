@@ -243,6 +243,8 @@ def run_recursion(
         coef (r, k): coef[j, i] = the sign with which z_i enters accumulator j (0 if it does not).
     """
     k, r = values.shape
+    if depth == 0 and r == 1 and kernel is not None:
+        return _run_flat_recursion(values[:, 0], kernel, rule, uniforms)
     levels = depth + 1
     signs = np.zeros((k, levels))
     leaves = np.zeros(k, dtype=np.int64)
@@ -263,6 +265,29 @@ def run_recursion(
             if level < depth:
                 node = 2 * node + 1 if eps > 0 else 2 * node + 2
     return signs, leaves, coef
+
+
+def _run_flat_recursion(
+    values: np.ndarray, kernel: np.ndarray, rule: SignRule, uniforms: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``run_recursion`` for one accumulator, on Python floats (blocks are small on the CPU).
+
+    ``pending[l]`` is <s, z_l> with every decision so far folded in: deciding z_i adds
+    eps_i <z_i, z_l> to each later entry, so each decision reads one ready number.
+    """
+    k = values.shape[0]
+    pending = values.tolist()
+    rows = kernel.tolist()
+    draws = [None] * k if uniforms is None else uniforms.tolist()
+    chosen = []
+    for i in range(k):
+        eps = rule.decide(pending[i], draws[i])
+        chosen.append(eps)
+        row = rows[i]
+        for l in range(i + 1, k):
+            pending[l] += eps * row[l]
+    signs = np.array(chosen, dtype=np.float64).reshape(k, 1)
+    return signs, np.zeros(k, dtype=np.int64), signs.T.copy()
 
 
 def apply_update(

@@ -208,7 +208,9 @@ def balance_combinations(
         if before_update is not None:
             before_update()
         return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
-    return _balance_dense_cpu(batch.matrix, accumulators, rule, W, fixed, U, depth, before_update)
+    return _balance_dense_cpu(
+        batch.matrix, accumulators, rule, weights, fixed, U, depth, before_update
+    )
 
 
 def _vector_blocks(W: np.ndarray, max_rows: int) -> list[tuple[int, int, int, int]]:
@@ -241,7 +243,7 @@ def _balance_dense_cpu(
     X: torch.Tensor,
     accumulators: torch.Tensor,
     rule: SignRule,
-    W: np.ndarray,
+    weights: np.ndarray | None,
     fixed: torch.Tensor | None,
     U: np.ndarray,
     depth: int,
@@ -254,45 +256,59 @@ def _balance_dense_cpu(
     in-place update of the sums, all three while X_b is still in cache; <v_f, s_j> is carried on
     the host (it changes by known combinations of <x_i, v_f> and <v_f, v_g>). Blocks hold at most
     ``CPU_BLOCK_ROWS`` rows and about ``CPU_BLOCK_BYTES`` of X: few Python calls for short
-    gradients, no Gram-dominated arithmetic for long ones. The accumulators and the rule change
-    only once every block was found finite.
+    gradients, no Gram-dominated arithmetic for long ones. ``weights=None`` (z_i = x_i - ...)
+    skips every product with W. The accumulators and the rule change only once every block was
+    found finite.
     """
     r, f = accumulators.shape[0], U.shape[1]
     max_rows = balance_module.CPU_BLOCK_ROWS
-    max_rows = max(1, min(max_rows, balance_module.CPU_BLOCK_BYTES // X[0].nbytes))
-    unused = np.flatnonzero(np.abs(W).sum(axis=0) == 0)  # e.g. pair balance's odd one out
-    if unused.size and not bool(torch.isfinite(X[torch.from_numpy(unused)].sum())):
-        raise ValueError(NON_FINITE_HELP)
+    max_rows = max(1, min(max_rows, balance_module.CPU_BLOCK_BYTES // max(X[0].nbytes, 1)))
+    if weights is None:
+        B = X.shape[0]
+        blocks = [(k0, min(k0 + max_rows, B)) * 2 for k0 in range(0, B, max_rows)]
+    else:
+        blocks = _vector_blocks(weights, max_rows)
+        unused = np.flatnonzero(np.abs(weights).sum(axis=0) == 0)  # e.g. an odd one out
+        if unused.size and not bool(torch.isfinite(X[torch.from_numpy(unused)].sum())):
+            raise ValueError(NON_FINITE_HELP)
     V = _stack(accumulators, fixed).to(X.dtype, copy=True)  # (r + f, d) scratch
     sums, fixed_rows = V[:r], V[r:]
-    ff = (fixed_rows @ V.T).double().numpy() if f else np.zeros((0, r))  # (f, r + f)
-    if not np.isfinite(ff).all():
-        raise ValueError(NON_FINITE_HELP)
-    fs, ff = ff[:, :r].copy(), ff[:, r:]  # <v_f, s_j> (tracked), <v_f, v_g>
-    saved_rule = rule.state_dict()
+    if f:
+        ff = (fixed_rows @ V.T).double().numpy()  # (f, r + f)
+        if not np.isfinite(ff).all():
+            raise ValueError(NON_FINITE_HELP)
+        fs, ff = ff[:, :r].copy(), ff[:, r:]  # <v_f, s_j> (tracked), <v_f, v_g>
+    saved_rule = rule.state_dict() if rule.probabilistic else None
     signs, leaves = [], []
     try:
-        for k0, k1, lo, hi in _vector_blocks(W, max_rows):
-            Xb, Wb, Ub = X[lo:hi], W[k0:k1, lo:hi], U[k0:k1]
+        for k0, k1, lo, hi in blocks:
+            Xb = X[lo:hi]
             xv = (Xb @ V.T).double().numpy()  # (b, r + f): <x_i, s_j>, <x_i, v_f>
             gram = (Xb @ Xb.T).double().numpy()
             if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
                 raise ValueError(NON_FINITE_HELP)
-            xs, xf = xv[:, :r], xv[:, r:]
-            values = Wb @ xs - Ub @ fs  # (k, r): <s_j, z_k>
-            wxf_u = Wb @ xf @ Ub.T
-            kernel = Wb @ gram @ Wb.T - wxf_u - wxf_u.T + Ub @ ff @ Ub.T  # (k, k): <z_k, z_l>
+            Wb = None if weights is None else weights[k0:k1, lo:hi]
+            values = xv[:, :r] if Wb is None else Wb @ xv[:, :r]  # (k, r): <s_j, z_k>
+            kernel = gram if Wb is None else Wb @ gram @ Wb.T  # (k, k): <z_k, z_l>
+            if f:
+                Ub = U[k0:k1]
+                xf = xv[:, r:]
+                wxf_u = (xf if Wb is None else Wb @ xf) @ Ub.T
+                values = values - Ub @ fs
+                kernel = kernel - wxf_u - wxf_u.T + Ub @ ff @ Ub.T
             uniforms = rule.uniforms((k1 - k0) * (depth + 1))
             s, leaf, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
-            x_coef, f_coef = coef @ Wb, -(coef @ Ub)  # (r, b), (r, f): the change of each s_j
+            x_coef = coef if Wb is None else coef @ Wb  # (r, b): the change of each s_j
             sums.addmm_(torch.from_numpy(x_coef).to(X.dtype), Xb)
             if f:
+                f_coef = -(coef @ Ub)  # (r, f)
                 sums.addmm_(torch.from_numpy(f_coef).to(X.dtype), fixed_rows)
                 fs += (x_coef @ xf + f_coef @ ff).T
             signs.append(s)
             leaves.append(leaf)
     except ValueError:
-        rule.load_state_dict(saved_rule)
+        if saved_rule is not None:
+            rule.load_state_dict(saved_rule)
         raise
     if before_update is not None:
         before_update()

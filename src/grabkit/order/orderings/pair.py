@@ -7,14 +7,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from grabkit.order.balance import fetch_inner_products
+from grabkit.order.balance import NON_FINITE_HELP, fetch_inner_products
 from grabkit.order.orderings.base import (
     FrontBackOrder,
     Ordering,
     balance_combinations,
     check_state_keys,
 )
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["PairBalance"]
 
@@ -51,12 +51,14 @@ class PairBalance(Ordering):
             self.acc = torch.zeros(1, batch.dim, dtype=batch.dtype, device=batch.device)
         carried = self.pending is not None
         items = ([self.pending_index] if carried else []) + indices.tolist()
-        rows = list(range(-1 if carried else 0, batch.size))  # -1 stands for the carried vector
         k = len(items) // 2
         leftover = len(items) % 2 == 1
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
+        elif isinstance(batch, DenseGradientBatch) and batch.device.type == "cpu":
+            signs = self._balance_differences(batch.matrix, k, leftover)
         else:
+            rows = list(range(-1 if carried else 0, batch.size))  # -1: the carried vector
             W = np.zeros((k, batch.size))
             U = np.zeros((k, 1))
             for j in range(k):
@@ -74,18 +76,37 @@ class PairBalance(Ordering):
                 fixed=self.pending.reshape(1, -1) if carried else None,
                 fixed_weights=U if carried else None,
             )
+        if k:
             for j, eps in enumerate(signs[:, 0].tolist()):
                 first, second = items[2 * j], items[2 * j + 1]
                 plus, minus = (first, second) if eps > 0 else (second, first)
                 self.placement.front.append(plus)
                 self.placement.back.append(minus)
-        if leftover:
+        if leftover and isinstance(batch, DenseGradientBatch):
+            self.pending = batch.matrix[-1].to(self.acc.dtype, copy=True)
+            self.pending_index = items[-1]
+        elif leftover:
             one_hot = torch.zeros(batch.size, 1, dtype=batch.dtype, device=batch.device)
             one_hot[-1] = 1.0
             self.pending = batch.weighted_sum(one_hot).reshape(-1).to(self.acc.dtype)
             self.pending_index = items[-1]
         else:
             self.pending, self.pending_index = None, -1
+
+    def _balance_differences(self, X: torch.Tensor, k: int, leftover: bool) -> np.ndarray:
+        """Balance the k differences of a dense CPU batch, formed explicitly: one subtraction
+        saves three quarters of the Gram arithmetic that combining rows of X would cost."""
+        if leftover and not bool(torch.isfinite(X[-1]).all()):
+            raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
+        carried = self.pending is not None
+        Z = torch.empty(k, X.shape[1], dtype=self.acc.dtype)
+        if carried:
+            torch.sub(self.pending, X[0], out=Z[0])
+        first = 1 if carried else 0
+        end = first + 2 * (k - first)
+        torch.sub(X[first:end:2], X[first + 1 : end : 2], out=Z[first:])
+        signs, _ = balance_combinations(DenseGradientBatch(Z), self.acc, self.rule)
+        return signs
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
