@@ -36,7 +36,23 @@ class GradientAccumulator:
     """Running sums ``S_p = sum_i c_i g_{i,p}`` for the parameters that received a gradient."""
 
     def __init__(self) -> None:
-        self._sums: dict[torch.Tensor, torch.Tensor] = {}
+        self._sums: dict[torch.Tensor, torch.Tensor] = {}  # this window's sums
+        # storage kept across windows: a fresh multi-megabyte tensor per window would cost page
+        # faults comparable to the arithmetic itself
+        self._buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    def _start_sum(self, p: torch.Tensor, g: torch.Tensor, weight: float | torch.Tensor) -> None:
+        dtype = _sum_dtype(g)
+        buffer = self._buffers.get(p)
+        if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (
+            g.shape,
+            dtype,
+            g.device,
+        ):
+            buffer = torch.empty(g.shape, dtype=dtype, device=g.device)
+            self._buffers[p] = buffer
+        torch.mul(g if g.dtype == dtype else g.to(dtype), weight, out=buffer)
+        self._sums[p] = buffer
 
     @staticmethod
     def pending_gradients(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +82,7 @@ class GradientAccumulator:
         fresh = [(p, g) for p, g in pending if p not in self._sums]
         known = [(p, g) for p, g in pending if p in self._sums]
         for p, g in fresh:
-            self._sums[p] = torch.mul(g.to(_sum_dtype(g)), weight)
+            self._start_sum(p, g, weight)
         if known:
             sums = [self._sums[p] for p, _ in known]
             grads = [
@@ -85,7 +101,11 @@ class GradientAccumulator:
         return squared_norm(list(self._sums.values()))
 
     def write_mean(self, total_count: float | torch.Tensor) -> list[torch.Tensor]:
-        """Set ``p.grad = S_p / total_count`` (in the parameter's dtype); empty the sums."""
+        """Set ``p.grad = S_p / total_count`` (in the parameter's dtype); empty the sums.
+
+        ``.grad`` may share storage with the sum: the caller must clear ``.grad`` (the wrapper
+        does, right after the inner step) before the next window starts.
+        """
         grads = []
         for p, s in self._sums.items():
             s.div_(total_count)
@@ -93,9 +113,6 @@ class GradientAccumulator:
             grads.append(p.grad)
         self._sums = {}
         return grads
-
-    def clear(self) -> None:
-        self._sums = {}
 
     def state_dict(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The running sums in ``params`` order (``None`` where a parameter has none yet)."""
@@ -118,3 +135,4 @@ class GradientAccumulator:
                 )
             loaded[p] = s.to(device=p.device, copy=True)
         self._sums = loaded
+        self._buffers.update(loaded)
