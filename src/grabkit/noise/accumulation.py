@@ -43,7 +43,9 @@ class AccumulationNoiseScale:
             scale is read at each ``end_microbatch`` and divided out (squared) before use.
 
     One ``backward()`` per microbatch; ``.grad`` must start each step at zero or None (the usual
-    ``zero_grad()``). Call ``remove()`` (or use ``with``) to detach the hooks.
+    ``zero_grad()``). The hooks also see any other differentiation through these parameters
+    (``torch.autograd.grad`` for a penalty, another estimator): keep those out of the measured
+    steps. Call ``remove()`` (or use ``with``) to detach the hooks.
     """
 
     def __init__(
