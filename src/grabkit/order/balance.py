@@ -58,8 +58,10 @@ UNIFORM_BLOCK = 256
 CPU_BLOCK_ROWS = 16
 
 #: ... and at most about this many bytes of X at a time (at least one row): a block, the running
-#: sums and the fixed vectors then stay in a typical last-level cache while the block is used
-CPU_BLOCK_BYTES = 8 << 20
+#: sums and the fixed vectors then stay in a typical last-level cache while the block is used. For
+#: long gradients this means one vector per block, which needs no Gram matrix at all (a Gram of
+#: a few rows with a long inner dimension runs far below the arithmetic peak)
+CPU_BLOCK_BYTES = 4 << 20
 
 NON_FINITE_HELP = (
     "step() received per-example gradients containing NaN or Inf, so no balancing decision can "

@@ -11,6 +11,7 @@ coordinates themselves set ``needs_coordinates``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -36,7 +37,9 @@ __all__ = [
     "FrontBackOrder",
     "Ordering",
     "balance_combinations",
+    "balance_dense_vectors",
     "check_state_keys",
+    "cpu_block_rows",
     "random_permutation",
 ]
 
@@ -208,9 +211,39 @@ def balance_combinations(
         if before_update is not None:
             before_update()
         return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
+    X = batch.matrix
     return _balance_dense_cpu(
-        batch.matrix, accumulators, rule, weights, fixed, U, depth, before_update
-    )
+        lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
+        before_update,
+    )  # fmt: skip
+
+
+def cpu_block_rows(row_bytes: int) -> int:
+    """How many vectors of ``row_bytes`` bytes a dense CPU block takes (at least one)."""
+    return max(1, min(balance_module.CPU_BLOCK_ROWS, balance_module.CPU_BLOCK_BYTES // row_bytes))
+
+
+def balance_dense_vectors(
+    vectors: Callable[[int, int], torch.Tensor],
+    count: int,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+) -> np.ndarray:
+    """Balance ``count`` vectors made block by block against one running sum, on the CPU.
+
+    Args:
+        vectors: ``vectors(lo, hi)`` returns z_lo .. z_(hi-1) as a (hi - lo, d) CPU tensor of the
+            accumulators' dtype, valid until the next call (it may reuse one scratch buffer).
+            Blocks hold ``cpu_block_rows`` vectors, so a scratch buffer of that many rows is
+            enough; vectors formed one block at a time stay in cache while they are used.
+        accumulators: (1, d) running signed sum, updated in place once all blocks were finite.
+    Returns:
+        signs (count,).
+    """
+    shape = (count, accumulators.shape[1])
+    zero = np.zeros((count, 0))
+    signs, _ = _balance_dense_cpu(vectors, shape, accumulators, rule, None, None, zero, 0, None)
+    return signs[:, 0]
 
 
 def _vector_blocks(W: np.ndarray, max_rows: int) -> list[tuple[int, int, int, int]]:
@@ -240,7 +273,8 @@ def _vector_blocks(W: np.ndarray, max_rows: int) -> list[tuple[int, int, int, in
 
 
 def _balance_dense_cpu(
-    X: torch.Tensor,
+    rows: Callable[[int, int], torch.Tensor],
+    shape: tuple[int, int],
     accumulators: torch.Tensor,
     rule: SignRule,
     weights: np.ndarray | None,
@@ -250,6 +284,9 @@ def _balance_dense_cpu(
     before_update: Any,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``balance_combinations`` for a dense (B, d) CPU matrix X, a few rows of X at a time.
+
+    ``rows(lo, hi)`` returns X[lo:hi] (or vectors formed on demand, ``balance_dense_vectors``);
+    ``shape`` is (B, d).
 
     The running sums and fixed vectors live in one (r + f, d) scratch matrix V, so each block of
     rows X_b costs one product X_b V^T (read from memory once), its small Gram X_b X_b^T and one
@@ -261,17 +298,17 @@ def _balance_dense_cpu(
     found finite.
     """
     r, f = accumulators.shape[0], U.shape[1]
-    max_rows = balance_module.CPU_BLOCK_ROWS
-    max_rows = max(1, min(max_rows, balance_module.CPU_BLOCK_BYTES // max(X[0].nbytes, 1)))
+    B, d = shape
+    dtype = accumulators.dtype
+    max_rows = cpu_block_rows(max(d * accumulators.element_size(), 1))
     if weights is None:
-        B = X.shape[0]
         blocks = [(k0, min(k0 + max_rows, B)) * 2 for k0 in range(0, B, max_rows)]
     else:
         blocks = _vector_blocks(weights, max_rows)
         unused = np.flatnonzero(np.abs(weights).sum(axis=0) == 0)  # e.g. an odd one out
-        if unused.size and not bool(torch.isfinite(X[torch.from_numpy(unused)].sum())):
+        if unused.size and not all(bool(torch.isfinite(rows(i, i + 1)).all()) for i in unused):
             raise ValueError(NON_FINITE_HELP)
-    V = _stack(accumulators, fixed).to(X.dtype, copy=True)  # (r + f, d) scratch
+    V = _stack(accumulators, fixed).clone()  # (r + f, d) scratch
     sums, fixed_rows = V[:r], V[r:]
     if f:
         ff = (fixed_rows @ V.T).double().numpy()  # (f, r + f)
@@ -282,9 +319,10 @@ def _balance_dense_cpu(
     signs, leaves = [], []
     try:
         for k0, k1, lo, hi in blocks:
-            Xb = X[lo:hi]
+            Xb = rows(lo, hi)
             xv = (Xb @ V.T).double().numpy()  # (b, r + f): <x_i, s_j>, <x_i, v_f>
-            gram = (Xb @ Xb.T).double().numpy()
+            # one vector needs no Gram: a NaN or Inf in x_i already shows in <x_i, s_j>
+            gram = (Xb @ Xb.T).double().numpy() if k1 - k0 > 1 else np.zeros((hi - lo,) * 2)
             if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
                 raise ValueError(NON_FINITE_HELP)
             Wb = None if weights is None else weights[k0:k1, lo:hi]
@@ -299,10 +337,10 @@ def _balance_dense_cpu(
             uniforms = rule.uniforms((k1 - k0) * (depth + 1))
             s, leaf, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
             x_coef = coef if Wb is None else coef @ Wb  # (r, b): the change of each s_j
-            sums.addmm_(torch.from_numpy(x_coef).to(X.dtype), Xb)
+            sums.addmm_(torch.from_numpy(x_coef).to(dtype), Xb)
             if f:
                 f_coef = -(coef @ Ub)  # (r, f)
-                sums.addmm_(torch.from_numpy(f_coef).to(X.dtype), fixed_rows)
+                sums.addmm_(torch.from_numpy(f_coef).to(dtype), fixed_rows)
                 fs += (x_coef @ xf + f_coef @ ff).T
             signs.append(s)
             leaves.append(leaf)

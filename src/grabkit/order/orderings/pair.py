@@ -7,12 +7,15 @@ from typing import Any
 import numpy as np
 import torch
 
+import grabkit.order.balance as balance_module
 from grabkit.order.balance import NON_FINITE_HELP, fetch_inner_products
 from grabkit.order.orderings.base import (
     FrontBackOrder,
     Ordering,
     balance_combinations,
+    balance_dense_vectors,
     check_state_keys,
+    cpu_block_rows,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
@@ -55,7 +58,7 @@ class PairBalance(Ordering):
         leftover = len(items) % 2 == 1
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
-        elif isinstance(batch, DenseGradientBatch) and batch.device.type == "cpu":
+        elif self._differences_pay(batch):
             signs = self._balance_differences(batch.matrix, k, leftover)
         else:
             rows = list(range(-1 if carried else 0, batch.size))  # -1: the carried vector
@@ -93,20 +96,37 @@ class PairBalance(Ordering):
         else:
             self.pending, self.pending_index = None, -1
 
+    def _differences_pay(self, batch: GradientBatch) -> bool:
+        """Whether to balance the differences of a dense CPU batch, formed one cache-sized block
+        at a time: when a block holds several of them, the Gram arithmetic is that of k vectors,
+        not 2k rows. Longer gradients take one pair per block as a combination of two rows (no
+        Gram, no temporary): fewer passes over memory than forming the difference."""
+        return (
+            isinstance(batch, DenseGradientBatch)
+            and batch.device.type == "cpu"
+            and balance_module.CPU_BLOCK_ROWS > 0
+            and cpu_block_rows(batch.dim * self.acc.element_size()) >= 4
+        )
+
     def _balance_differences(self, X: torch.Tensor, k: int, leftover: bool) -> np.ndarray:
-        """Balance the k differences of a dense CPU batch, formed explicitly: one subtraction
-        saves three quarters of the Gram arithmetic that combining rows of X would cost."""
+        """Signs of z_j = (first of pair j) - (second of pair j) for the k pairs of a dense batch
+        (pair 0 starts with the carried example when one waits)."""
         if leftover and not bool(torch.isfinite(X[-1]).all()):
             raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
-        carried = self.pending is not None
-        Z = torch.empty(k, X.shape[1], dtype=self.acc.dtype)
-        if carried:
-            torch.sub(self.pending, X[0], out=Z[0])
-        first = 1 if carried else 0
-        end = first + 2 * (k - first)
-        torch.sub(X[first:end:2], X[first + 1 : end : 2], out=Z[first:])
-        signs, _ = balance_combinations(DenseGradientBatch(Z), self.acc, self.rule)
-        return signs
+        shift = 1 if self.pending is not None else 0  # z_j = X[2j - shift] - X[2j + 1 - shift]
+        scratch = torch.empty(cpu_block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype)
+
+        def differences(lo: int, hi: int) -> torch.Tensor:
+            out = scratch[: hi - lo]
+            if lo == 0 and shift:
+                torch.sub(self.pending, X[0], out=out[0])
+                lo = 1
+            a = 2 * lo - shift
+            b = 2 * hi - shift
+            torch.sub(X[a:b:2], X[a + 1 : b + 1 : 2], out=out[out.shape[0] - (hi - lo) :])
+            return out
+
+        return balance_dense_vectors(differences, k, self.acc, self.rule)[:, None]
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
