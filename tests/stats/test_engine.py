@@ -89,6 +89,9 @@ def test_gram_and_norms_agree_in_either_order():
         step(model)
         norms = stats.norms_squared()
         torch.testing.assert_close(stats.gram().diagonal(), norms)
+        blocks = stats.statistics().norms_squared_by_parameter()
+        assert list(blocks) == list(stats.param_shapes)
+        torch.testing.assert_close(sum(blocks.values()), norms)
 
 
 def test_bad_arguments_are_rejected_clearly():

@@ -83,6 +83,20 @@ class StepStatistics:
         return self._norms
 
     @torch.no_grad()
+    def norms_squared_by_parameter(self) -> dict[str, torch.Tensor]:
+        """{name: (B,) ||g_i restricted to that parameter||^2}; zeros where it got no gradient.
+
+        Per-parameter blocks for estimators that track layers separately; they sum to
+        ``norms_squared()``.
+        """
+        return {
+            name: self._zeros(self.batch_size)
+            if factor is None
+            else factor.norms_squared().to(self.stat_dtype) * self.scale**2
+            for name, factor in self.factors.items()
+        }
+
+    @torch.no_grad()
     def gram(self) -> torch.Tensor:
         """(B, B) <g_i, g_j>."""
         if self._gram is None:
