@@ -104,6 +104,23 @@ def problem(train_steps: int = 30) -> Problem:
     return Problem(model, x, y, names, flat, sizes)
 
 
+def linear_losses(
+    prob: Problem, index: torch.Tensor, weights: dict[str, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-example losses l_i = <g_i, w> at w = 0: the gradient of any mean is the mean g_i.
+
+    ``weights`` (one zero vector per block, made when None) are the tensors to differentiate.
+    """
+    if weights is None:
+        weights = {
+            name: torch.zeros(size, dtype=torch.float64, requires_grad=True)
+            for name, size in zip(prob.names, prob.block_sizes, strict=True)
+        }
+    rows = torch.split(prob.per_example[index], prob.block_sizes, dim=-1)
+    loss = sum(r @ weights[n] for r, n in zip(rows, prob.names, strict=True))
+    return loss, weights
+
+
 def z_score(samples: torch.Tensor, expected: float) -> float:
     """(mean - expected) / standard error of the mean."""
     n = samples.numel()

@@ -6,21 +6,10 @@ import io
 
 import pytest
 import torch
-from tests.noise.helpers import Z_LIMIT, problem, z_score
+from tests.noise.helpers import Z_LIMIT, linear_losses, problem, z_score
 
 import grabkit
 from grabkit.noise import GradientNoiseScaleEstimator
-
-
-def _linear_losses(prob, index: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-example losses l_i = <g_i, w> at w = 0: the gradient of any mean is the mean g_i."""
-    weights = {
-        name: torch.zeros(size, dtype=torch.float64, requires_grad=True)
-        for name, size in zip(prob.names, prob.block_sizes, strict=True)
-    }
-    rows = torch.split(prob.per_example[index], prob.block_sizes, dim=-1)
-    loss = sum(r @ weights[n] for r, n in zip(rows, prob.names, strict=True))
-    return loss, weights
 
 
 class _AlfReference:
@@ -93,7 +82,7 @@ def test_matches_a_transcription_of_alf(mode, clip, time_major):
     reference = _AlfReference(mode, 0.2, 0.1, clip)
     gen = torch.Generator().manual_seed(3)
     for step in range(12):
-        loss, weights = _linear_losses(prob, torch.randint(prob.n, (40,), generator=gen))
+        loss, weights = linear_losses(prob, torch.randint(prob.n, (40,), generator=gen))
         if time_major:  # [T, B]: the mean runs over time steps too
             loss = torch.stack([loss, 0.5 * loss])
         tensors = list(weights.values())
@@ -114,7 +103,7 @@ def test_per_call_estimates_are_unbiased_and_the_average_converges(mode, batch):
     torch.manual_seed(4)
     g_draws, t_draws = [], []
     for _ in range(1000):
-        loss, weights = _linear_losses(prob, torch.randint(prob.n, (batch,), generator=gen))
+        loss, weights = linear_losses(prob, torch.randint(prob.n, (batch,), generator=gen))
         gns = est(loss, weights)
         g, t = est._tracker.last_observation
         g_draws.append(g.sum())
@@ -157,7 +146,7 @@ def test_accepts_parameters_and_nests_and_is_exported_at_top_level():
 def test_state_dict_round_trips_through_weights_only_load():
     prob = problem(10)
     gen = torch.Generator().manual_seed(5)
-    batches = [_linear_losses(prob, torch.randint(prob.n, (20,), generator=gen)) for _ in range(6)]
+    batches = [linear_losses(prob, torch.randint(prob.n, (20,), generator=gen)) for _ in range(6)]
     whole = GradientNoiseScaleEstimator(update_rate=0.2)
     first = GradientNoiseScaleEstimator(update_rate=0.2)
     for i, (loss, weights) in enumerate(batches):
