@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from grabkit.order.orderings.centred import CentredBalance, dense_rows
 from grabkit.order.orderings.ema import VectorEMA, check_rate
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
@@ -34,8 +36,8 @@ class AdaEMABalance(CentredBalance):
         m, v = self.m.peek(mean), self.v.peek(mean * mean)
         return DenseGradientBatch((X - m) / (v.sqrt() + self.eps))
 
-    def record(self, batch: GradientBatch) -> None:
-        mean = batch.total() / batch.size
+    def record(self, total: torch.Tensor, count: int) -> None:
+        mean = total / count
         self.m.add(mean)
         self.v.add(mean * mean)
 

@@ -48,8 +48,8 @@ class AdaMeanBalance(CentredBalance):
         centred = X - self.mean.current(X[0])
         return DenseGradientBatch(centred if self.scale is None else centred / self.scale.to(X))
 
-    def record(self, batch: GradientBatch) -> None:
-        self.mean.add(batch.total(), batch.size)
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.mean.add(total, count)
 
     def extra_state(self) -> dict[str, Any]:
         return {"mean": self.mean.state_dict(), "scale": self.scale}

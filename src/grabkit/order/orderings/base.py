@@ -174,7 +174,7 @@ def balance_combinations(
     fixed_weights: np.ndarray | None = None,
     depth: int = 0,
     sequential: bool = True,
-    before_update: Any = None,
+    before_update: Callable[[torch.Tensor], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
 
@@ -194,8 +194,9 @@ def balance_combinations(
             ``fixed_weights``.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
-        before_update: a callable run once the whole batch was checked finite, so that a rejected
-            batch leaves every piece of state untouched.
+        before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
+            that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
+            the batch's rows (formed while each block is in cache on the dense CPU path).
     Returns:
         signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
     """
@@ -209,7 +210,7 @@ def balance_combinations(
             batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
         )
         if before_update is not None:
-            before_update()
+            before_update(batch.total())
         return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
     X = batch.matrix
     return _balance_dense_cpu(
@@ -281,7 +282,7 @@ def _balance_dense_cpu(
     fixed: torch.Tensor | None,
     U: np.ndarray,
     depth: int,
-    before_update: Any,
+    before_update: Callable[[torch.Tensor], None] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``balance_combinations`` for a dense (B, d) CPU matrix X, a few rows of X at a time.
 
@@ -308,8 +309,14 @@ def _balance_dense_cpu(
         unused = np.flatnonzero(np.abs(weights).sum(axis=0) == 0)  # e.g. an odd one out
         if unused.size and not all(bool(torch.isfinite(rows(i, i + 1)).all()) for i in unused):
             raise ValueError(NON_FINITE_HELP)
-    V = _stack(accumulators, fixed).clone()  # (r + f, d) scratch
+    # scratch rows: [batch total (when asked for); running sums; fixed vectors]
+    t = 0 if before_update is None else 1
+    scratch = torch.empty(t + r + f, d, dtype=dtype)
+    scratch[:t].zero_()
+    scratch[t:].copy_(_stack(accumulators, fixed))
+    V, updated = scratch[t:], scratch[: t + r]  # what the rows meet; what they change
     sums, fixed_rows = V[:r], V[r:]
+    summed = np.zeros(B, dtype=bool)  # rows already in the total
     if f:
         ff = (fixed_rows @ V.T).double().numpy()  # (f, r + f)
         if not np.isfinite(ff).all():
@@ -337,7 +344,12 @@ def _balance_dense_cpu(
             uniforms = rule.uniforms((k1 - k0) * (depth + 1))
             s, leaf, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
             x_coef = coef if Wb is None else coef @ Wb  # (r, b): the change of each s_j
-            sums.addmm_(torch.from_numpy(x_coef).to(dtype), Xb)
+            change = x_coef
+            if t:  # the total takes each row once, when a block first covers it
+                fresh = ~summed[lo:hi]
+                summed[lo:hi] = True
+                change = np.concatenate([fresh[None, :].astype(np.float64), x_coef])
+            updated.addmm_(torch.from_numpy(change).to(dtype), Xb)
             if f:
                 f_coef = -(coef @ Ub)  # (r, f)
                 sums.addmm_(torch.from_numpy(f_coef).to(dtype), fixed_rows)
@@ -348,8 +360,10 @@ def _balance_dense_cpu(
         if saved_rule is not None:
             rule.load_state_dict(saved_rule)
         raise
-    if before_update is not None:
-        before_update()
+    if t:
+        for i in np.flatnonzero(~summed).tolist():  # rows no vector used
+            scratch[0] += rows(i, i + 1)[0]
+        before_update(scratch[0])
     accumulators.copy_(sums)
     return np.concatenate(signs), np.concatenate(leaves)
 

@@ -77,8 +77,9 @@ class CentredBalance(Ordering):
         """The centre m (d,) for this batch, or None; must not change any state."""
         return None
 
-    def record(self, batch: GradientBatch) -> None:
-        """Update running statistics with a batch known to be finite (raw gradients)."""
+    def record(self, total: torch.Tensor, count: int) -> None:
+        """Update running statistics with a batch known to be finite: ``total`` (d,) is the sum
+        of its ``count`` raw gradients."""
 
     def extra_state(self) -> dict[str, Any]:
         return {}
@@ -106,7 +107,9 @@ class CentredBalance(Ordering):
             fixed=fixed,
             fixed_weights=fixed_weights,
             sequential=self.sequential,
-            before_update=lambda: self.record(batch),
+            before_update=lambda total: self.record(
+                total if vectors is batch else batch.total(), batch.size
+            ),
         )
         self.placement.place(indices.tolist(), signs[:, 0])
 

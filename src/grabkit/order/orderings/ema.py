@@ -63,8 +63,8 @@ class EMABalance(CentredBalance):
     def centre(self, batch: GradientBatch) -> torch.Tensor | None:
         return self.ema.peek(batch.total() / batch.size)
 
-    def record(self, batch: GradientBatch) -> None:
-        self.ema.add(batch.total() / batch.size)
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.ema.add(total / count)
 
     def extra_state(self) -> dict[str, Any]:
         return {"ema": self.ema.state_dict()}

@@ -33,8 +33,8 @@ class MeanBalance(CentredBalance):
     def centre(self, batch: GradientBatch) -> torch.Tensor | None:
         return self.mean.value
 
-    def record(self, batch: GradientBatch) -> None:
-        self.mean.add(batch.total(), batch.size)
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.mean.add(total, count)
 
     def extra_state(self) -> dict[str, Any]:
         return {"mean": self.mean.state_dict()}

@@ -62,7 +62,7 @@ class RecursiveBalance(Ordering):
             fixed=None if m is None else m.reshape(1, -1),
             fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
             depth=self.depth,
-            before_update=lambda: self.mean.add(batch.total(), batch.size),
+            before_update=lambda total: self.mean.add(total, batch.size),
         )
         decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
         for index, leaf, eps in decided:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
@@ -30,8 +32,8 @@ class SignBalance(CentredBalance):
         X = dense_rows(batch, self.name)
         return DenseGradientBatch(X.sub(self.mean.current(X[0])).sign())
 
-    def record(self, batch: GradientBatch) -> None:
-        self.mean.add(batch.total(), batch.size)
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.mean.add(total, count)
 
     def extra_state(self) -> dict[str, Any]:
         return {"mean": self.mean.state_dict()}
