@@ -22,7 +22,8 @@ the first step) minus its RSS before them, i.e. what the training steps themselv
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
 
-Usage: ``python benchmarks/run.py stats [--quick] [--threads N]`` (default 1 torch thread).
+Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm]`` (default
+1 torch thread; ``--quick`` runs the MLP only, few rounds, random data).
 """
 
 from __future__ import annotations
@@ -381,7 +382,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds on random data")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=0, help="timing rounds (0: default)")
-    parser.add_argument("--workloads", default="mlp,lm")
+    parser.add_argument(
+        "--workloads", default=None, help="comma-separated: mlp,lm (default both; --quick: mlp)"
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -395,7 +398,8 @@ def main(argv: list[str]) -> None:
         kinds.append("opacus-pair")
     else:
         print(f"\nopacus not measured: {missing}")
-    for workload in args.workloads.split(","):
+    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm")
+    for workload in workloads.split(","):
         run_workload(workload, args, kinds)
 
 
