@@ -161,6 +161,8 @@ def test_bad_input_is_rejected_with_a_clear_message():
     est.observe_microbatch(torch.ones(2), 4)
     with pytest.raises(ValueError, match="block"):
         est.observe_step(1.0)
+    with pytest.raises(ValueError, match="K = len"):
+        est.observe_microbatches(torch.ones(3, 2), [4, 4])
     with pytest.raises(ValueError, match="requires grad"):
         AccumulationNoiseScale(torch.nn.Linear(2, 2).requires_grad_(False))
 

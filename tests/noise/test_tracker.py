@@ -98,3 +98,18 @@ def test_bad_input_is_rejected_with_a_clear_message():
         tracker.update(1.0, 1.0, 4)
     with pytest.raises(ValueError, match="examples"):
         tracker.update(torch.ones(2), torch.ones(2), 0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    values=st.lists(st.floats(-10.0, 10.0), min_size=1, max_size=6),
+    weight=st.integers(1, 4),
+    rate=st.floats(0.01, 0.9),
+)
+def test_a_weighted_update_equals_repeated_updates(values, weight, rate):
+    weighted, repeated = BiasCorrectedEMA(rate), BiasCorrectedEMA(rate)
+    for v in values:
+        weighted.update(v, weight=weight)
+        for _ in range(weight):
+            repeated.update(v)
+    assert float(weighted.value) == pytest.approx(float(repeated.value), rel=1e-9, abs=1e-9)
