@@ -568,23 +568,31 @@ class GraBSampler(Sampler[int]):
                 f"the sampler have {self.dim} numbers in total; pass the per-example gradients of "
                 "exactly those parameters."
             )
-        positions = torch.arange(self._stepped, self._stepped + B)
         if self.ordering.uses_gradients:
             batch = self._prepare(batch)
-            if self.num_replicas > 1:
-                batch, global_positions = self._gather(batch, positions)
+            if self.num_replicas == 1 and self._stepped + B <= min(self.n, self._order.numel()):
+                indices = self._order[self._stepped : self._stepped + B]  # no padding reached
             else:
-                global_positions = positions
-            keep = global_positions < self.n  # padding repeats examples: not balanced twice
-            indices = self._padded_order()[global_positions[keep]]
-            if not bool(keep.all()):
-                batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
+                batch, indices = self._global_batch(batch, B)
             if self.normalize:
                 batch = _normalized(batch)
             if indices.numel():
                 self._observe(batch, indices)
         self._stepped += B
         self._started = True
+
+    def _global_batch(self, batch: GradientBatch, B: int) -> tuple[GradientBatch, torch.Tensor]:
+        """The rows of all ranks for this step, without padding, and their dataset indices."""
+        positions = torch.arange(self._stepped, self._stepped + B)
+        if self.num_replicas > 1:
+            batch, global_positions = self._gather(batch, positions)
+        else:
+            global_positions = positions
+        keep = global_positions < self.n  # padding repeats examples: not balanced twice
+        indices = self._padded_order()[global_positions[keep]]
+        if not bool(keep.all()):
+            batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
+        return batch, indices
 
     def _observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         split = self.ordering.splittable and isinstance(batch, DenseGradientBatch)
