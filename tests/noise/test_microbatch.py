@@ -23,23 +23,32 @@ def _microbatch_norms(prob, index: torch.Tensor, sizes: list[int]):
 def test_step_estimates_are_unbiased_without_replacement(sizes):
     prob = problem(10)
     expected_g, expected_t = prob.expected_without_replacement()
+    true_g, true_t = prob.truth()
     gen = torch.Generator().manual_seed(1)
     est = MicrobatchNoiseScale(block_names=prob.names)
-    g_draws, t_draws = [], []
+    corrected = MicrobatchNoiseScale(block_names=prob.names, population_size=prob.n)
+    g_draws, t_draws, g_fixed, t_fixed = [], [], [], []
     for _ in range(400):
         index = torch.randperm(prob.n, generator=gen)[: sum(sizes)]
         micro, big = _microbatch_norms(prob, index, sizes)
         for norm, size in zip(micro, sizes, strict=True):
             est.observe_microbatch(norm, size)
+            corrected.observe_microbatch(norm, size)
         g, t, examples = est.step_estimates(big)
         assert examples == sum(sizes)
         g_draws.append(g)
         t_draws.append(t)
+        corrected.observe_step(big)
+        g_fixed.append(corrected.tracker.last_observation[0].sum())
+        t_fixed.append(corrected.tracker.last_observation[1].sum())
     g_draws, t_draws = torch.stack(g_draws), torch.stack(t_draws)
     assert abs(z_score(g_draws.sum(1), float(expected_g.sum()))) < Z_LIMIT
     assert abs(z_score(t_draws.sum(1), float(expected_t.sum()))) < Z_LIMIT
     for block in range(len(prob.names)):  # per-block estimates are unbiased too
         assert abs(z_score(t_draws[:, block], float(expected_t[block]))) < Z_LIMIT
+    # with population_size the finite-population correction makes them unbiased for the truth
+    assert abs(z_score(torch.stack(g_fixed), float(true_g.sum()))) < Z_LIMIT
+    assert abs(z_score(torch.stack(t_fixed), float(true_t.sum()))) < Z_LIMIT
 
 
 def _hooked_step(model, gns, x, y, sizes, scaler=None):
@@ -157,6 +166,8 @@ def test_bad_input_is_rejected_with_a_clear_message():
         MicrobatchNoiseScale(update_rate=0.0)
     with pytest.raises(ValueError, match="window"):
         MicrobatchNoiseScale(window="epochs")
+    with pytest.raises(ValueError, match="population_size"):
+        MicrobatchNoiseScale(population_size=1)
     est.observe_microbatch(torch.ones(2), 4)
     est.observe_microbatch(torch.ones(2), 4)
     with pytest.raises(ValueError, match="block"):

@@ -38,7 +38,7 @@ class AccumulationNoiseScale:
 
     Args:
         params: a module, tensors, or ``(name, tensor)`` pairs; one block per tensor.
-        update_rate, window, confidence: as in ``MicrobatchNoiseScale``.
+        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
         grad_scaler: a ``torch.amp.GradScaler`` whose scale multiplies the losses; its current
             scale is read at each ``end_microbatch`` and divided out (squared) before use.
 
@@ -55,10 +55,13 @@ class AccumulationNoiseScale:
         window: str = "steps",
         confidence: float = 0.95,
         grad_scaler: torch.amp.GradScaler | None = None,
+        population_size: int | None = None,
     ) -> None:
         named = named_trainable_parameters(params, "AccumulationNoiseScale")
         self.block_names = tuple(name for name, _ in named)
-        self.estimator = MicrobatchNoiseScale(update_rate, window, confidence, self.block_names)
+        self.estimator = MicrobatchNoiseScale(
+            update_rate, window, confidence, self.block_names, population_size
+        )
         self.grad_scaler = grad_scaler
         self._params = [p for _, p in named]
         self._square: list[torch.Tensor | None] = [None] * len(named)

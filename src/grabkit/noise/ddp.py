@@ -44,7 +44,7 @@ class DDPNoiseScale:
 
     Args:
         model: the DDP-wrapped model (its comm hook slot must be free: DDP allows one hook).
-        update_rate, window, confidence: as in ``MicrobatchNoiseScale``.
+        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
         grad_scaler: a ``torch.amp.GradScaler`` multiplying the losses; its scale is divided out
             (call ``observe_step`` before ``grad_scaler.update()``).
 
@@ -58,6 +58,7 @@ class DDPNoiseScale:
         window: str = "steps",
         confidence: float = 0.95,
         grad_scaler: torch.amp.GradScaler | None = None,
+        population_size: int | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
@@ -75,7 +76,9 @@ class DDPNoiseScale:
         self.block_names = tuple(name for name, _ in named)
         self._block_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._device = named[0][1].device
-        self.tracker = NoiseScaleTracker(update_rate, window, confidence, self.block_names)
+        self.tracker = NoiseScaleTracker(
+            update_rate, window, confidence, self.block_names, population_size
+        )
         self.grad_scaler = grad_scaler
         # (block indices, squared norms) per bucket; appended from hook and callback threads
         self._local: list[tuple[torch.Tensor, torch.Tensor]] = []

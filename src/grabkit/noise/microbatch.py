@@ -44,6 +44,8 @@ class MicrobatchNoiseScale:
         window: "steps" or "examples", the unit of ``update_rate``.
         confidence: coverage of the reported interval for B_simple.
         block_names: names of the P blocks when norms are (P,) tensors.
+        population_size: the data set size N when steps draw without replacement; see
+            ``NoiseScaleTracker`` (finite-population correction).
 
     Norms must be of *mean* gradients (per-example loss averaged over the microbatch / step) and
     measured before clipping and after undoing any loss scaling.
@@ -55,8 +57,11 @@ class MicrobatchNoiseScale:
         window: str = "steps",
         confidence: float = 0.95,
         block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
     ) -> None:
-        self.tracker = NoiseScaleTracker(update_rate, window, confidence, block_names)
+        self.tracker = NoiseScaleTracker(
+            update_rate, window, confidence, block_names, population_size
+        )
         self._micro_norms: list[torch.Tensor] = []
         self._micro_counts: list[float] = []
 

@@ -35,6 +35,8 @@ class PerExampleNoiseScale:
         window: "steps" or "examples", the unit of ``update_rate``.
         confidence: coverage of the reported interval for B_simple.
         block_names: names of the P blocks when norms are given per block.
+        population_size: the data set size N when batches are drawn without replacement; see
+            ``NoiseScaleTracker`` (finite-population correction).
     """
 
     def __init__(
@@ -43,8 +45,11 @@ class PerExampleNoiseScale:
         window: str = "steps",
         confidence: float = 0.95,
         block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
     ) -> None:
-        self.tracker = NoiseScaleTracker(update_rate, window, confidence, block_names)
+        self.tracker = NoiseScaleTracker(
+            update_rate, window, confidence, block_names, population_size
+        )
 
     @staticmethod
     def step_estimates(

@@ -59,6 +59,11 @@ class NoiseScaleTracker:
         window: "steps" or "examples", the unit ``update_rate`` is measured in.
         confidence: coverage of the reported interval for B_simple, in (0, 1).
         block_names: names of the P parameter blocks the observations are split into.
+        population_size: N, when each step's batches are drawn *without* replacement from a data
+            set of N examples (epochs of a shuffled loader). The two-batch identities then
+            return tr(Sigma) N / (N - 1) and |G|^2 - tr(Sigma) / (N - 1) on average; the tracker
+            undoes that (finite-population correction). None: batches drawn with replacement or
+            N large enough not to matter (the bias of B_simple is about B_simple / N).
 
     ``last_observation`` holds the newest step's raw (|G|^2, tr Sigma) per block, (P,) each
     (not saved in ``state_dict``).
@@ -70,6 +75,7 @@ class NoiseScaleTracker:
         window: str = "steps",
         confidence: float = 0.95,
         block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
     ) -> None:
         if window not in _WINDOWS:
             raise ValueError(f"window should be one of {_WINDOWS}, but got window={window!r}")
@@ -77,6 +83,16 @@ class NoiseScaleTracker:
             raise ValueError(f"confidence should be in (0, 1), but got confidence={confidence}")
         if len(block_names) == 0:
             raise ValueError("block_names should name at least one parameter block, but is empty")
+        if population_size is not None and (
+            isinstance(population_size, bool)
+            or not isinstance(population_size, int)
+            or population_size < 2
+        ):
+            raise ValueError(
+                "population_size should be None or an integer >= 2 (the data set size), but got "
+                f"population_size={population_size!r}"
+            )
+        self.population_size = population_size
         self.window = window
         self.confidence = float(confidence)
         self.block_names = tuple(str(n) for n in block_names)
@@ -114,6 +130,9 @@ class NoiseScaleTracker:
             )
         if not examples > 0:
             raise ValueError(f"examples should be positive, but got examples={examples}")
+        if self.population_size is not None:
+            n = float(self.population_size)
+            g, t = g + t / n, t * (n - 1.0) / n
         weight = float(examples) if self.window == "examples" else 1.0
         g_total, t_total = g.sum(), t.sum()
         moments = torch.stack([g_total * g_total, t_total * t_total, g_total * t_total])
