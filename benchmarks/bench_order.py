@@ -1,10 +1,12 @@
 """Example ordering: balancing cost per batch, and the herding bound each ordering reaches.
 
-Part 1 times one balancing step on a (B, d) batch of per-example gradients: grabkit's
-``GraBSampler.step`` (one host synchronisation per batch: X s and X X^T once, the sign recursion
-on scalars, one update) against the obvious per-example loop (one <s, x>, one Python decision and
-one update per example), side by side and interleaved, for mean, pair and probabilistic balancing
-at B = 64 and d in {1e4, 1e6}. grab-sampler is put alongside when it installs and imports.
+Part 1 times one balancing step on a (B, d) CPU batch of per-example gradients: grabkit's
+``GraBSampler.step`` (blocks of a few rows, each read from memory once: its products with the
+running sum, its small Gram matrix, the signs decided on host scalars, one in-place update; one
+row per block for long gradients) against the obvious per-example loop (one <s, x>, one Python
+decision and one update per example), side by side and interleaved, for mean, pair and
+probabilistic balancing at B = 64 and d in {1e4, 1e6}. grab-sampler is put alongside when it
+installs and imports.
 
 Part 2 measures the herding bound (max over prefixes of the inf-norm of the centred prefix sums)
 of every ordering's epochs on real per-example gradients: multinomial logistic regression on the

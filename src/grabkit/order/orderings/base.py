@@ -180,9 +180,10 @@ def balance_combinations(
 
     Device batches and hook statistics: one host transfer for the whole batch. Dense CPU
     batches have no transfer to save, and there the (B, B) Gram matrix would cost B/2 times the
-    sequential loop's arithmetic, so their vectors are taken ``CPU_BLOCK_ROWS`` at a time, each
-    block reading only its own rows of X and seeing the sums left by the blocks before it: the
-    same decisions for a fraction of the work.
+    sequential loop's arithmetic, so their vectors are taken a few rows at a time
+    (``cpu_block_rows``: many for short gradients, one for long ones), each block reading only its
+    own rows of X and seeing the sums left by the blocks before it: the same decisions for a
+    fraction of the work.
 
     Args:
         batch: B per-example gradients x_i.
