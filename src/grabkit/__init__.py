@@ -25,11 +25,27 @@ _EXPORTS: dict[str, str] = {
     "GraBSampler": "grabkit.order",
     "GraBBatchSampler": "grabkit.order",
     "herding_bound": "grabkit.order",
+    "StreamingHerdingBound": "grabkit.order",
+    "make_projection": "grabkit.order",
+    # grouping
+    "DataCollection": "grabkit.group",
+    "AnnotatedModule": "grabkit.group",
+    "UniGrouper": "grabkit.group",
+    "LengthThresholdGrouper": "grabkit.group",
+    "find_thresholds": "grabkit.group",
+    "GroupingCollate": "grabkit.group",
+    "run_grouped": "grabkit.group",
+    "plan_groups": "grabkit.group",
     # per-sample statistics
     "PerSampleStats": "grabkit.stats",
     # noise scale
     "GradientNoiseScaleEstimator": "grabkit.noise",
+    "MicrobatchNoiseScale": "grabkit.noise",
+    "AccumulationNoiseScale": "grabkit.noise",
+    "PerExampleNoiseScale": "grabkit.noise",
+    "DDPNoiseScale": "grabkit.noise",
     # adaptive accumulation
+    "AdaptiveAccumulationWrapper": "grabkit.accumulate",
     "OptimizerWrapperGNTS": "grabkit.accumulate",
     "OptimizerWrapperGNS": "grabkit.accumulate",
     "OptimizerWrapperMHT": "grabkit.accumulate",
