@@ -292,8 +292,11 @@ def _balance_dense_cpu(
 
     The running sums and fixed vectors live in one (r + f, d) scratch matrix V, so each block of
     rows X_b costs one product X_b V^T (read from memory once), its small Gram X_b X_b^T and one
-    in-place update of the sums, all three while X_b is still in cache; <v_f, s_j> is carried on
-    the host (it changes by known combinations of <x_i, v_f> and <v_f, v_g>). Blocks hold at most
+    in-place update of the sums, all three while X_b is still in cache. The fixed vectors' share
+    of the sums (s_j = s'_j + sum_f D[j, f] v_f) is added once per batch, not once per block: the
+    blocks only add rows of X to s', <x_i, s_j> = <x_i, s'_j> + D <x_i, v_f> comes from the same
+    product, and <v_f, s_j> is carried on the host (it changes by known combinations of
+    <x_i, v_f> and <v_f, v_g>). Blocks hold at most
     ``CPU_BLOCK_ROWS`` rows and about ``CPU_BLOCK_BYTES`` of X: few Python calls for short
     gradients, no Gram-dominated arithmetic for long ones. ``weights=None`` (z_i = x_i - ...)
     skips every product with W. The accumulators and the rule change only once every block was
@@ -323,6 +326,8 @@ def _balance_dense_cpu(
         if not np.isfinite(ff).all():
             raise ValueError(NON_FINITE_HELP)
         fs, ff = ff[:, :r].copy(), ff[:, r:]  # <v_f, s_j> (tracked), <v_f, v_g>
+    # the fixed vectors' share of each sum is added once at the end: sums holds s - deferred @ F
+    deferred = np.zeros((r, f))
     saved_rule = rule.state_dict() if rule.probabilistic else None
     signs, leaves = [], []
     try:
@@ -334,7 +339,8 @@ def _balance_dense_cpu(
             if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
                 raise ValueError(NON_FINITE_HELP)
             Wb = None if weights is None else weights[k0:k1, lo:hi]
-            values = xv[:, :r] if Wb is None else Wb @ xv[:, :r]  # (k, r): <s_j, z_k>
+            xs = xv[:, :r] + xv[:, r:] @ deferred.T if f else xv[:, :r]  # <x_i, s_j>
+            values = xs if Wb is None else Wb @ xs  # (k, r): <s_j, z_k>
             kernel = gram if Wb is None else Wb @ gram @ Wb.T  # (k, k): <z_k, z_l>
             if f:
                 Ub = U[k0:k1]
@@ -353,7 +359,7 @@ def _balance_dense_cpu(
             updated.addmm_(torch.from_numpy(change).to(dtype), Xb)
             if f:
                 f_coef = -(coef @ Ub)  # (r, f)
-                sums.addmm_(torch.from_numpy(f_coef).to(dtype), fixed_rows)
+                deferred += f_coef
                 fs += (x_coef @ xf + f_coef @ ff).T
             signs.append(s)
             leaves.append(leaf)
@@ -365,6 +371,8 @@ def _balance_dense_cpu(
         for i in np.flatnonzero(~summed).tolist():  # rows no vector used
             scratch[0] += rows(i, i + 1)[0]
         before_update(scratch[0])
+    if f:
+        sums.addmm_(torch.from_numpy(deferred).to(dtype), fixed_rows)
     accumulators.copy_(sums)
     return np.concatenate(signs), np.concatenate(leaves)
 
