@@ -45,7 +45,9 @@ def overhead_model(width: int) -> nn.Module:
 def overhead(quick: bool) -> None:
     width, batch = (512, 32) if quick else (2048, 64)
     torch.manual_seed(0)
-    x, y = torch.randn(batch, 512), torch.randn(batch, 512)
+    # distinct microbatches: with one repeated batch the noise-scale estimate is ~0 and that
+    # controller would step (twice as often) on the true rule
+    pool = [(torch.randn(batch, 512), torch.randn(batch, 512)) for _ in range(WINDOW)]
 
     def contender(make_wrapper):
         model = overhead_model(width)
@@ -53,7 +55,7 @@ def overhead(quick: bool) -> None:
         opt = make_wrapper(inner)
 
         def window() -> None:  # one window of WINDOW microbatches
-            for i in range(WINDOW):
+            for i, (x, y) in enumerate(pool):
                 (model(x) - y).square().mean().backward()
                 if opt is None:
                     if i == WINDOW - 1:

@@ -25,7 +25,9 @@ def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(tensors)
-    return torch.stack([n.to(torch.float64) for n in norms]).square().sum()
+    if len({n.device for n in norms}) > 1:
+        norms = [n.to(norms[0].device) for n in norms]
+    return torch.stack(norms).to(torch.float64).square().sum()
 
 
 def _sum_dtype(grad: torch.Tensor) -> torch.dtype:
@@ -37,12 +39,19 @@ class GradientAccumulator:
 
     def __init__(self) -> None:
         self._sums: dict[torch.Tensor, torch.Tensor] = {}  # this window's sums
-        # storage kept across windows: a fresh multi-megabyte tensor per window would cost page
-        # faults comparable to the arithmetic itself
+        # storage kept across windows for gradients that cannot be taken over (views, low
+        # precision): a fresh multi-megabyte tensor per window costs page faults
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
 
     def _start_sum(self, p: torch.Tensor, g: torch.Tensor, weight: float | torch.Tensor) -> None:
         dtype = _sum_dtype(g)
+        if g.dtype == dtype and g._base is None:
+            # the gradient owns its storage (not a view into, e.g., a DDP bucket) and ``.grad``
+            # is about to be cleared: take it over instead of copying it
+            if not (isinstance(weight, float) and weight == 1.0):
+                g.mul_(weight)
+            self._sums[p] = g
+            return
         buffer = self._buffers.get(p)
         if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (
             g.shape,
