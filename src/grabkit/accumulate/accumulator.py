@@ -45,7 +45,7 @@ class GradientAccumulator:
 
     def _start_sum(self, p: torch.Tensor, g: torch.Tensor, weight: float | torch.Tensor) -> None:
         dtype = _sum_dtype(g)
-        if g.dtype == dtype and g._base is None:
+        if g.dtype == dtype and g._base is None and not g.requires_grad:
             # the gradient owns its storage (not a view into, e.g., a DDP bucket) and ``.grad``
             # is about to be cleared: take it over instead of copying it
             if not (isinstance(weight, float) and weight == 1.0):
