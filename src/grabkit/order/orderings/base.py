@@ -333,7 +333,7 @@ def _balance_dense_cpu(
     try:
         for k0, k1, lo, hi in blocks:
             Xb = rows(lo, hi)
-            xv = (Xb @ V.T).double().numpy()  # (b, r + f): <x_i, s_j>, <x_i, v_f>
+            xv = (V @ Xb.T).double().numpy().T  # (b, r + f): <x_i, s_j>, <x_i, v_f>
             # one vector needs no Gram: a NaN or Inf in x_i already shows in <x_i, s_j>
             gram = (Xb @ Xb.T).double().numpy() if k1 - k0 > 1 else np.zeros((hi - lo,) * 2)
             if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
