@@ -118,7 +118,8 @@ class GradientNoiseScaleEstimator(nn.Module):
 
     @staticmethod
     def _block_dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([(x.double() * y.double()).sum() for x, y in zip(a, b, strict=True)])
+        dots = [torch.dot(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b, strict=True)]
+        return torch.stack(dots).double()
 
     def _split_sizes(self, batch: int) -> tuple[int, int]:
         if self._mode == "paper":
