@@ -3,7 +3,8 @@
 Usage::
 
     def body(rank: int, world_size: int, payload) -> dict:  # must be a module-level function
-        ...  # torch.distributed is initialised (gloo); return something picklable
+        ...  # torch.distributed is initialised (gloo); return plain picklable values
+        # (lists, numbers): tensors sent back through the queue die with their rank
     results = run_distributed(body, world_size=2, payload=...)  # list indexed by rank
 
 Any exception on a rank is re-raised in the test process with that rank's traceback.
