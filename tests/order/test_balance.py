@@ -45,11 +45,15 @@ def run_against_reference(kind: str, probabilistic: bool, c, seed: int = 3) -> N
         assert order == expected, f"{kind}: epoch {epoch + 1} order differs"
 
 
-@pytest.fixture(params=["cpu-blocks", "one-transfer"])
+@pytest.fixture(params=["cpu-blocks", "cpu-3-row-blocks", "cpu-1-row-blocks", "one-transfer"])
 def balancing_path(request, monkeypatch):
-    """Run a test through both the CPU block path and the one-transfer (device) path."""
+    """Run a test through every CPU block shape and the one-transfer (device) path."""
     if request.param == "one-transfer":
         monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 0)
+    elif request.param == "cpu-3-row-blocks":
+        monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 3)
+    elif request.param == "cpu-1-row-blocks":  # what long gradients get: one row per block
+        monkeypatch.setattr(balance_module, "CPU_BLOCK_BYTES", 1)
     return request.param
 
 

@@ -141,6 +141,38 @@ def test_non_finite_gradients_raise_and_change_nothing():
     sampler.step(torch.randn(3, 4))
 
 
+def _assert_same_state(a, b) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], dict):
+            _assert_same_state(a[key], b[key])
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("balance_type", ["mean", "pair", "recursive"])
+@pytest.mark.parametrize("bad_row", [0, 3, 7])
+@pytest.mark.parametrize("block_bytes", [1, 4 << 20])
+def test_a_non_finite_row_anywhere_leaves_the_whole_state_unchanged(
+    balance_type, bad_row, block_bytes, monkeypatch
+):
+    import grabkit.order.balance as balance_module
+
+    monkeypatch.setattr(balance_module, "CPU_BLOCK_BYTES", block_bytes)
+    g = torch.Generator().manual_seed(0)
+    sampler = GraBSampler(range(24), balance_type=balance_type)
+    list(sampler)
+    sampler.step(torch.randn(8, 5, generator=g))  # running sums are no longer zero
+    before = sampler.state_dict()
+    bad = torch.randn(8, 5, generator=g)
+    bad[bad_row, 1] = float("inf")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        sampler.step(bad)
+    _assert_same_state(sampler.state_dict(), before)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
