@@ -357,3 +357,18 @@ def test_step_hooks_fire_once_per_call_for_a_subclass_with_its_own_step():
         loss.backward()
         wrapper.step(loss)
     assert calls == ["pre"] * 3
+
+
+def test_gradient_views_are_copied_not_taken_over():
+    """DDP's gradient_as_bucket_view makes .grad a view of a bucket it rewrites every backward."""
+    weight = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    inner = torch.optim.SGD([weight], lr=0.0)
+    applied = capture_applied_gradients(inner)
+    wrapper = never_before(2, inner)
+    bucket = torch.ones(6, dtype=torch.float64)
+    weight.grad = bucket[:3]
+    wrapper.step()
+    bucket.fill_(5.0)  # the next microbatch lands in the same storage
+    weight.grad = bucket[:3]
+    wrapper.step()
+    assert torch.equal(applied[0][0], torch.full((3,), 3.0, dtype=torch.float64))
