@@ -307,7 +307,16 @@ def apply_update(
         fixed: (f, d) fixed vectors (e.g. the centre), with fixed_weights (r, f).
     """
     w = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.device, batch.dtype)
-    accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
+    add_to = getattr(batch, "add_weighted_sum_to", None)  # hook statistics: no (r, d) temporary
+    if (
+        add_to is not None
+        and accumulators.is_contiguous()
+        and accumulators.dtype == batch.dtype
+        and accumulators.device == batch.device
+    ):
+        add_to(accumulators, w)
+    else:
+        accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
     if fixed is not None and fixed_weights is not None and fixed_weights.size:
         fw = torch.from_numpy(np.ascontiguousarray(fixed_weights)).to(
             accumulators.device, accumulators.dtype

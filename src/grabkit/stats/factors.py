@@ -244,6 +244,41 @@ class OuterProductFactor:
             blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
         return _deliver(blocks.reshape(k, *self.param_shape), out)
 
+    def two_valued_sum(
+        self,
+        rows: torch.Tensor,
+        alpha: float,
+        total: torch.Tensor,
+        beta: float,
+        out: torch.Tensor | None = None,
+        accumulate: bool = False,
+    ) -> torch.Tensor | None:
+        """(1, *param_shape) ``beta * total + alpha * sum_{i in rows} g_i``, or None if unsupported.
+
+        The signed sums GraB accumulates (weights +-1) equal ``b * sum_i g_i + (a - b) *
+        sum_{w_i = a} g_i``; with ``total`` the batch gradient autograd already formed (in the
+        factors' scale), only the rarer rows (at most B / 2) go through the GEMM, written straight
+        into ``out`` (added to it with ``accumulate``). Returns None (the caller takes the
+        ordinary weighted sum) for grouped layers and when ``total`` or ``out`` is not a
+        contiguous tensor in the factors' dtype.
+        """
+        if self.groups != 1 or total.dtype != self.inputs.dtype:
+            return None
+        if out is not None and not (out.is_contiguous() and out.dtype == total.dtype):
+            return None
+        q, p = self.out_features, self.in_features
+        d = self.output_grads.index_select(0, rows).reshape(-1, q)  # (|rows| T, q)
+        a = self.inputs.index_select(0, rows).reshape(-1, p)  # (|rows| T, p)
+        base = total.reshape(q, p)
+        if out is None:
+            out = torch.empty(1, *self.param_shape, dtype=total.dtype, device=total.device)
+        target = out.view(q, p)
+        if accumulate:
+            target.addmm_(d.T, a, alpha=alpha).add_(base, alpha=beta)
+        else:
+            torch.addmm(base, d.T, a, beta=beta, alpha=alpha, out=target)
+        return out
+
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, OuterProductFactor):
             raise TypeError(f"cannot merge OuterProductFactor with {type(other).__name__}")

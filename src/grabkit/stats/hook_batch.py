@@ -25,7 +25,11 @@ class HookGradientBatch:
     def __init__(self, statistics: StepStatistics) -> None:
         self.statistics = statistics
         self.size = statistics.batch_size
-        self.dim = sum(int(torch.Size(s).numel()) for s in statistics.param_shapes.values())
+        self._layout = {
+            name: (shape, int(torch.Size(shape).numel()))
+            for name, shape in statistics.param_shapes.items()
+        }
+        self.dim = sum(n for _, n in self._layout.values())
         self.dtype = statistics.dtype
         self.device = statistics.device
 
@@ -43,10 +47,8 @@ class HookGradientBatch:
                 f"`vectors` should have shape ({self.dim},) or (k, {self.dim}), but got "
                 f"{tuple(vectors.shape)}"
             )
-        named = {}
-        offset = 0
-        for name, shape in self.statistics.param_shapes.items():
-            n = int(torch.Size(shape).numel())
+        named, offset = {}, 0
+        for name, (shape, n) in self._layout.items():
             named[name] = rows[:, offset : offset + n].reshape(rows.shape[0], *shape)
             offset += n
         out = self.statistics.dot_stacked(named)  # (B, k)
@@ -56,19 +58,42 @@ class HookGradientBatch:
         return self.statistics.total()
 
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        single = weights.dim() == 1
-        columns = weights.unsqueeze(1) if single else weights
+        columns = self._columns(weights)
+        flat = torch.empty(columns.shape[1], self.dim, dtype=self.dtype, device=self.device)
+        self.statistics.weighted_sum_stacked(columns, out=self._views(flat))  # into ``flat``
+        return flat[0] if weights.dim() == 1 else flat
+
+    def add_weighted_sum_to(self, target: torch.Tensor, weights: torch.Tensor) -> None:
+        """In place: ``target += weighted_sum(weights)``, with no (k, d) temporary.
+
+        ``target`` is a contiguous (k, d) tensor (or (d,) for (B,) weights) in this batch's
+        dtype and on its device: running sums, updated layer by layer.
+        """
+        columns = self._columns(weights)
+        k = columns.shape[1]
+        if not target.is_contiguous() or target.numel() != k * self.dim:
+            raise ValueError(
+                f"`target` should be a contiguous tensor of {k} x {self.dim} numbers, but got "
+                f"shape {tuple(target.shape)}"
+            )
+        flat = target.view(k, self.dim)
+        self.statistics.weighted_sum_stacked(columns, out=self._views(flat), accumulate=True)
+
+    def _columns(self, weights: torch.Tensor) -> torch.Tensor:
+        """(B,) or (B, k) weights as (B, k) columns."""
+        columns = weights.unsqueeze(1) if weights.dim() == 1 else weights
         if columns.dim() != 2 or columns.shape[0] != self.size:
             raise ValueError(
                 f"`weights` should have shape ({self.size},) or ({self.size}, k), but got "
                 f"{tuple(weights.shape)}"
             )
-        k = columns.shape[1]
-        flat = torch.empty(k, self.dim, dtype=self.dtype, device=self.device)
+        return columns
+
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> (k, *shape) views into the rows of a (k, d) flat buffer."""
+        k = flat.shape[0]
         views, offset = {}, 0
-        for name, shape in self.statistics.param_shapes.items():
-            n = int(torch.Size(shape).numel())
+        for name, (shape, n) in self._layout.items():
             views[name] = flat[:, offset : offset + n].view(k, *shape)
             offset += n
-        self.statistics.weighted_sum_stacked(columns, out=views)  # written into ``flat``
-        return flat[0] if single else flat
+        return views

@@ -12,9 +12,12 @@ from collections.abc import Mapping
 
 import torch
 
-from grabkit.stats.factors import ParameterFactor
+from grabkit.stats.factors import OuterProductFactor, ParameterFactor
 
 __all__ = ["StepStatistics"]
+
+# Below this many weight entries per group, gathering the rarer rows costs more than it saves.
+_TWO_VALUED_MIN_ENTRIES = 1 << 14
 
 
 class StepStatistics:
@@ -51,6 +54,14 @@ class StepStatistics:
         self.stat_dtype = torch.promote_types(dtype, torch.float32)
         self._gram: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
+        # parameters whose signed sums pay to take from the batch gradient (see _two_valued)
+        self._large_outer_products = {
+            name
+            for name, f in self.factors.items()
+            if isinstance(f, OuterProductFactor)
+            and name in self.batch_gradients
+            and f.in_features * f.out_features >= _TWO_VALUED_MIN_ENTRIES
+        }
 
     def _present(self) -> list[tuple[str, ParameterFactor]]:
         return [(name, f) for name, f in self.factors.items() if f is not None]
@@ -119,20 +130,42 @@ class StepStatistics:
 
     @torch.no_grad()
     def weighted_sum_stacked(
-        self, weights: torch.Tensor, out: Mapping[str, torch.Tensor] | None = None
+        self,
+        weights: torch.Tensor,
+        out: Mapping[str, torch.Tensor] | None = None,
+        *,
+        accumulate: bool = False,
     ) -> dict[str, torch.Tensor]:
         """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype.
 
         ``out``, when given, maps every name to a (k, *shape) tensor (views into one flat
-        buffer, say) that receives the result without an extra copy where the layer allows.
+        buffer, say) that receives the result without an extra copy where the layer allows;
+        with ``accumulate=True`` the sums are added to what ``out`` holds (running sums updated
+        in place, with no temporary the size of the model).
         """
+        if accumulate and out is None:
+            raise ValueError("weighted_sum_stacked(accumulate=True) needs `out` to add into")
         k = weights.shape[1]
         w = weights * self.scale  # (B, k): cheaper than scaling any gradient factor
+        two_valued = self._two_valued(w) if k == 1 and self._large_outer_products else None
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
             factor = self.factors[name]
-            if factor is None:
+            signed = None
+            if two_valued is not None and name in self._large_outer_products:
+                rows, a, b = two_valued
+                total = self.batch_gradients[name]
+                signed = factor.two_valued_sum(
+                    rows, a - b, total, b, out=target, accumulate=accumulate
+                )
+            if signed is not None:
+                sums[name] = signed
+            elif accumulate:
+                if factor is not None:
+                    target.add_(factor.weighted_sum(w).to(target.dtype))
+                sums[name] = target
+            elif factor is None:
                 zeros = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
                 sums[name] = zeros if target is None else target.copy_(zeros)
             elif target is not None:
@@ -140,3 +173,24 @@ class StepStatistics:
             else:
                 sums[name] = factor.weighted_sum(w).to(self.dtype)
         return sums
+
+    @staticmethod
+    def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
+        """For (B, 1) weights taking at most two values: (rows of the rarer value a, a, other b).
+
+        Every GraB update is such a sum (signs +-1, or +-1 and 0), and
+        sum_i w_i g_i = b sum_i g_i + (a - b) sum_{w_i = a} g_i needs a GEMM over the rarer rows
+        only, since autograd already formed sum_i g_i.
+        """
+        column = w[:, 0]
+        first = column[0]
+        is_first = column == first
+        others = column[~is_first]
+        if others.numel() == 0:
+            return others.new_zeros(0, dtype=torch.long), 0.0, float(first)
+        second = others[0]
+        if not bool((others == second).all()):
+            return None
+        if 2 * others.numel() <= column.numel():
+            return torch.nonzero(~is_first).squeeze(1), float(second), float(first)
+        return torch.nonzero(is_first).squeeze(1), float(first), float(second)
