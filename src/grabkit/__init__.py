@@ -44,8 +44,12 @@ _EXPORTS: dict[str, str] = {
     "AccumulationNoiseScale": "grabkit.noise",
     "PerExampleNoiseScale": "grabkit.noise",
     "DDPNoiseScale": "grabkit.noise",
+    "NoiseScaleResult": "grabkit.noise",
     # adaptive accumulation
     "AdaptiveAccumulationWrapper": "grabkit.accumulate",
+    "NoiseScaleController": "grabkit.accumulate",
+    "NormTest": "grabkit.accumulate",
+    "RelativeNormThreshold": "grabkit.accumulate",
     "OptimizerWrapperGNTS": "grabkit.accumulate",
     "OptimizerWrapperGNS": "grabkit.accumulate",
     "OptimizerWrapperMHT": "grabkit.accumulate",
