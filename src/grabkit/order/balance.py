@@ -321,4 +321,4 @@ def apply_update(
         fw = torch.from_numpy(np.ascontiguousarray(fixed_weights)).to(
             accumulators.device, accumulators.dtype
         )
-        accumulators += fw @ fixed.to(accumulators.dtype)
+        accumulators.addmm_(fw, fixed.to(accumulators.dtype).reshape(fw.shape[1], -1))

@@ -206,8 +206,10 @@ class OuterProductFactor:
                 per_row = ((d[0] @ v[0, 0]) * a[0]).sum(dim=-1).unsqueeze(0)  # (1, N)
             else:
                 per_row = ((a[0] @ v[0, 0].T) * d[0]).sum(dim=-1).unsqueeze(0)
-        elif g == 1 and q <= p:
-            # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D.
+        elif g == 1 and q <= p and v.is_contiguous():
+            # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D. (Rows
+            # cut from a longer flat vector are not contiguous; the batched forms below read
+            # them in place rather than copying them.)
             projected = a[0] @ v.reshape(k * q, p).T
             per_row = (projected.view(-1, k, q) * d[0].unsqueeze(1)).sum(dim=-1).T  # (k, N)
         elif p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q

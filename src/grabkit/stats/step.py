@@ -72,8 +72,11 @@ class StepStatistics:
     @torch.no_grad()
     def total(self) -> torch.Tensor:
         """(d,) sum_i g_i in the flat layout: the batch gradient autograd computed, rescaled."""
-        flat = torch.cat([g.reshape(-1) for g in self.batch_gradients.values()])
-        return flat.mul_(self.scale) if self.scale != 1.0 else flat
+        sizes = [g.numel() for g in self.batch_gradients.values()]
+        flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+        for g, piece in zip(self.batch_gradients.values(), flat.split(sizes), strict=True):
+            torch.mul(g.reshape(-1), self.scale, out=piece)  # one pass: copy and rescale
+        return flat
 
     @torch.no_grad()
     def total_named(self) -> dict[str, torch.Tensor]:
