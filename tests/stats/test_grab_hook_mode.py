@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import grabkit.stats.step as step_module
 from grabkit.order import GraBSampler
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -31,10 +32,15 @@ def model_with_dropout() -> nn.Module:
     )
 
 
+@pytest.mark.parametrize("signed_sums_from_total", [False, True])
 @pytest.mark.parametrize(
     ("balance_type", "optimizer"), [("mean", torch.optim.Adam), ("pair", torch.optim.SGD)]
 )
-def test_hook_mode_orders_equal_torch_func_orders(balance_type, optimizer, reference_tools):
+def test_hook_mode_orders_equal_torch_func_orders(
+    balance_type, optimizer, signed_sums_from_total, reference_tools, monkeypatch
+):
+    if signed_sums_from_total:  # every Linear weight takes its signed sums from the batch total
+        monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
     dataset = torch.utils.data.TensorDataset(x, y)

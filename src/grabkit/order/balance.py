@@ -182,6 +182,7 @@ def fetch_inner_products(
     *,
     num_fixed: int = 0,
     need_gram: bool = True,
+    fixed: torch.Tensor | None = None,
 ) -> HostProducts:
     """Compute X X^T, X V^T and F V^T on the batch's device and move them to the host at once.
 
@@ -189,6 +190,10 @@ def fetch_inner_products(
         batch: B per-example gradients.
         vectors: (m, d) running sums followed by ``num_fixed`` fixed vectors F, or None (m = 0).
         need_gram: skip X X^T when the caller decides signs without it.
+        fixed: (f, d) fixed vectors given apart from the running sums in ``vectors`` (then
+            ``num_fixed`` is ignored): V = [vectors; fixed] is never stacked into one tensor, which
+            saves a copy the size of the model where ``batch`` reads each vector separately anyway
+            (hook statistics).
     Raises:
         ValueError: when any product is NaN or Inf (a non-finite gradient).
     """
@@ -196,13 +201,17 @@ def fetch_inner_products(
     parts: list[torch.Tensor] = []
     if need_gram:
         parts.append(batch.gram().reshape(-1))
-    m = 0 if vectors is None else vectors.shape[0]
-    f = num_fixed if m else 0
+    groups = [
+        g.to(device=batch.device, dtype=batch.dtype) for g in (vectors, fixed) if g is not None
+    ]
+    m = sum(g.shape[0] for g in groups)
+    f = fixed.shape[0] if fixed is not None else (num_fixed if m else 0)
     if m:
-        v = vectors.to(device=batch.device, dtype=batch.dtype)
-        parts.append(batch.dot(v).reshape(-1))
+        xv = torch.cat([batch.dot(g).reshape(B, -1) for g in groups], dim=1)  # (B, m)
+        parts.append(xv.reshape(-1))
         if f:
-            parts.append((v[m - f :] @ v.T).reshape(-1))
+            tail = groups[-1][-f:]  # the fixed vectors come last
+            parts.append(torch.cat([tail @ g.T for g in groups], dim=1).reshape(-1))  # (f, m)
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))

@@ -207,9 +207,12 @@ def balance_combinations(
         U = fixed_weights
     block = balance_module.CPU_BLOCK_ROWS
     if not (sequential and block > 0 and _dense_on_cpu(batch, accumulators)):
-        products = fetch_inner_products(
-            batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
-        )
+        if isinstance(batch, DenseGradientBatch):  # one pass over X for all the vectors
+            products = fetch_inner_products(
+                batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
+            )
+        else:  # hook statistics read each vector apart: stacking them would only copy
+            products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
         if before_update is not None:
             before_update(batch.total())
         return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)

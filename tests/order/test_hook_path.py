@@ -1,0 +1,48 @@
+"""The hook-statistics path of balancing: products with the fixed vectors given apart, and running
+sums updated in place, against the dense path on the same gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit.order.balance import apply_update, fetch_inner_products
+from grabkit.stats import PerSampleStats
+from grabkit.stats.gradient_batch import DenseGradientBatch
+
+
+def test_fixed_vectors_given_apart_equal_stacked():
+    gen = torch.Generator().manual_seed(0)
+    batch = DenseGradientBatch(torch.randn(5, 7, generator=gen, dtype=torch.float64))
+    sums = torch.randn(2, 7, generator=gen, dtype=torch.float64)
+    fixed = torch.randn(3, 7, generator=gen, dtype=torch.float64)
+    stacked = fetch_inner_products(batch, torch.cat([sums, fixed]), num_fixed=3)
+    apart = fetch_inner_products(batch, sums, fixed=fixed)
+    np.testing.assert_allclose(apart.gram, stacked.gram)
+    np.testing.assert_allclose(apart.xv, stacked.xv)
+    np.testing.assert_allclose(apart.fv, stacked.fv)
+    assert apart.xv.shape == (5, 5) and apart.fv.shape == (3, 5)
+
+
+def test_hook_batch_products_and_update_equal_dense():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with PerSampleStats(model) as stats:
+        F.cross_entropy(model(x), y).backward()
+        hook = stats.gradient_batch()
+        dense = DenseGradientBatch(hook.weighted_sum(torch.eye(8, dtype=torch.float64)))
+    gen = torch.Generator().manual_seed(1)
+    sums = torch.randn(1, hook.dim, generator=gen, dtype=torch.float64)
+    centre = torch.randn(1, hook.dim, generator=gen, dtype=torch.float64)
+    expected = fetch_inner_products(dense, torch.cat([sums, centre]), num_fixed=1)
+    actual = fetch_inner_products(hook, sums, fixed=centre)
+    np.testing.assert_allclose(actual.xv, expected.xv, rtol=1e-10)
+    np.testing.assert_allclose(actual.fv, expected.fv, rtol=1e-10)
+    signs = np.where(np.arange(8) % 3 == 0, 1.0, -1.0)[:, None]
+    on_hook, on_dense = sums.clone(), sums.clone()
+    apply_update(on_hook, hook, signs, centre, np.array([[-2.0]]))
+    apply_update(on_dense, dense, signs, centre, np.array([[-2.0]]))
+    torch.testing.assert_close(on_hook, on_dense)
