@@ -17,9 +17,19 @@ from grabkit.noise.result import NoiseScaleResult
 __all__ = ["AccumulationNoiseScale"]
 
 
-def _reduction_dtype(t: torch.Tensor) -> torch.dtype:
-    """Half-precision gradients are reduced in float32 so that squares do not overflow."""
-    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _square_norm(t: torch.Tensor) -> torch.Tensor:
+    """|t|^2 as a 0-d tensor, one pass over ``t``; half precision is reduced in float32.
+
+    ``torch.dot`` is the cheapest single-pass reduction of a contiguous tensor on CPU (BLAS);
+    float16 / bfloat16 are widened first so that the squares do not overflow.
+    """
+    flat = t.detach().reshape(-1)
+    if flat.dtype in _HALF_DTYPES:
+        flat = flat.float()
+    return torch.dot(flat, flat)
 
 
 class AccumulationNoiseScale:
@@ -64,25 +74,31 @@ class AccumulationNoiseScale:
         )
         self.grad_scaler = grad_scaler
         self._params = [p for _, p in named]
-        self._square: list[torch.Tensor | None] = [None] * len(named)
         self._device = self._params[0].device
-        # per microbatch of this step: (per-block squares, loss scale squared), and counts
-        self._micro_parts: list[tuple[list, float]] = []
+        # Row k holds |d_k|^2 per block of the step's k-th microbatch, and after the last one
+        # the row of |G_B|^2. The hooks copy each square into it at once: keeping the 0-d results
+        # alive until the step ends scatters small allocations between the large gradient ones
+        # and measurably slows the allocator. Rows are zero until written (no gradient: 0).
+        self._squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
+        self._row = 0  # the microbatch the hooks are measuring
+        self._written = [False] * len(named)  # per block: this microbatch's square is in its row
+        self._micro_scales_sq: list[float] = []
         self._micro_counts: list[float] = []
         self._handles = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
 
-    @staticmethod
-    def _square_norm(t: torch.Tensor) -> torch.Tensor:
-        flat = t.detach().reshape(-1).to(_reduction_dtype(t))
-        return torch.dot(flat, flat)
-
     def _make_hook(self, index: int):
         def hook(grad: torch.Tensor) -> None:
-            square = self._square_norm(grad)
-            previous = self._square[index]
-            self._square[index] = square if previous is None else previous + square
+            self._record(self._row, index, _square_norm(grad))
 
         return hook
+
+    def _record(self, row: int, index: int, square: torch.Tensor) -> None:
+        """Add ``square`` to entry (row, index): backward passes of one microbatch add up."""
+        if self._written[index]:
+            self._squares[row, index] += square
+        else:
+            self._squares[row, index] = square
+            self._written[index] = True
 
     def _loss_scale_sq(self) -> float:
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
@@ -90,18 +106,16 @@ class AccumulationNoiseScale:
         return float(self.grad_scaler.get_scale()) ** 2
 
     def end_microbatch(self, count: float) -> None:
-        """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count."""
-        self._micro_counts.append(_check_count(count))
-        self._micro_parts.append((self._square, self._loss_scale_sq()))
-        self._square = [None] * len(self._params)
+        """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count.
 
-    def _stack(self, rows: list[list[torch.Tensor | None]]) -> torch.Tensor:
-        """(K, P) float64 from per-microbatch lists of per-block scalars (None: no gradient)."""
-        zero = torch.zeros((), dtype=torch.float64, device=self._device)
-        flat = [
-            zero if v is None else v.to(self._device, torch.float64) for row in rows for v in row
-        ]
-        return torch.stack(flat).reshape(len(rows), len(self._params))
+        Only bookkeeping: the squares are already in their row; ``end_step`` reads them all.
+        """
+        self._micro_counts.append(_check_count(count))
+        self._micro_scales_sq.append(self._loss_scale_sq())
+        self._row += 1
+        self._written = [False] * len(self._params)
+        if self._row == self._squares.shape[0]:  # room for the next microbatch or the step row
+            self._squares = torch.cat([self._squares, torch.zeros_like(self._squares)])
 
     def end_step(self) -> NoiseScaleResult | None:
         """Close the step: fold its estimate into the averages and return the current result.
@@ -110,24 +124,29 @@ class AccumulationNoiseScale:
         clips ``.grad`` (``grad_scaler.unscale_``, ``clip_grad_norm_``): it reads the accumulated
         ``.grad``. Returns None until a step with at least two microbatches was seen.
         """
-        if any(v is not None for v in self._square):
+        if any(self._written):
             raise RuntimeError(
                 "a backward pass ran after the last end_microbatch(); call "
                 "end_microbatch(count) after every microbatch's backward()"
             )
-        parts, counts = self._micro_parts, self._micro_counts
-        self._micro_parts, self._micro_counts = [], []
+        steps, scales_sq, counts = self._row, self._micro_scales_sq, self._micro_counts
+        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
         if len(counts) < 2:
+            self._squares.zero_()
             return self.estimator.estimate
-        scale_sq = torch.tensor([s for _, s in parts], dtype=torch.float64, device=self._device)
-        squares = self._stack([sq for sq, _ in parts]) / scale_sq[:, None]  # |d_k|^2
-        accumulated = [None if p.grad is None else self._square_norm(p.grad) for p in self._params]
-        step_sq = self._stack([accumulated])[0] / scale_sq[-1]  # |sum_k d_k|^2
+        # the last row: |sum_k d_k|^2 of the accumulated .grad, at the last microbatch's scale
+        for index, p in enumerate(self._params):
+            if p.grad is not None:
+                self._squares[steps, index] = _square_norm(p.grad)
+        scales_sq.append(scales_sq[-1])
+        scale_sq = torch.tensor(scales_sq, dtype=torch.float64, device=self._device)
+        squares = self._squares[: steps + 1] / scale_sq[:, None]  # (K + 1, P), a new tensor
+        self._squares.zero_()
         total = sum(counts)
         # the increment is d_k = (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
         share = torch.tensor(counts, dtype=torch.float64, device=self._device) / total
-        self.estimator.observe_microbatches(squares / share[:, None] ** 2, counts)
-        return self.estimator.observe_step(step_sq)
+        self.estimator.observe_microbatches(squares[:-1] / share[:, None] ** 2, counts)
+        return self.estimator.observe_step(squares[-1])
 
     @property
     def estimate(self) -> NoiseScaleResult | None:
