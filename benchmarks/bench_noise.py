@@ -3,7 +3,9 @@
 Contenders, each against the plain step it rides on (timed side by side, interleaved):
 
 * ALF-style ``GradientNoiseScaleEstimator`` (two extra backward passes) vs a plain step;
-* ``AccumulationNoiseScale`` (gradient hooks) vs plain accumulation of K microbatches;
+* ``AccumulationNoiseScale`` (gradient hooks) vs plain accumulation of K microbatches, with
+  microbatches of 32 and of 128 examples (the overhead is per gradient pass, so its share
+  falls as each microbatch costs more);
 * ``PerExampleNoiseScale`` fed by ``grabkit.stats.PerSampleStats`` vs a plain step;
 * ``DDPNoiseScale`` (communication hook) vs plain DDP, 2 gloo processes on this machine.
 
@@ -35,6 +37,7 @@ from grabkit.noise import (
 )
 
 BATCH, MICROBATCHES, HIDDEN, UPDATE_RATE = 128, 4, 1024, 0.02
+LARGE_MICROBATCH = 128  # a second accumulation row: same model, 4x the work per microbatch
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -81,14 +84,14 @@ def exact_b_simple(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: in
 
 
 class Batches:
-    """Batches drawn with replacement, from a fixed seed."""
+    """Batches of ``size`` examples drawn with replacement, from a fixed seed."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
-        self.x, self.y = x, y
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int, size: int = BATCH) -> None:
+        self.x, self.y, self.size = x, y, size
         self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        i = torch.randint(self.x.shape[0], (BATCH,), generator=self.gen)
+        i = torch.randint(self.x.shape[0], (self.size,), generator=self.gen)
         return self.x[i], self.y[i]
 
 
@@ -148,19 +151,20 @@ def single_process_steps(x, y):
             gns.end_step()
         o.step()
 
-    acc_model = make_model()
-    acc_opt = torch.optim.SGD(acc_model.parameters(), lr=0.01)
-    acc_batches = Batches(x, y, 1)
-    contenders[f"plain accumulation (K={MICROBATCHES})"] = lambda: accumulation_step(
-        acc_model, acc_opt, acc_batches, None
-    )
-    gns_model = make_model()
-    gns_opt = torch.optim.SGD(gns_model.parameters(), lr=0.01)
-    gns_batches = Batches(x, y, 1)
-    gns = AccumulationNoiseScale(gns_model, update_rate=UPDATE_RATE)
-    contenders[f"AccumulationNoiseScale (K={MICROBATCHES})"] = lambda: accumulation_step(
-        gns_model, gns_opt, gns_batches, gns
-    )
+    def accumulation_pair(label: str, step_size: int) -> None:
+        """Plain accumulation and the same loop with the estimator, ``step_size`` per step."""
+        for measured in (False, True):
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            batches = Batches(x, y, 1, step_size)
+            gns = AccumulationNoiseScale(model, update_rate=UPDATE_RATE) if measured else None
+            name = "AccumulationNoiseScale" if measured else "plain accumulation"
+            contenders[f"{name} ({label})"] = lambda m=model, o=opt, b=batches, g=gns: (
+                accumulation_step(m, o, b, g)
+            )
+
+    accumulation_pair(f"K={MICROBATCHES}", BATCH)
+    accumulation_pair(f"K={MICROBATCHES} x {LARGE_MICROBATCH}", MICROBATCHES * LARGE_MICROBATCH)
 
     pe_model = make_model()
     pe_opt = torch.optim.SGD(pe_model.parameters(), lr=0.01)
@@ -292,10 +296,12 @@ def main(argv: list[str]) -> None:
     estimates["DDPNoiseScale (2 gloo ranks)"] = ddp_b
 
     acc = f"plain accumulation (K={MICROBATCHES})"
+    large = f"K={MICROBATCHES} x {LARGE_MICROBATCH}"
     rows = [
         ("plain step (A/A copy)", "plain step", times),
         ("ALF-style estimator", "plain step", times),
         (f"AccumulationNoiseScale (K={MICROBATCHES})", acc, times),
+        (f"AccumulationNoiseScale ({large})", f"plain accumulation ({large})", times),
         ("PerExampleNoiseScale (PerSampleStats)", "plain step", times),
         (
             "DDPNoiseScale (2 gloo ranks)",
