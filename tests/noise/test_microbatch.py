@@ -60,11 +60,11 @@ def _hooked_step(model, gns, x, y, sizes, scaler=None):
     return gns.end_step()
 
 
-def test_hooks_measure_the_same_norms_as_torch_func():
+@pytest.mark.parametrize("sizes", [[7, 12, 5], [3, 2, 4, 3, 2, 5, 3, 2, 4, 3, 2]])
+def test_hooks_measure_the_same_norms_as_torch_func(sizes):
     prob = problem(10)
     model = prob.model
-    sizes = [7, 12, 5]
-    index = torch.arange(100, 124)
+    index = torch.arange(100, 100 + sum(sizes))
     gns = AccumulationNoiseScale(model, update_rate=1.0)
     model.zero_grad()
     hooked = _hooked_step(model, gns, prob.x[index], prob.y[index], sizes)
@@ -78,6 +78,38 @@ def test_hooks_measure_the_same_norms_as_torch_func():
     assert hooked.block_names == prob.names
     gns.remove()
     model.zero_grad()
+
+
+def test_two_backward_passes_in_one_microbatch_are_rejected():
+    """Each backward is measured on its own, so two before one end_microbatch cannot be used."""
+    model = torch.nn.Linear(3, 1)
+    with AccumulationNoiseScale(model) as gns:
+        model(torch.ones(2, 3)).sum().backward()
+        model(torch.zeros(2, 3)).sum().backward()
+        with pytest.raises(RuntimeError, match="after every backward"):
+            gns.end_microbatch(4)
+        for _ in range(2):  # the documented way: one end_microbatch per backward
+            model(torch.ones(2, 3)).sum().backward()
+            gns.end_microbatch(2)
+        assert gns.end_step() is not None
+
+
+def test_a_block_without_gradient_in_a_microbatch_counts_as_zero():
+    a = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
+    with AccumulationNoiseScale([("a", a), ("b", b)], update_rate=1.0) as gns:
+        ((a * a).sum() + 2 * b.sum()).backward()  # d_1: a -> (2, 4), b -> 2
+        gns.end_microbatch(1)
+        (3 * a.sum()).backward()  # d_2: a -> (3, 3), b: no gradient
+        gns.end_microbatch(1)
+        measured = gns.end_step()
+    reference = MicrobatchNoiseScale(update_rate=1.0, block_names=("a", "b"))
+    # |g_k|^2 = |d_k|^2 (B / n_k)^2 with B / n_k = 2; the step gradient is G = (5, 7), (2)
+    reference.observe_microbatch(torch.tensor([20.0, 4.0]) * 4, 1)
+    reference.observe_microbatch(torch.tensor([18.0, 0.0]) * 4, 1)
+    expected = reference.observe_step(torch.tensor([74.0, 4.0]))
+    torch.testing.assert_close(measured.block_grad_norm_sq, expected.block_grad_norm_sq)
+    torch.testing.assert_close(measured.block_trace_sigma, expected.block_trace_sigma)
 
 
 def test_ema_converges_to_the_truth():

@@ -52,10 +52,11 @@ class AccumulationNoiseScale:
         grad_scaler: a ``torch.amp.GradScaler`` whose scale multiplies the losses; its current
             scale is read at each ``end_microbatch`` and divided out (squared) before use.
 
-    One ``backward()`` per microbatch; ``.grad`` must start each step at zero or None (the usual
-    ``zero_grad()``). The hooks also see any other differentiation through these parameters
-    (``torch.autograd.grad`` for a penalty, another estimator): keep those out of the measured
-    steps. Call ``remove()`` (or use ``with``) to detach the hooks.
+    One ``backward()`` per microbatch (``end_microbatch`` raises otherwise: call it after each
+    backward); ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The
+    hooks also see any other differentiation through these parameters (``torch.autograd.grad``
+    for a penalty, another estimator): keep those out of the measured steps. Call ``remove()``
+    (or use ``with``) to detach the hooks.
     """
 
     def __init__(
@@ -82,6 +83,7 @@ class AccumulationNoiseScale:
         self._squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
         self._row = 0  # the microbatch the hooks are measuring
         self._written = [False] * len(named)  # per block: this microbatch's square is in its row
+        self._repeated = False  # a block's hook ran twice in this microbatch (two backwards)
         self._micro_scales_sq: list[float] = []
         self._micro_counts: list[float] = []
         self._handles = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
@@ -93,12 +95,15 @@ class AccumulationNoiseScale:
         return hook
 
     def _record(self, row: int, index: int, square: torch.Tensor) -> None:
-        """Add ``square`` to entry (row, index): backward passes of one microbatch add up."""
+        """Put ``square`` at (row, index); a second one in the same microbatch is an error.
+
+        Each backward's increment is measured on its own, and |d' + d''|^2 is not
+        |d'|^2 + |d''|^2: two backward passes in one microbatch cannot be measured as one.
+        """
         if self._written[index]:
-            self._squares[row, index] += square
-        else:
-            self._squares[row, index] = square
-            self._written[index] = True
+            self._repeated = True
+        self._squares[row, index] = square
+        self._written[index] = True
 
     def _loss_scale_sq(self) -> float:
         if self.grad_scaler is None or not self.grad_scaler.is_enabled():
@@ -110,6 +115,15 @@ class AccumulationNoiseScale:
 
         Only bookkeeping: the squares are already in their row; ``end_step`` reads them all.
         """
+        if self._repeated:
+            self._repeated = False
+            self._written = [False] * len(self._params)
+            self._squares[self._row].zero_()
+            raise RuntimeError(
+                "more than one backward() ran since the last end_microbatch(); the hooks measure "
+                "each backward's gradient on its own, so call end_microbatch(count) after every "
+                "backward() with the number of examples that backward covered"
+            )
         self._micro_counts.append(_check_count(count))
         self._micro_scales_sq.append(self._loss_scale_sq())
         self._row += 1
