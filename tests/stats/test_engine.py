@@ -94,6 +94,18 @@ def test_gram_and_norms_agree_in_either_order():
         torch.testing.assert_close(sum(blocks.values()), norms)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_total_norms_by_parameter_are_those_of_the_total(reduction):
+    model = mlp()
+    with PerSampleStats(model, loss_reduction=reduction) as stats:
+        step(model)
+        squares = stats.statistics().total_norms_squared_by_parameter()
+        assert list(squares) == list(stats.param_shapes)
+        named = stats.total()
+        for name, square in squares.items():
+            torch.testing.assert_close(square, (named[name] * named[name]).sum())
+
+
 def test_bad_arguments_are_rejected_clearly():
     with pytest.raises(TypeError, match=r"expects an nn\.Module"):
         PerSampleStats("model")

@@ -84,6 +84,21 @@ class StepStatistics:
         return {name: g * self.scale for name, g in self.batch_gradients.items()}
 
     @torch.no_grad()
+    def total_norms_squared_by_parameter(self) -> dict[str, torch.Tensor]:
+        """{name: ||sum_i g_i||^2 over that parameter}, 0-d tensors in at least float32.
+
+        For estimators that need the squared norm of the batch gradient (per block) but not the
+        gradient itself: one dot product per parameter on the stored batch gradient, with no
+        temporary the size of the model (``total_named()`` followed by a square and a sum
+        makes two).
+        """
+        out = {}
+        for name, g in self.batch_gradients.items():
+            flat = g.reshape(-1).to(self.stat_dtype)
+            out[name] = torch.dot(flat, flat) * self.scale**2
+        return out
+
+    @torch.no_grad()
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 (the Gram diagonal when the Gram matrix was already read)."""
         if self._norms is None:
