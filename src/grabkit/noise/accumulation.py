@@ -143,7 +143,7 @@ class AccumulationNoiseScale:
                 "a backward pass ran after the last end_microbatch(); call "
                 "end_microbatch(count) after every microbatch's backward()"
             )
-        steps, scales_sq, counts = self._row, self._micro_scales_sq, self._micro_counts
+        microbatches, scales_sq, counts = self._row, self._micro_scales_sq, self._micro_counts
         self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
         if len(counts) < 2:
             self._squares.zero_()
@@ -151,10 +151,10 @@ class AccumulationNoiseScale:
         # the last row: |sum_k d_k|^2 of the accumulated .grad, at the last microbatch's scale
         for index, p in enumerate(self._params):
             if p.grad is not None:
-                self._squares[steps, index] = _square_norm(p.grad)
+                self._squares[microbatches, index] = _square_norm(p.grad)
         scales_sq.append(scales_sq[-1])
         scale_sq = torch.tensor(scales_sq, dtype=torch.float64, device=self._device)
-        squares = self._squares[: steps + 1] / scale_sq[:, None]  # (K + 1, P), a new tensor
+        squares = self._squares[: microbatches + 1] / scale_sq[:, None]  # (K + 1, P), a new tensor
         self._squares.zero_()
         total = sum(counts)
         # the increment is d_k = (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
