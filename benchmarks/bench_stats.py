@@ -289,6 +289,8 @@ def engine_costs(fresh, data, rounds: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     vectors = torch.randn(2, batch.dim, generator=gen)
     w1, w2 = torch.randn(x.shape[0], 1, generator=gen), torch.randn(x.shape[0], 2, generator=gen)
+    signs = torch.where(w1 > 0, 1.0, -1.0)  # a GraB update: from the batch gradient
+    accumulator = torch.zeros(1, batch.dim)
 
     def cold() -> HookGradientBatch:
         stats._statistics = None  # each read from the kept factors, nothing cached
@@ -302,6 +304,8 @@ def engine_costs(fresh, data, rounds: int) -> dict[str, float]:
             "dot, k=2": lambda: cold().dot(vectors),
             "weighted_sum, k=1": lambda: cold().weighted_sum(w1),
             "weighted_sum, k=2": lambda: cold().weighted_sum(w2),
+            "weighted_sum, signs": lambda: cold().weighted_sum(signs),
+            "add signed sum in place": lambda: cold().add_weighted_sum_to(accumulator, signs),
             "total": lambda: cold().total(),
         },
         rounds=rounds,
