@@ -78,8 +78,8 @@ class AccumulationNoiseScale:
         self._device = self._params[0].device
         # Row k holds |d_k|^2 per block of the step's k-th microbatch, and after the last one
         # the row of |G_B|^2. The hooks copy each square into it at once: keeping the 0-d results
-        # alive until the step ends scatters small allocations between the large gradient ones
-        # and measurably slows the allocator. Rows are zero until written (no gradient: 0).
+        # alive until the step ends measurably slows the backward passes (small allocations
+        # left between the large gradient buffers). Rows are zero until written (no gradient).
         self._squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
         self._row = 0  # the microbatch the hooks are measuring
         self._written = [False] * len(named)  # per block: this microbatch's square is in its row
