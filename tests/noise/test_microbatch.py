@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -78,6 +79,22 @@ def test_hooks_measure_the_same_norms_as_torch_func(sizes):
     assert hooked.block_names == prob.names
     gns.remove()
     model.zero_grad()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_gradients_give_the_cpu_result():
+    prob = problem(10)
+    index = torch.arange(24)
+    results = []
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(prob.model).to(device)
+        model.zero_grad()
+        x, y = prob.x[index].to(device), prob.y[index].to(device)
+        with AccumulationNoiseScale(model, update_rate=1.0) as gns:
+            results.append(_hooked_step(model, gns, x, y, [7, 12, 5]))
+    on_cpu, on_cuda = results
+    torch.testing.assert_close(on_cuda.block_trace_sigma.cpu(), on_cpu.block_trace_sigma)
+    torch.testing.assert_close(on_cuda.block_grad_norm_sq.cpu(), on_cpu.block_grad_norm_sq)
 
 
 def test_two_backward_passes_in_one_microbatch_are_rejected():
