@@ -120,18 +120,12 @@ class PerExampleNoiseScale:
         step = stats.statistics()
         batch = step.batch_size
         names = tuple(step.param_shapes)
-        totals = step.total_named()
-        mean_sq = torch.stack([(totals[n].to(torch.float64) / batch).pow(2).sum() for n in names])
+        # ||mean gradient||^2 per parameter: one dot product each, no model-sized temporaries
+        total_sq = step.total_norms_squared_by_parameter()
+        mean_sq = torch.stack([total_sq[n].to(torch.float64) for n in names]) / batch**2
         if self.tracker.block_names == names:
-            norms = torch.stack(
-                [
-                    torch.zeros(batch, dtype=torch.float64, device=step.device)
-                    if step.factors[n] is None
-                    else step.factors[n].norms_squared().to(torch.float64) * step.scale**2
-                    for n in names
-                ],
-                dim=1,
-            )
+            per_block = step.norms_squared_by_parameter()
+            norms = torch.stack([per_block[n].to(torch.float64) for n in names], dim=1)
             return self.observe(norms, mean_sq, grad_scale)
         if len(self.tracker.block_names) != 1:
             raise ValueError(
