@@ -135,9 +135,9 @@ def cpu_ms_per_call(fn, calls: int) -> float:
 def time_balancing(dims: list[int], batch: int, rounds: int) -> list[str]:
     lines = [
         f"Balancing one batch of B = {batch} per-example gradients (float32, CPU), in the "
-        "sampler's second epoch (mean balancing centred on a stale mean, as in the loop). Wall: median "
-        f"of {rounds} interleaved rounds after warm-up. CPU: process CPU time per call over "
-        f"{rounds} further calls (robust to other jobs' load when torch uses one thread).",
+        "sampler's second epoch (mean balancing centred on a stale mean, as in the loop). "
+        f"Wall: median of {rounds} interleaved rounds after warm-up. CPU: process CPU time per "
+        f"call over {rounds} further calls (robust to other jobs' load with one torch thread).",
         "",
         "| balancing | d | grabkit `step` wall (ms) | loop wall (ms) | loop / grabkit wall "
         "| grabkit CPU (ms) | loop CPU (ms) | loop / grabkit CPU |",
