@@ -58,6 +58,13 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a dense tensor, or of a sparse CSR tensor's values and index arrays."""
+    if t.layout == torch.sparse_csr:
+        return sum(_tensor_bytes(part) for part in (t.values(), t.col_indices(), t.crow_indices()))
+    return t.numel() * t.element_size()
+
+
 class Projection(ABC):
     """A fixed random linear map R^d -> R^k, unbiased for inner products.
 
@@ -75,26 +82,35 @@ class Projection(ABC):
         self.out_dim = _check_positive_int("out_dim", out_dim)
         self.seed = seed
 
-    @property
     @abstractmethod
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor the projection holds, in a fixed order."""
+
+    @abstractmethod
+    def _set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Replace the tensors ``_tensors()`` returned (same order), e.g. after a move."""
+
+    @property
     def device(self) -> torch.device:
         """Device of the projection's tensors."""
+        return self._tensors()[0].device
 
     @property
-    @abstractmethod
     def dtype(self) -> torch.dtype:
         """Dtype of the projection's tensors."""
+        return self._tensors()[0].dtype
 
     @property
-    @abstractmethod
     def memory_bytes(self) -> int:
-        """Bytes held by the projection's tensors (values and indices)."""
+        """Bytes held by the projection's tensors (values and, for sparse ones, indices)."""
+        return sum(_tensor_bytes(t) for t in self._tensors())
 
-    @abstractmethod
     def to(
         self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
     ) -> Projection:
         """Move the projection's tensors in place; returns ``self``."""
+        self._set_tensors([t.to(device=device, dtype=dtype) for t in self._tensors()])
+        return self
 
     @abstractmethod
     def _apply(self, X: torch.Tensor) -> torch.Tensor:
@@ -150,23 +166,11 @@ class GaussianProjection(Projection):
         matrix = torch.randn(in_dim, out_dim, generator=generator, dtype=torch.float32)
         self.matrix = (matrix / math.sqrt(out_dim)).to(device=device, dtype=dtype)  # (d, k)
 
-    @property
-    def device(self) -> torch.device:
-        return self.matrix.device
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.matrix]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.matrix.dtype
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.matrix.numel() * self.matrix.element_size()
-
-    def to(
-        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> GaussianProjection:
-        self.matrix = self.matrix.to(device=device, dtype=dtype)
-        return self
+    def _set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        (self.matrix,) = tensors
 
     def _apply(self, X: torch.Tensor) -> torch.Tensor:
         return X @ self.matrix
@@ -227,36 +231,20 @@ class SparseProjection(Projection):
                 )
             self.blocks.append(block.to(device=device, dtype=dtype))
 
-    @property
-    def device(self) -> torch.device:
-        return self.blocks[0].device
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.blocks
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.blocks[0].dtype
+    def _set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        self.blocks = list(tensors)
 
     @property
     def nnz(self) -> int:
         """Number of nonzero entries of R."""
         return sum(int(b.values().numel()) for b in self.blocks)
 
-    @property
-    def memory_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for b in self.blocks
-            for t in (b.values(), b.col_indices(), b.crow_indices())
-        )
-
     def to_dense(self) -> torch.Tensor:
         """The (k, d) matrix R as a dense tensor (for tests and inspection; d * k numbers)."""
         return torch.cat([b.to_dense() for b in self.blocks], dim=1)
-
-    def to(
-        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> SparseProjection:
-        self.blocks = [b.to(device=device, dtype=dtype) for b in self.blocks]
-        return self
 
     def _apply(self, X: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(self.out_dim, X.shape[0], device=X.device, dtype=X.dtype)  # (k, B)
@@ -327,24 +315,11 @@ class KroneckerProjection(Projection):
         self.left = left.to(device=device, dtype=dtype)  # A: (k1, d1)
         self.right = right.to(device=device, dtype=dtype)  # B: (k2, d2)
 
-    @property
-    def device(self) -> torch.device:
-        return self.left.device
+    def _tensors(self) -> list[torch.Tensor]:
+        return [self.left, self.right]
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.left.dtype
-
-    @property
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.left, self.right))
-
-    def to(
-        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> KroneckerProjection:
-        self.left = self.left.to(device=device, dtype=dtype)
-        self.right = self.right.to(device=device, dtype=dtype)
-        return self
+    def _set_tensors(self, tensors: list[torch.Tensor]) -> None:
+        self.left, self.right = tensors
 
     def _apply(self, X: torch.Tensor) -> torch.Tensor:
         batch = X.shape[0]
