@@ -97,11 +97,23 @@ def _missing(name: str) -> ValueError:
     )
 
 
-class NTKFixedBalance(Ordering):
+class _PrecomputedOrder(Ordering):
+    """An order computed once from the kernel (``self.order``) and visited every epoch."""
+
+    uses_gradients = False
+    order: torch.Tensor
+
+    def initial_order(self, epoch: int) -> torch.Tensor:
+        return self.order.clone()
+
+    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
+        return self.order.clone()
+
+
+class NTKFixedBalance(_PrecomputedOrder):
     """``ntk-fixed``: one order from balancing the kernel's rows, used every epoch."""
 
     name = "ntk-fixed"
-    uses_gradients = False
 
     def __init__(
         self,
@@ -118,19 +130,12 @@ class NTKFixedBalance(Ordering):
             raise _missing(self.name)
         self.order = balance_kernel_rows(K, _check_rounds(num_rounds))
 
-    def initial_order(self, epoch: int) -> torch.Tensor:
-        return self.order.clone()
 
-    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
-        return self.order.clone()
-
-
-class NTKFixedEigen(Ordering):
+class NTKFixedEigen(_PrecomputedOrder):
     """``ntk-fixed-eigen``: sort by the eigenvector of the smallest (``largest_eig=False``)
     eigenvalue, descending (``descending_eig=True``), optionally of its absolute values."""
 
     name = "ntk-fixed-eigen"
-    uses_gradients = False
 
     def __init__(
         self,
@@ -150,12 +155,6 @@ class NTKFixedEigen(Ordering):
         self.order = eigen_order(
             K, largest_eig=largest_eig, descending_eig=descending_eig, abs_eig=abs_eig
         )
-
-    def initial_order(self, epoch: int) -> torch.Tensor:
-        return self.order.clone()
-
-    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
-        return self.order.clone()
 
 
 class NTKEigen(Ordering):
