@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from grabkit.noise.blocks import named_trainable_parameters
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.microbatch import _check_count
 from grabkit.noise.result import NoiseScaleResult
@@ -72,7 +73,7 @@ class DDPNoiseScale:
                 f"DDPNoiseScale needs at least 2 processes, but the process group has "
                 f"{self.world_size}; use AccumulationNoiseScale in a single process"
             )
-        named = [(n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        named = named_trainable_parameters(model.module, "DDPNoiseScale")
         self.block_names = tuple(name for name, _ in named)
         self._block_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._device = named[0][1].device
