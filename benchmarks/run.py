@@ -19,6 +19,10 @@ def available() -> list[str]:
 
 
 def main(argv: list[str]) -> None:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        print(f"\navailable: {' '.join(available())}")
+        return
     flags = [a for a in argv if a.startswith("-")]
     names = [a for a in argv if not a.startswith("-")] or available()
     unknown = sorted(set(names) - set(available()))

@@ -81,10 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--no-progress", action="store_true", help="hide the progress bar (shown on stderr)"
     )
+    demo.set_defaults(command_parser=demo)  # option errors print the demo's own usage
     return parser
 
 
-def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _run_demo(demo_parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from grabkit.demo import DemoOptions, MissingDemoDependency, run_demo
 
     try:
@@ -99,7 +100,7 @@ def _run_demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     except ValueError as error:
-        parser.error(f"demo: {error}")
+        demo_parser.error(str(error))
     try:
         run_demo(options)
     except MissingDemoDependency as error:
@@ -113,6 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        return _run_demo(parser, args)
+        return _run_demo(args.command_parser, args)
     parser.print_help()
     return 0
