@@ -32,6 +32,7 @@ from .annotation import (
     tree_get,
 )
 from .groupers import Grouper
+from .planning import as_length_matrix
 from .plumbing import Padder, as_padder, length_mask, pad_stack
 
 __all__ = [
@@ -183,8 +184,9 @@ class DataCollection:
             self._lengths = {}
             for label, per_group in length_info.items():
                 full = torch.zeros(n, dtype=torch.long)
-                for idx, values in zip(self._groups, per_group, strict=False):
-                    full[idx] = torch.as_tensor(list(values), dtype=torch.long)
+                for g, (idx, values) in enumerate(zip(self._groups, per_group, strict=False)):
+                    name = f"length_info[{label!r}][{g}]"
+                    full[idx] = as_length_matrix(list(values), name, k=1)[:, 0]
                 self._lengths[label] = full
         else:
             raise ValueError("give data_list, or data_groups with length_info")
@@ -229,16 +231,22 @@ class DataCollection:
         missing = set(labels) - set(lengths)
         if missing:
             raise ValueError(f"lengths should give every length label; missing {sorted(missing)}")
-        table = {
-            k: torch.as_tensor(v, dtype=torch.long).cpu().reshape(-1) for k, v in lengths.items()
-        }
+        table = {}
+        for label, values in lengths.items():
+            table[label] = as_length_matrix(values, f"lengths[{label!r}]", k=1)[:, 0]
         data = TensorData(padded)
-        n = next(
-            tree_get(padded, path).shape[sig.batch_index] for path, sig in iter_leaves(signatures)
-        )
+        leaves = [(tree_get(padded, path), sig) for path, sig in iter_leaves(signatures)]
+        n = leaves[0][0].shape[leaves[0][1].batch_index]
         for label, values in table.items():
             if len(values) != n:
                 raise ValueError(f"lengths[{label!r}] has {len(values)} entries for {n} items")
+        for tensor, sig in leaves:
+            for pos, label in sig.length_dims():
+                if n and int(table[label].max()) > tensor.shape[pos]:
+                    raise ValueError(
+                        f"a length {int(table[label].max())} in lengths[{label!r}] exceeds the "
+                        f"padded size {tensor.shape[pos]} of dim {pos}"
+                    )
         preset = None if padding is None else _padding_tree(signatures, padding)
         return cls._grouped(signatures, [data], table, [torch.arange(n)], preset)
 

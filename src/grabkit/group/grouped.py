@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .collection import warn_if_batch_coupled
-from .planning import GroupPlan, plan_groups
+from .planning import GroupPlan, as_length_matrix, plan_groups
 from .plumbing import length_mask, merge_groups
 
 __all__ = [
@@ -33,16 +33,47 @@ __all__ = [
 _probe_cache: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _length_matrix(lengths: Tensor | Sequence[int], k: int) -> Tensor:
-    matrix = torch.as_tensor(lengths).to("cpu", torch.long)
-    if matrix.dim() == 1:
-        matrix = matrix[:, None]
-    if matrix.dim() != 2 or matrix.shape[1] != k:
+def _check_length_dims(length_dims: Sequence[int], rank: int) -> tuple[int, ...]:
+    """Length dims as non-negative positions of a rank-``rank`` tensor; never dim 0, no repeats."""
+    dims = []
+    for d in length_dims:
+        if isinstance(d, bool) or not isinstance(d, int) or not -rank <= d < rank:
+            raise ValueError(
+                f"length_dims should be dims of the {rank}-dim padded tensor (in [-{rank}, "
+                f"{rank})), but got {tuple(length_dims)}"
+            )
+        dims.append(d % rank)
+    if 0 in dims:
+        raise ValueError("the batch dim (0) cannot also be a length dim; fix length_dims")
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"length_dims name the same dim twice: {tuple(length_dims)}")
+    return tuple(dims)
+
+
+def _check_plan(plan: GroupPlan, matrix: Tensor) -> None:
+    """``plan`` must hold every item once and pad each group at least to its longest item."""
+    n = len(matrix)
+    order = plan.order
+    if len(order) != n or not torch.equal(order.sort().values, torch.arange(n)):
         raise ValueError(
-            f"lengths should be (n,) or (n, {k}) for {k} length dim(s), but got shape "
-            f"{tuple(matrix.shape)}"
+            f"the plan covers {len(order)} items but the batch has {n}; it should hold every item "
+            "index once: build it from these lengths (plan_groups / plan_from_partition)"
         )
-    return matrix
+    for g, idx in enumerate(plan.groups):
+        sizes = torch.as_tensor(plan.lengths[g], dtype=torch.long).reshape(-1)
+        if len(sizes) != matrix.shape[1]:
+            raise ValueError(
+                f"the plan gives group {g} {len(sizes)} padded lengths for "
+                f"{matrix.shape[1]} length dims; build the plan from these lengths"
+            )
+        short = (matrix[idx] > sizes).nonzero()
+        if len(short):
+            row, k = short[0].tolist()
+            raise ValueError(
+                f"the plan pads group {g} to {int(sizes[k])} along length dim {k}, but item "
+                f"{int(idx[row])} has length {int(matrix[idx[row], k])}; build the plan from "
+                "these lengths"
+            )
 
 
 def _call(module: Callable, x: Tensor, mask: Tensor | None, args: tuple, kwargs: dict) -> Tensor:
@@ -135,7 +166,15 @@ class GroupedBatch:
     def run(
         self, module: Callable[..., Tensor], pass_mask: bool = False, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """``module`` on every group, outputs merged into the original order."""
+        """``module`` on every group, outputs merged into the original order.
+
+        An empty batch has no groups: ``module`` then runs once on the empty padded batch (with
+        a ``(0, *L)`` mask), which is exactly the ungrouped result.
+        """
+        if len(self) == 0:
+            sizes = [self.padded.shape[d] for d in self.length_dims]
+            mask = length_mask(self.lengths, sizes, self.padded.device) if pass_mask else None
+            return _call(module, self.padded, mask, args, kwargs)
         if isinstance(module, nn.Module):
             warn_if_batch_coupled(module, len(self.plan))
         masks = self.group_masks() if pass_mask else [None] * len(self.plan)
@@ -200,10 +239,8 @@ def group_batch(
     ``planning`` keywords go to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``,
     ``max_group_cost``, ``length_buckets``, ``size_buckets``).
     """
-    length_dims = tuple(int(d) % padded.dim() for d in length_dims)
-    if 0 in length_dims:
-        raise ValueError("the batch dim (0) cannot also be a length dim")
-    matrix = _length_matrix(lengths, len(length_dims))
+    length_dims = _check_length_dims(length_dims, padded.dim())
+    matrix = as_length_matrix(lengths, k=len(length_dims))
     if len(matrix) != padded.shape[0]:
         raise ValueError(f"lengths has {len(matrix)} rows for a batch of {padded.shape[0]}")
     for k, d in enumerate(length_dims):
@@ -216,6 +253,8 @@ def group_batch(
         plan = plan_groups(matrix, **planning)
     elif planning:
         raise ValueError("give either a plan or planning options, not both")
+    else:
+        _check_plan(plan, matrix)
     return GroupedBatch(padded, matrix, plan, length_dims, None, pad_value, rows_sorted=False)
 
 
@@ -250,7 +289,7 @@ def run_grouped(
     output = batch.run(module, pass_mask, *args, **kwargs)
     if not return_lengths:
         return output
-    matrix = _length_matrix(lengths, len(batch.length_dims))
+    matrix = as_length_matrix(lengths, k=len(batch.length_dims))
     example = padded[:1]
     return output, infer_output_lengths(
         module, example, matrix, batch.length_dims, output.shape, pass_mask, args, kwargs
@@ -311,6 +350,8 @@ def infer_output_lengths(
     per module. Returns ``{output_dim: (n,) int64}`` for every dim where some item's size is
     below ``output_shape``.
     """
+    if len(lengths) == 0:
+        return {}  # no item: no dim has a size below the batch output's
     kwargs = dict(kwargs or {})
     length_dims = tuple(length_dims)
     cache = _probe_cache.setdefault(module, {}) if isinstance(module, nn.Module) else {}
@@ -348,9 +389,19 @@ def backward_by_group(
     ``loss_fn(output_g, items_g)`` returns the per-item losses ``(n_g,)`` of group ``g``, where
     ``items_g`` are the original item indices (to pick targets). The accumulated gradient is
     that of the whole batch's ``mean`` (or ``sum``) loss, which is returned detached.
+
+    An empty batch with ``reduction="sum"`` returns a zero loss and touches no gradient; with
+    ``"mean"`` it raises ``ValueError``, since a mean over no items is undefined (NaN).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction should be 'mean' or 'sum', but got {reduction!r}")
+    if len(batch) == 0:
+        if reduction == "mean":
+            raise ValueError(
+                "backward_by_group got an empty batch: the mean loss over 0 items is undefined; "
+                "skip the batch, or pass reduction='sum' (a zero loss and no gradient)"
+            )
+        return torch.zeros(())
     if isinstance(module, nn.Module):
         warn_if_batch_coupled(module, len(batch.plan))
     scale = 1.0 / len(batch) if reduction == "mean" else 1.0

@@ -10,11 +10,13 @@ raises either maximum), so a dynamic program over the sorted lengths is exact.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -101,18 +103,69 @@ class GroupPlan:
         return [g.tolist() for g in self.groups]
 
 
-def _as_length_matrix(lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> Tensor:
+def as_length_matrix(lengths: Any, name: str = "lengths", k: int | None = None) -> Tensor:
+    """``lengths`` as an ``(n, k)`` int64 CPU tensor; ``(n,)`` input becomes ``(n, 1)``.
+
+    Integer tensors on any device (a device copy is a host sync), numpy arrays and sequences of
+    ints are accepted. Floats and bools raise ``TypeError`` (truncating ``2.7`` to ``2`` would
+    silently drop data); negative lengths and other shapes (``k`` columns, when given) raise
+    ``ValueError``.
+    """
+    if isinstance(lengths, Tensor) and lengths.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and has no values; give real lengths")
     t = torch.as_tensor(lengths)
+    if t.numel() == 0:
+        t = t.to(torch.long)
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(
+            f"{name} should hold integers, but got dtype {t.dtype}; lengths are counts, so "
+            f"convert them explicitly (e.g. {name}.long() after checking they are whole numbers)"
+        )
     if t.dim() == 1:
         t = t[:, None]
-    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+    if t.dim() != 2 or (k is not None and t.shape[1] != k):
+        columns = "k" if k is None else k
         raise ValueError(
-            "lengths should be a 1-D sequence of ints (or (n, k) for k length dims), but got "
-            f"shape {tuple(t.shape)} dtype {t.dtype}"
+            f"{name} should be (n,) or (n, {columns}) for {columns} length dim(s), but got shape "
+            f"{tuple(t.shape)}"
         )
+    t = t.to("cpu", torch.long)
     if len(t) and int(t.min()) < 0:
-        raise ValueError(f"lengths should be non-negative, but got min {int(t.min())}")
-    return t.to(torch.long)
+        raise ValueError(f"{name} should be non-negative, but got min {int(t.min())}")
+    return t
+
+
+def check_number(value: Any, name: str, positive: bool = False) -> float:
+    """``value`` as a float, raising unless it is a finite non-negative (or positive) number."""
+    bound = "positive" if positive else "non-negative"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} should be a {bound} finite number, but got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{name} should be {bound} and finite, but got {name}={value!r}")
+    return number
+
+
+def unit_costs(
+    cost: CostLike, lengths: np.ndarray, name: str = "cost", monotone: bool = False
+) -> np.ndarray:
+    """``cost(L)`` for every length, checked finite, non-negative and (optionally) monotone.
+
+    A NaN or infinite price would make every plan look infeasible and the error blame another
+    option, so it is caught here and named.
+    """
+    unit = resolve_cost(cost)(lengths)
+    bad = ~np.isfinite(unit)
+    if monotone and not bad.any() and np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
+        raise ValueError(f"{name} should be non-decreasing in the length")
+    bad |= unit < 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name} should return finite non-negative prices, but {name}({int(lengths[i])}) = "
+            f"{float(unit[i])}"
+        )
+    return unit
 
 
 def _round_up(value: int, buckets: Sequence[int] | None) -> int:
@@ -138,7 +191,7 @@ def plan_from_partition(
     size_buckets: Sequence[int] | None = None,
 ) -> GroupPlan:
     """A :class:`GroupPlan` for a given partition; padded sizes are the group maxima (bucketed)."""
-    matrix = _as_length_matrix(lengths)
+    matrix = as_length_matrix(lengths)
     length_buckets = _check_buckets(length_buckets, "length_buckets")
     size_buckets = _check_buckets(size_buckets, "size_buckets")
     groups = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in partition]
@@ -239,7 +292,12 @@ def plan_groups(
     Exact over partitions contiguous in length order, which hold an optimum whenever sizes are
     not bucketed. Runs on the CPU in ``O(n)`` numpy operations.
     """
-    matrix = _as_length_matrix(lengths)
+    if alpha is not None:
+        alpha = check_number(alpha, "alpha")
+    overhead = check_number(overhead, "overhead")
+    if max_group_cost is not None:
+        max_group_cost = check_number(max_group_cost, "max_group_cost", positive=True)
+    matrix = as_length_matrix(lengths)
     n = len(matrix)
     if n == 0:
         return GroupPlan([], [])
@@ -252,17 +310,9 @@ def plan_groups(
     padded_len = sorted_len
     if length_buckets is not None:
         padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
-    unit = resolve_cost(cost)(padded_len)
-    if np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
-        raise ValueError("cost should be non-decreasing in the length")
+    unit = unit_costs(cost, padded_len, monotone=True)
     if alpha is None:
-        if overhead < 0:
-            raise ValueError(f"overhead should be non-negative, but got overhead={overhead}")
-        alpha = overhead * float(resolve_cost(cost)(sorted_len).sum())
-    if alpha < 0:
-        raise ValueError(f"alpha should be non-negative, but got alpha={alpha}")
-    if max_group_cost is not None and max_group_cost <= 0:
-        raise ValueError(f"max_group_cost should be positive, but got {max_group_cost}")
+        alpha = overhead * float(unit_costs(cost, sorted_len).sum())
 
     if max_group_cost is None and size_buckets is None:
         # boundaries only where the (bucketed) length changes; convex-hull DP, O(runs)
@@ -298,12 +348,13 @@ def plan_cost(plan: GroupPlan, cost: CostLike = "linear", alpha: float = 0.0) ->
     return float(sum(alpha + r * u for r, u in zip(plan.rows, unit, strict=False)))
 
 
-def _distinct_counts(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    values = np.asarray(list(lengths), dtype=np.int64)
-    if values.ndim != 1 or len(values) == 0:
-        raise ValueError("lengths should be a non-empty 1-D sequence of ints")
+def _distinct_counts(lengths: Any) -> tuple[np.ndarray, np.ndarray]:
+    matrix = as_length_matrix(lengths, "l (the lengths)")
+    if matrix.shape[1] != 1 or len(matrix) == 0:
+        raise ValueError("l (the lengths) should be a non-empty 1-D sequence of ints")
+    values = matrix[:, 0].numpy()
     if values.min() <= 0:
-        raise ValueError(f"lengths should be positive, but got min {int(values.min())}")
+        raise ValueError(f"l (the lengths) should be positive, but got min {int(values.min())}")
     return np.unique(values, return_counts=True)
 
 
@@ -390,7 +441,7 @@ def find_thresholds(
             f"k={k} thresholds need at least {k + 1} distinct lengths, but the data has "
             f"{len(xs)}; use a smaller k"
         )
-    unit = resolve_cost(cost_fn)(xs)
+    unit = unit_costs(cost_fn, xs, "cost_fn")
     if method == "exact":
         thresholds = _exact_thresholds(xs, counts, unit, k)
         status_freq = {"exact": 1}
