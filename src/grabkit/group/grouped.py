@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .collection import warn_if_batch_coupled
+from .coupling import warn_if_batch_coupled
 from .planning import GroupPlan, as_length_matrix, plan_groups
-from .plumbing import length_mask, merge_groups
+from .plumbing import length_mask, merge_groups, narrow_gather
 
 __all__ = [
     "GroupedBatch",
@@ -113,19 +113,13 @@ class GroupedBatch:
         """One view per group: a row slice narrowed (or padded) to the group's shape."""
         out = []
         for g, (start, stop) in enumerate(self.plan.slices):
-            sizes, rows = self.plan.lengths[g], self.plan.rows[g]
-            part = self.padded
-            grow = {}
-            for d, size in zip(self.length_dims, sizes, strict=True):
-                if size <= part.shape[d]:
-                    part = part.narrow(d, 0, size)
-                else:
-                    grow[d] = size - part.shape[d]
+            sizes = dict(zip(self.length_dims, self.plan.lengths[g], strict=True))
             if self.rows_sorted:
-                part = part[start:stop]
+                part = narrow_gather(self.padded, 0, sizes, None)[start:stop]
             else:
-                part = part.index_select(0, self.plan.groups[g].to(part.device))
-            grow[0] = rows - (stop - start)
+                part = narrow_gather(self.padded, 0, sizes, self.plan.groups[g])
+            grow = {d: size - part.shape[d] for d, size in sizes.items() if size > part.shape[d]}
+            grow[0] = self.plan.rows[g] - (stop - start)
             if any(grow.values()):
                 spec: list[int] = []
                 for d in range(part.dim() - 1, -1, -1):

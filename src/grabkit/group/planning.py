@@ -1,18 +1,19 @@
-"""Choosing groups: an exact per-batch dynamic program, dataset-level thresholds, cost calibration.
+"""Choosing groups for one batch: the plan type, length checks and an exact dynamic program.
 
 A group of ``n_g`` items padded to length ``L_g`` costs ``alpha + n_g * cost(L_g)``: ``alpha`` is
 the fixed price of one more module call (kernel launches, Python), ``cost(L)`` the price of one
 item at padded length ``L``. With ``cost`` non-decreasing, some optimal partition is contiguous
 in length order (swapping a long item of a short group with a short item of a long group never
 raises either maximum), so a dynamic program over the sorted lengths is exact.
+
+Dataset-level thresholds live in ``thresholds``, timing a module into a cost model in
+``calibration``.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import random
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,14 +24,14 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "CostModel",
     "GroupPlan",
-    "calibrate_cost",
-    "find_thresholds",
+    "as_length_matrix",
+    "check_number",
     "plan_cost",
     "plan_from_partition",
     "plan_groups",
     "resolve_cost",
+    "unit_costs",
 ]
 
 CostLike = Callable[[int], float] | str
@@ -346,184 +347,3 @@ def plan_cost(plan: GroupPlan, cost: CostLike = "linear", alpha: float = 0.0) ->
     """``sum_g alpha + rows_g * cost(L_g)`` on the first length dim: what plan_groups minimises."""
     unit = resolve_cost(cost)(np.array([lens[0] for lens in plan.lengths]))
     return float(sum(alpha + r * u for r, u in zip(plan.rows, unit, strict=False)))
-
-
-def _distinct_counts(lengths: Any) -> tuple[np.ndarray, np.ndarray]:
-    matrix = as_length_matrix(lengths, "l (the lengths)")
-    if matrix.shape[1] != 1 or len(matrix) == 0:
-        raise ValueError("l (the lengths) should be a non-empty 1-D sequence of ints")
-    values = matrix[:, 0].numpy()
-    if values.min() <= 0:
-        raise ValueError(f"l (the lengths) should be positive, but got min {int(values.min())}")
-    return np.unique(values, return_counts=True)
-
-
-def _exact_thresholds(xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int) -> list[int]:
-    """Minimise ``sum_g count_g * cost(max_g)`` over partitions into ``k + 1`` contiguous bins."""
-    d = len(xs)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    # best[g, j]: first j distinct values in g + 1 bins; bin (i, j] costs (cum[j]-cum[i])*unit[j-1]
-    best = np.full((k + 1, d + 1), np.inf)
-    back = np.zeros((k + 1, d + 1), dtype=np.int64)
-    best[0, 1:] = cum[1:] * unit
-    for g in range(1, k + 1):
-        for j in range(g + 1, d + 1):
-            price = best[g - 1, g:j] + (cum[j] - cum[g:j]) * unit[j - 1]
-            back[g, j] = g + int(np.argmin(price))
-            best[g, j] = price[back[g, j] - g]
-    cuts, j = [], d
-    for g in range(k, 0, -1):
-        j = int(back[g, j])
-        cuts.append(j)
-    return [int(xs[c - 1]) for c in reversed(cuts)]
-
-
-def _balance_thresholds(
-    xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int, rng: random.Random, patience: int
-) -> tuple[list[int], float, str]:
-    """Local search that equalises neighbouring bin costs (``count * cost(max)``)."""
-    d = len(xs)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-
-    def bin_costs(t: list[int]) -> np.ndarray:
-        edges = [0, *(i + 1 for i in t), d]
-        return np.array([(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)])
-
-    t = sorted(rng.sample(range(d - 1), k))
-    best_t, best_gap, stale, status = list(t), np.inf, 0, "patience"
-    for _ in range(4 * d * max(k, 1)):
-        diffs = np.diff(bin_costs(t))
-        j = int(np.argmax(np.abs(diffs)))
-        gap = float(abs(diffs[j]))
-        if gap < best_gap:
-            best_t, best_gap, stale = list(t), gap, 0
-        else:
-            stale += 1
-        if gap == 0:
-            status = "balanced"
-            break
-        step = 1 if diffs[j] > 0 else -1
-        moved = t[j] + step
-        lower = t[j - 1] + 1 if j > 0 else 0
-        upper = t[j + 1] - 1 if j + 1 < k else d - 2
-        if stale > patience or not lower <= moved <= upper:
-            status = "patience" if stale > patience else "boundary"
-            break
-        t[j] = moved
-    return [int(xs[i]) for i in best_t], best_gap, status
-
-
-def find_thresholds(
-    l: Sequence[int],
-    cost_fn: Callable[[int], float] | str,
-    k: int,
-    tolerate: int | None = None,
-    print_status: bool = False,
-    num_trials: int = 100,
-    return_max_diff: bool = False,
-    method: str = "exact",
-    seed: int | None = None,
-) -> list[int] | tuple[list[int], float]:
-    """Dataset-level thresholds for :class:`LengthThresholdGrouper` (``k`` of them, ascending).
-
-    A threshold closes a bin: bin ``g`` holds the lengths in ``(t_{g-1}, t_g]`` and the last one
-    everything above ``t_k``. ``method="exact"`` (default) minimises the dataset's padded cost
-    ``sum_g count_g * cost_fn(max_g)`` by dynamic programming; ``method="balance"`` is the
-    random-restart search that equalises ``count_g * cost_fn(max_g)`` across bins
-    (``num_trials`` restarts, ``tolerate`` non-improving steps each). ``return_max_diff`` also
-    returns the largest gap between neighbouring bin costs of the answer.
-    """
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k should be a positive integer, but got k={k!r}")
-    xs, counts = _distinct_counts(l)
-    if len(xs) < k + 1:
-        raise ValueError(
-            f"k={k} thresholds need at least {k + 1} distinct lengths, but the data has "
-            f"{len(xs)}; use a smaller k"
-        )
-    unit = unit_costs(cost_fn, xs, "cost_fn")
-    if method == "exact":
-        thresholds = _exact_thresholds(xs, counts, unit, k)
-        status_freq = {"exact": 1}
-    elif method == "balance":
-        if num_trials < 1:
-            raise ValueError(f"num_trials should be a positive integer, but got {num_trials}")
-        rng = random.Random(seed)
-        patience = 2 * len(xs) if tolerate is None else int(tolerate)
-        best: tuple[list[int], float] | None = None
-        status_freq = {}
-        for _ in range(num_trials):
-            t, gap, status = _balance_thresholds(xs, counts, unit, k, rng, patience)
-            status_freq[status] = status_freq.get(status, 0) + 1
-            if best is None or gap < best[1]:
-                best = (t, gap)
-        thresholds = best[0]
-    else:
-        raise ValueError(f"method should be 'exact' or 'balance', but got {method!r}")
-    if print_status:
-        print(status_freq)
-    if not return_max_diff:
-        return thresholds
-    index = np.searchsorted(xs, thresholds)
-    edges = [0, *(i + 1 for i in index), len(xs)]
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    costs = [(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)]
-    return thresholds, float(np.max(np.abs(np.diff(costs))))
-
-
-@dataclass
-class CostModel:
-    """Fitted timing model: one group of ``n`` items at length ``L`` takes ``alpha + n * cost(L)``.
-
-    ``cost(L) = c0 + c1 * L + c2 * L**2`` seconds per item; ``alpha`` seconds per module call.
-    Pass it as ``plan_groups(lengths, cost=model, alpha=model.alpha)``.
-    """
-
-    alpha: float
-    coefficients: tuple[float, float, float]
-
-    def __call__(self, length: int) -> float:
-        c0, c1, c2 = self.coefficients
-        return c0 + c1 * length + c2 * length * length
-
-
-def calibrate_cost(
-    run: Callable[[int, int], object],
-    lengths: Sequence[int],
-    sizes: Sequence[int] = (1, 8, 32),
-    repeats: int = 3,
-    synchronize: Callable[[], None] | None = None,
-) -> CostModel:
-    """Time ``run(n, L)`` (one module call on ``n`` items of length ``L``) and fit a CostModel.
-
-    Each grid point is run once to warm up, then ``repeats`` times; the median is fitted by
-    non-negative least squares on ``[1, n, n*L, n*L**2]``. ``synchronize`` (e.g.
-    ``torch.cuda.synchronize``) is called before reading the clock.
-    """
-    if not lengths or not sizes:
-        raise ValueError("calibrate_cost needs at least one length and one size")
-    rows, times = [], []
-    for n in sizes:
-        for length in lengths:
-            run(n, length)
-            samples = []
-            for _ in range(max(1, repeats)):
-                if synchronize:
-                    synchronize()
-                start = time.perf_counter()
-                run(n, length)
-                if synchronize:
-                    synchronize()
-                samples.append(time.perf_counter() - start)
-            rows.append([1.0, n, n * length, n * length * length])
-            times.append(float(np.median(samples)))
-    design, target = np.asarray(rows, np.float64), np.asarray(times, np.float64)
-    active = list(range(design.shape[1]))
-    coef = np.zeros(design.shape[1])
-    while active:  # non-negative least squares by dropping the most negative coefficient
-        sol, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return CostModel(float(coef[0]), (float(coef[1]), float(coef[2]), float(coef[3])))

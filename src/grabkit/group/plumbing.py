@@ -8,7 +8,7 @@ inverse permutation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ __all__ = [
     "as_padder",
     "length_mask",
     "merge_groups",
+    "narrow_gather",
     "pad_stack",
 ]
 
@@ -181,6 +182,23 @@ def length_mask(
         along = torch.arange(size, device=lengths.device)[None, :] < lengths[:, j : j + 1]
         mask = mask & along.reshape(shape)
     return mask.expand((n, *sizes))
+
+
+def narrow_gather(
+    tensor: Tensor, batch_dim: int, sizes: Mapping[int, int], rows: Tensor | None
+) -> Tensor:
+    """One group of a padded batch: narrowed to ``sizes`` (dim -> size), then rows gathered.
+
+    Narrowing first means the gather (``index_select`` of ``rows`` along ``batch_dim``) moves
+    only the group's columns; ``rows=None`` keeps every row (a view, no copy). Sizes at or
+    above the tensor's are left alone.
+    """
+    for dim, size in sizes.items():
+        if size < tensor.shape[dim]:
+            tensor = tensor.narrow(dim, 0, size)
+    if rows is None:
+        return tensor
+    return tensor.index_select(batch_dim, rows.to(tensor.device))
 
 
 def merge_groups(
