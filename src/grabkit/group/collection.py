@@ -12,20 +12,15 @@ dicts, so setting a key on a copy leaves the original untouched.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .annotation import (
-    BATCH,
-    LENGTH,
-    Dim,
     KeyConversion,
-    Signature,
     convert_keys,
     iter_leaves,
     map_tree,
@@ -35,15 +30,24 @@ from .annotation import (
 from .application import FROM_MODULE, apply_module
 from .groupers import Grouper
 from .items import (
+    Grouping,
     TensorData,
     as_tensor_data,
+    assemble,
+    consecutive,
+    copy_masks,
+    group_size,
+    label_mask,
     length_labels,
+    lengths_for,
+    nested_signatures,
     pad_to,
+    padded_lengths,
     padding_tree,
     place_mask,
     read_item_lengths,
+    scatter_length_info,
 )
-from .planning import as_length_matrix
 from .plumbing import length_mask, merge_groups, narrow_gather, pad_stack
 
 __all__ = [
@@ -58,33 +62,6 @@ Leaves = dict[tuple[str, ...], Tensor]  # key path -> full padded tensor, items 
 
 class IncompatibleDataCollectionError(ValueError):
     """Two collections do not share items or grouping, so they cannot be combined."""
-
-
-@dataclass
-class Grouping:
-    """The grouped form of a collection.
-
-    ``data[g]``: group ``g``'s padded tensors (a tree like the annotation); ``partition[g]``:
-    its item indices, int64 CPU; ``dirty``: padded positions may hold module output rather than
-    padding (reset on merge); ``padding``: the padder tree the groups were padded with (``None``
-    for module outputs: the preset padding or zeros).
-    """
-
-    data: list[TensorData]
-    partition: list[Tensor]
-    dirty: bool = False
-    padding: Any = None
-
-    @property
-    def is_identity(self) -> bool:
-        """One group holding every item in order: split and merge are no-ops."""
-        p = self.partition
-        return len(p) == 1 and torch.equal(p[0], torch.arange(len(p[0])))
-
-
-def _consecutive(sizes: Sequence[int]) -> list[Tensor]:
-    bounds = torch.cumsum(torch.tensor([0, *sizes], dtype=torch.long), 0).tolist()
-    return [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 class DataCollection:
@@ -125,13 +102,13 @@ class DataCollection:
             if length_info is None:
                 raise ValueError("data_groups needs length_info (label -> per-group lengths)")
             groups = as_tensor_data(data_groups)
-            sizes = [_group_size(signatures, g) for g in groups]
+            sizes = [group_size(signatures, g) for g in groups]
             partition = (
-                _consecutive(sizes)
+                consecutive(sizes)
                 if data_partition is None
                 else [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in data_partition]
             )
-            lengths = _scatter_length_info(length_info, partition, sum(sizes))
+            lengths = scatter_length_info(length_info, partition, sum(sizes))
             self._init(signatures, preset, lengths, grouping=Grouping(groups, partition))
         else:
             raise ValueError("give data_list, or data_groups with length_info")
@@ -171,28 +148,10 @@ class DataCollection:
         the ``(n,)`` item lengths. Call :meth:`regroup` to split it into length groups.
         """
         signatures = parse_annotation(shape_annot, "data", "shape_annot")
-        missing = set(length_labels(signatures)) - set(lengths)
-        if missing:
-            raise ValueError(f"lengths should give every length label; missing {sorted(missing)}")
-        table = {
-            label: as_length_matrix(values, f"lengths[{label!r}]", k=1)[:, 0]
-            for label, values in lengths.items()
-        }
         data = TensorData(padded)
-        n = _group_size(signatures, data)
-        for label, values in table.items():
-            if len(values) != n:
-                raise ValueError(f"lengths[{label!r}] has {len(values)} entries for {n} items")
-        for path, sig in iter_leaves(signatures):
-            size = tree_get(padded, path).shape
-            for pos, label in sig.length_dims():
-                if n and int(table[label].max()) > size[pos]:
-                    raise ValueError(
-                        f"a length {int(table[label].max())} in lengths[{label!r}] exceeds the "
-                        f"padded size {size[pos]} of dim {pos}"
-                    )
+        table = padded_lengths(signatures, data, lengths)
         preset = None if padding is None else padding_tree(signatures, padding)
-        grouping = Grouping([data], [torch.arange(n)])
+        grouping = Grouping([data], [torch.arange(group_size(signatures, data))])
         return cls._make(signatures, preset, table, grouping=grouping)
 
     # ----------------------------------------------------------------- views and info
@@ -256,13 +215,6 @@ class DataCollection:
             return padding_tree(self.shapesig_data, padding)
         return self.preset_padding or padding_tree(self.shapesig_data, None)
 
-    def _lengths_for(self, sig: Signature, rows: Tensor | None = None) -> Tensor:
-        columns = [self._lengths[label] for _, label in sig.length_dims()]
-        if not columns:
-            return torch.zeros((len(self), 0), dtype=torch.long)
-        matrix = torch.stack(columns, dim=1)
-        return matrix if rows is None else matrix[rows]
-
     # ----------------------------------------------------------------- grouping
     def group(self, grouper: Grouper, padding: Any = None, forget_order: bool = False) -> None:
         """Partition the items with ``grouper`` and pad each group to its own longest item."""
@@ -273,7 +225,9 @@ class DataCollection:
         full = {}
         for path, sig in iter_leaves(self.shapesig_data):
             items = [tree_get(d.value, path) for d in self._items]
-            full[path] = pad_stack(items, sig, self._lengths_for(sig), tree_get(padders, path))
+            full[path] = pad_stack(
+                items, sig, lengths_for(self._lengths, sig, len(self)), tree_get(padders, path)
+            )
         self._split(full, list(plan.groups), forget_order, padders)
 
     def _split(self, full: Leaves, partition: list[Tensor], forget: bool, padders: Any) -> None:
@@ -288,24 +242,13 @@ class DataCollection:
                 }
                 rows = None if trivial else idx
                 per_group[g][path] = narrow_gather(full[path], sig.batch_index, sizes, rows)
-        data = [TensorData(self._assemble(parts)) for parts in per_group]
+        data = [TensorData(assemble(self.shapesig_data, parts)) for parts in per_group]
         if forget:
             order = torch.cat(partition)
             self._lengths = {k: v[order] for k, v in self._lengths.items()}
-            partition = _consecutive(list(map(len, partition)))
+            partition = consecutive(list(map(len, partition)))
         self._items = None
         self._grouping = Grouping(data, partition, dirty=False, padding=padders)
-
-    def _assemble(self, parts: dict[tuple[str, ...], Tensor]) -> Any:
-        if () in parts:
-            return parts[()]
-
-        def build(tree: Any, prefix: tuple[str, ...]) -> Any:
-            if isinstance(tree, Mapping):
-                return {k: build(v, (*prefix, k)) for k, v in tree.items()}
-            return parts[prefix]
-
-        return build(self.shapesig_data, ())
 
     def _merge(self) -> Leaves:
         """Full padded tensors, items in original order, padded positions reset to padding."""
@@ -325,7 +268,11 @@ class DataCollection:
             merged = merge_groups(padded, inverse, sig.batch_index)
             if lens and grouping.dirty:
                 sizes = [merged.shape[p] for p, _ in lens]
-                mask = place_mask(length_mask(self._lengths_for(sig), sizes), sig, merged.shape)
+                mask = place_mask(
+                    length_mask(lengths_for(self._lengths, sig, len(self)), sizes),
+                    sig,
+                    merged.shape,
+                )
                 background = padder.background(merged.shape, sig, merged.dtype, merged.device)
                 merged = torch.where(mask.to(merged.device), merged, background)
             full[path] = merged
@@ -340,12 +287,12 @@ class DataCollection:
             lens = sig.length_dims()
             for group, idx in zip(grouping.data, grouping.partition, strict=False):
                 rows = tree_get(group.value, path).unbind(b)
-                length_rows = self._lengths_for(sig, idx).tolist()
+                length_rows = lengths_for(self._lengths, sig, len(self), idx).tolist()
                 for row, item, row_lengths in zip(rows, idx.tolist(), length_rows, strict=False):
                     for (pos, _), size in zip(lens, row_lengths, strict=False):
                         row = row.narrow(pos - (pos > b), 0, size)
                     items[item][path] = row
-        self._items = [TensorData(self._assemble(parts)) for parts in items]
+        self._items = [TensorData(assemble(self.shapesig_data, parts)) for parts in items]
         self._grouping = None
 
     def regroup(self, grouper: Grouper, padding: Any = None, forget_order: bool = False) -> None:
@@ -374,29 +321,9 @@ class DataCollection:
         grouping = self._need_grouped("get_mask()")
         idx, group = grouping.partition[i], grouping.data[i]
         if mask_hint == "copy":
-
-            def leaf_mask(sig: Signature, tensor: Tensor) -> Tensor:
-                lens = sig.length_dims()
-                if not lens:
-                    return torch.ones_like(tensor, dtype=torch.bool)
-                sizes = [tensor.shape[p] for p, _ in lens]
-                base = length_mask(self._lengths_for(sig, idx), sizes, tensor.device)
-                return place_mask(base, sig, tensor.shape).contiguous()
-
-            return convert_keys(map_tree(leaf_mask, self.shapesig_data, group.value), key_conv)
-        if isinstance(mask_hint, str) or not isinstance(mask_hint, Sequence) or not mask_hint:
-            raise ValueError(
-                "mask_hint should be None, 'copy' or a non-empty list of length labels, but got "
-                f"{mask_hint!r}"
-            )
-        unknown = [label for label in mask_hint if label not in self._lengths]
-        if unknown:
-            raise ValueError(
-                f"mask_hint labels {unknown} are not length labels; known: {sorted(self._lengths)}"
-            )
-        matrix = torch.stack([self._lengths[label][idx] for label in mask_hint], dim=1)
-        device = next(t for _, t in iter_leaves(group.value)).device
-        return length_mask(matrix, matrix.max(0).values.tolist(), device).contiguous()
+            masks = copy_masks(self.shapesig_data, self._lengths, idx, group)
+            return convert_keys(masks, key_conv)
+        return label_mask(self._lengths, idx, group, mask_hint)
 
     # ----------------------------------------------------------------- modules
     def apply(
@@ -421,20 +348,6 @@ class DataCollection:
         return DataCollection._make(sigs, None, lengths, grouping=result)
 
     # ----------------------------------------------------------------- nesting
-    def _nested_signatures(self, bdim_idx: int, new_ldim_label: str) -> Any:
-        if new_ldim_label in self._lengths:
-            raise ValueError(f"length label {new_ldim_label!r} is already in use")
-
-        def convert(sig: Signature) -> Signature:
-            dims = [Dim(LENGTH, new_ldim_label) if d.kind == BATCH else d for d in sig.dims]
-            where = bdim_idx if bdim_idx >= 0 else bdim_idx + len(dims) + 1
-            if not 0 <= where <= len(dims):
-                raise ValueError(f"bdim_idx={bdim_idx} is out of range for {sig}")
-            dims.insert(where, Dim(BATCH))
-            return Signature(tuple(dims), "data")
-
-        return map_tree(convert, self.shapesig_data)
-
     def groups_as_data(
         self, bdim_idx: int, new_ldim_label: str, padding: Any = None
     ) -> DataCollection:
@@ -444,7 +357,7 @@ class DataCollection:
         dim is inserted at ``bdim_idx``: a ragged list of ragged items, ready to group again.
         """
         grouping = self._need_grouped("groups_as_data()")
-        signatures = self._nested_signatures(bdim_idx, new_ldim_label)
+        signatures = nested_signatures(self.shapesig_data, self._lengths, bdim_idx, new_ldim_label)
         if padding is None and self.preset_padding is not None:
             padding = self.preset_padding
         return DataCollection(signatures, data_list=list(grouping.data), padding=padding)
@@ -454,7 +367,7 @@ class DataCollection:
     ) -> DataCollection:
         """Like :meth:`groups_as_data`, with each group's ``'copy'`` masks as the items."""
         grouping = self._need_grouped("masks_as_data()")
-        signatures = self._nested_signatures(bdim_idx, new_ldim_label)
+        signatures = nested_signatures(self.shapesig_data, self._lengths, bdim_idx, new_ldim_label)
         masks = [self.get_mask(i) for i in range(len(grouping.data))]
         return DataCollection(signatures, data_list=masks, padding=padding)
 
@@ -577,21 +490,3 @@ class DataCollection:
     def __repr__(self) -> str:
         state = f"{len(self.data_groups)} groups" if self.is_grouped else "ungrouped"
         return f"DataCollection({len(self)} items, {state}, labels={sorted(self._lengths)})"
-
-
-def _group_size(signatures: Any, group: TensorData) -> int:
-    path, sig = next(iter_leaves(signatures))
-    return tree_get(group.value, path).shape[sig.batch_index]
-
-
-def _scatter_length_info(
-    length_info: Mapping[str, Sequence[Sequence[int]]], partition: list[Tensor], n: int
-) -> dict[str, Tensor]:
-    """``{label: (n,) int64}`` from per-group lengths (``length_info[label][g][j]``)."""
-    lengths = {}
-    for label, per_group in length_info.items():
-        full = torch.zeros(n, dtype=torch.long)
-        for g, (idx, values) in enumerate(zip(partition, per_group, strict=False)):
-            full[idx] = as_length_matrix(list(values), f"length_info[{label!r}][{g}]", k=1)[:, 0]
-        lengths[label] = full
-    return lengths

@@ -1,28 +1,42 @@
 """The pieces a :class:`~grabkit.group.collection.DataCollection` is made of.
 
-``TensorData`` wraps one item or one group (a tensor or a nested dict of tensors); the helpers
-read every item's lengths from its shapes, build one padder per annotated leaf, pad a group
-tensor to a larger shape and lay a length mask out along an annotation.
+``TensorData`` wraps one item or one group (a tensor or a nested dict of tensors);
+:class:`Grouping` is the grouped form. The helpers read every item's lengths from its shapes (or
+check the lengths given for a padded batch), build one padder per annotated leaf, pad a group
+tensor to a larger shape, lay a length mask out along an annotation and nest signatures.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .annotation import CONST, LENGTH, Dim, Signature, iter_leaves, tree_get
-from .plumbing import Padder, as_padder
+from .annotation import BATCH, CONST, LENGTH, Dim, Signature, iter_leaves, map_tree, tree_get
+from .planning import as_length_matrix
+from .plumbing import Padder, as_padder, length_mask
 
 __all__ = [
+    "Grouping",
     "TensorData",
+    "assemble",
+    "consecutive",
+    "copy_masks",
+    "group_size",
+    "label_mask",
     "length_labels",
+    "lengths_for",
+    "nested_signatures",
     "pad_to",
+    "padded_lengths",
     "padding_tree",
     "place_mask",
     "read_item_lengths",
+    "scatter_length_info",
 ]
 
 
@@ -176,3 +190,161 @@ def place_mask(mask: Tensor, sig: Signature, shape: Sequence[int]) -> Tensor:
     for p in positions:
         view[p] = shape[p]
     return mask.reshape(view).expand(tuple(shape))
+
+
+@dataclass
+class Grouping:
+    """The grouped form of a collection.
+
+    ``data[g]``: group ``g``'s padded tensors (a tree like the annotation); ``partition[g]``:
+    its item indices, int64 CPU; ``dirty``: padded positions may hold module output rather than
+    padding (reset on merge); ``padding``: the padder tree the groups were padded with (``None``
+    for module outputs: the preset padding or zeros).
+    """
+
+    data: list[TensorData]
+    partition: list[Tensor]
+    dirty: bool = False
+    padding: Any = None
+
+    @property
+    def is_identity(self) -> bool:
+        """One group holding every item in order: split and merge are no-ops."""
+        p = self.partition
+        return len(p) == 1 and torch.equal(p[0], torch.arange(len(p[0])))
+
+
+def consecutive(sizes: Sequence[int]) -> list[Tensor]:
+    bounds = torch.cumsum(torch.tensor([0, *sizes], dtype=torch.long), 0).tolist()
+    return [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def group_size(signatures: Any, group: TensorData) -> int:
+    path, sig = next(iter_leaves(signatures))
+    return tree_get(group.value, path).shape[sig.batch_index]
+
+
+def scatter_length_info(
+    length_info: Mapping[str, Sequence[Sequence[int]]], partition: list[Tensor], n: int
+) -> dict[str, Tensor]:
+    """``{label: (n,) int64}`` from per-group lengths (``length_info[label][g][j]``)."""
+    lengths = {}
+    for label, per_group in length_info.items():
+        full = torch.zeros(n, dtype=torch.long)
+        for g, (idx, values) in enumerate(zip(partition, per_group, strict=False)):
+            full[idx] = as_length_matrix(list(values), f"length_info[{label!r}][{g}]", k=1)[:, 0]
+        lengths[label] = full
+    return lengths
+
+
+def nested_signatures(
+    signatures: Any, lengths: Mapping[str, Tensor], bdim_idx: int, new_ldim_label: str
+) -> Any:
+    """Signatures of groups taken as items.
+
+    Each group's ``B`` becomes length dim ``L_<new_ldim_label>`` and a new ``B`` is inserted at
+    ``bdim_idx``.
+    """
+    if new_ldim_label in lengths:
+        raise ValueError(f"length label {new_ldim_label!r} is already in use")
+
+    def convert(sig: Signature) -> Signature:
+        dims = [Dim(LENGTH, new_ldim_label) if d.kind == BATCH else d for d in sig.dims]
+        where = bdim_idx if bdim_idx >= 0 else bdim_idx + len(dims) + 1
+        if not 0 <= where <= len(dims):
+            raise ValueError(f"bdim_idx={bdim_idx} is out of range for {sig}")
+        dims.insert(where, Dim(BATCH))
+        return Signature(tuple(dims), "data")
+
+    return map_tree(convert, signatures)
+
+
+def assemble(signatures: Any, parts: Mapping[tuple[str, ...], Tensor]) -> Any:
+    """The tree shaped like ``signatures`` whose leaf at each key path is ``parts[path]``."""
+    if () in parts:
+        return parts[()]
+
+    def build(tree: Any, prefix: tuple[str, ...]) -> Any:
+        if isinstance(tree, Mapping):
+            return {k: build(v, (*prefix, k)) for k, v in tree.items()}
+        return parts[prefix]
+
+    return build(signatures, ())
+
+
+def padded_lengths(
+    signatures: Any, data: TensorData, lengths: Mapping[str, Sequence[int] | Tensor]
+) -> dict[str, Tensor]:
+    """``{label: (n,) int64}`` for one padded batch, checked against its shapes.
+
+    Every label must be given, as ints, one per row, none above the padded size.
+    """
+    missing = set(length_labels(signatures)) - set(lengths)
+    if missing:
+        raise ValueError(f"lengths should give every length label; missing {sorted(missing)}")
+    table = {
+        label: as_length_matrix(values, f"lengths[{label!r}]", k=1)[:, 0]
+        for label, values in lengths.items()
+    }
+    n = group_size(signatures, data)
+    for label, values in table.items():
+        if len(values) != n:
+            raise ValueError(f"lengths[{label!r}] has {len(values)} entries for {n} items")
+    for path, sig in iter_leaves(signatures):
+        size = tree_get(data.value, path).shape
+        for pos, label in sig.length_dims():
+            if n and int(table[label].max()) > size[pos]:
+                raise ValueError(
+                    f"a length {int(table[label].max())} in lengths[{label!r}] exceeds the "
+                    f"padded size {size[pos]} of dim {pos}"
+                )
+    return table
+
+
+def lengths_for(
+    lengths: Mapping[str, Tensor], sig: Signature, n: int, rows: Tensor | None = None
+) -> Tensor:
+    """``(n, k)`` int64: the ``n`` items' lengths along ``sig``'s ``k`` length dims.
+
+    With ``rows``, only those items (``(len(rows), k)``).
+    """
+    columns = [lengths[label] for _, label in sig.length_dims()]
+    if not columns:
+        return torch.zeros((n if rows is None else len(rows), 0), dtype=torch.long)
+    matrix = torch.stack(columns, dim=1)
+    return matrix if rows is None else matrix[rows]
+
+
+def copy_masks(
+    signatures: Any, lengths: Mapping[str, Tensor], idx: Tensor, group: TensorData
+) -> Any:
+    """Bool masks shaped like every tensor of ``group`` (items ``idx``): True where real."""
+
+    def leaf_mask(sig: Signature, tensor: Tensor) -> Tensor:
+        lens = sig.length_dims()
+        if not lens:
+            return torch.ones_like(tensor, dtype=torch.bool)
+        sizes = [tensor.shape[p] for p, _ in lens]
+        base = length_mask(lengths_for(lengths, sig, 0, idx), sizes, tensor.device)
+        return place_mask(base, sig, tensor.shape).contiguous()
+
+    return map_tree(leaf_mask, signatures, group.value)
+
+
+def label_mask(
+    lengths: Mapping[str, Tensor], idx: Tensor, group: TensorData, labels: Any
+) -> Tensor:
+    """One ``(n_g, L_a, L_b, ...)`` bool mask over the length ``labels`` of items ``idx``."""
+    if isinstance(labels, str) or not isinstance(labels, Sequence) or not labels:
+        raise ValueError(
+            "mask_hint should be None, 'copy' or a non-empty list of length labels, but got "
+            f"{labels!r}"
+        )
+    unknown = [label for label in labels if label not in lengths]
+    if unknown:
+        raise ValueError(
+            f"mask_hint labels {unknown} are not length labels; known: {sorted(lengths)}"
+        )
+    matrix = torch.stack([lengths[label][idx] for label in labels], dim=1)
+    device = next(t for _, t in iter_leaves(group.value)).device
+    return length_mask(matrix, matrix.max(0).values.tolist(), device).contiguous()
