@@ -49,21 +49,45 @@ def _exact_thresholds(xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: i
     return [int(xs[c - 1]) for c in reversed(cuts)]
 
 
+def _bin_costs(counts: np.ndarray, unit: np.ndarray, cuts: list[int]) -> np.ndarray:
+    """``count * cost(max)`` of each bin when bins close after distinct-length indices ``cuts``."""
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    edges = [0, *(i + 1 for i in cuts), len(counts)]
+    return np.array([(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)])
+
+
+def _best_balanced(
+    xs: np.ndarray,
+    counts: np.ndarray,
+    unit: np.ndarray,
+    k: int,
+    num_trials: int,
+    seed: int | None,
+    patience: int,
+) -> tuple[list[int], dict[str, int]]:
+    """The most balanced of ``num_trials`` random restarts, and how each restart stopped."""
+    if num_trials < 1:
+        raise ValueError(f"num_trials should be a positive integer, but got {num_trials}")
+    rng = random.Random(seed)
+    best: tuple[list[int], float] | None = None
+    status_freq: dict[str, int] = {}
+    for _ in range(num_trials):
+        t, gap, status = _balance_thresholds(xs, counts, unit, k, rng, patience)
+        status_freq[status] = status_freq.get(status, 0) + 1
+        if best is None or gap < best[1]:
+            best = (t, gap)
+    return best[0], status_freq
+
+
 def _balance_thresholds(
     xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int, rng: random.Random, patience: int
 ) -> tuple[list[int], float, str]:
     """Local search that equalises neighbouring bin costs (``count * cost(max)``)."""
     d = len(xs)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-
-    def bin_costs(t: list[int]) -> np.ndarray:
-        edges = [0, *(i + 1 for i in t), d]
-        return np.array([(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)])
-
     t = sorted(rng.sample(range(d - 1), k))
     best_t, best_gap, stale, status = list(t), np.inf, 0, "patience"
     for _ in range(4 * d * max(k, 1)):
-        diffs = np.diff(bin_costs(t))
+        diffs = np.diff(_bin_costs(counts, unit, t))
         j = int(np.argmax(np.abs(diffs)))
         gap = float(abs(diffs[j]))
         if gap < best_gap:
@@ -114,21 +138,10 @@ def find_thresholds(
         )
     unit = unit_costs(cost_fn, xs, "cost_fn")
     if method == "exact":
-        thresholds = _exact_thresholds(xs, counts, unit, k)
-        status_freq = {"exact": 1}
+        thresholds, status_freq = _exact_thresholds(xs, counts, unit, k), {"exact": 1}
     elif method == "balance":
-        if num_trials < 1:
-            raise ValueError(f"num_trials should be a positive integer, but got {num_trials}")
-        rng = random.Random(seed)
         patience = 2 * len(xs) if tolerate is None else int(tolerate)
-        best: tuple[list[int], float] | None = None
-        status_freq = {}
-        for _ in range(num_trials):
-            t, gap, status = _balance_thresholds(xs, counts, unit, k, rng, patience)
-            status_freq[status] = status_freq.get(status, 0) + 1
-            if best is None or gap < best[1]:
-                best = (t, gap)
-        thresholds = best[0]
+        thresholds, status_freq = _best_balanced(xs, counts, unit, k, num_trials, seed, patience)
     else:
         raise ValueError(f"method should be 'exact' or 'balance', but got {method!r}")
     if print_status:
@@ -136,7 +149,5 @@ def find_thresholds(
     if not return_max_diff:
         return thresholds
     index = np.searchsorted(xs, thresholds)
-    edges = [0, *(i + 1 for i in index), len(xs)]
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    costs = [(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)]
+    costs = _bin_costs(counts, unit, [int(i) for i in index])
     return thresholds, float(np.max(np.abs(np.diff(costs))))
