@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -178,31 +178,17 @@ class GroupedBatch:
         ]
         return self.merge(outputs)
 
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> GroupedBatch:
+        """A copy with ``fn`` applied to the padded tensor and tensor extras (not the plan)."""
+        return replace(self, padded=fn(self.padded), extras=_map_tensors(self.extras, fn))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> GroupedBatch:
         """The padded tensor (and tensor extras) on ``device``; plan and lengths stay on the CPU."""
-        extras = _map_tensors(self.extras, lambda t: t.to(device, non_blocking=non_blocking))
-        padded = self.padded.to(device, non_blocking=non_blocking)
-        return GroupedBatch(
-            padded,
-            self.lengths,
-            self.plan,
-            self.length_dims,
-            extras,
-            self.pad_value,
-            self.rows_sorted,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> GroupedBatch:
-        extras = _map_tensors(self.extras, lambda t: t.pin_memory())
-        return GroupedBatch(
-            self.padded.pin_memory(),
-            self.lengths,
-            self.plan,
-            self.length_dims,
-            extras,
-            self.pad_value,
-            self.rows_sorted,
-        )
+        """Page-locked copy, so ``DataLoader(pin_memory=True)`` and non-blocking copies work."""
+        return self._map(lambda t: t.pin_memory())
 
     def padding_efficiency(self) -> float:
         """Real elements over computed elements (1.0 means no padding)."""
