@@ -19,6 +19,7 @@ from grabkit.group import (
     backward_by_group,
     find_thresholds,
     group_batch,
+    infer_output_lengths,
     plan_from_partition,
     plan_groups,
     run_grouped,
@@ -88,6 +89,11 @@ def test_float_length_info_of_a_grouped_collection_raises() -> None:
             data_groups=[torch.ones(1, 2), torch.ones(2, 3)],
             length_info={"s": [[2], [2.5, 3]]},
         )
+
+
+def test_float_lengths_to_infer_output_lengths_raise() -> None:
+    with pytest.raises(TypeError, match="lengths"):
+        infer_output_lengths(row_sum, torch.ones(1, 5), torch.tensor([[2.5]]), (1,), (1,))
 
 
 def test_float_lengths_to_find_thresholds_raise() -> None:
@@ -174,7 +180,7 @@ def test_non_finite_planning_options_name_themselves(option, value) -> None:
     with pytest.raises(ValueError, match=f"{option} should be"):
         GroupingCollate(**{option: value})
     with pytest.raises(ValueError, match=f"{option} should be"):
-        DynamicGrouper("s", **{option: value}).plan({"s": torch.tensor([1, 2, 5])}, 3)
+        DynamicGrouper("s", **{option: value})
 
 
 @pytest.mark.parametrize("bad", [math.nan, -1.0, math.inf])

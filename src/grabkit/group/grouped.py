@@ -330,10 +330,11 @@ def infer_output_lengths(
     per module. Returns ``{output_dim: (n,) int64}`` for every dim where some item's size is
     below ``output_shape``.
     """
+    length_dims = tuple(length_dims)
+    lengths = as_length_matrix(lengths, k=len(length_dims))
     if len(lengths) == 0:
         return {}  # no item: no dim has a size below the batch output's
     kwargs = dict(kwargs or {})
-    length_dims = tuple(length_dims)
     cache = _probe_cache.setdefault(module, {}) if isinstance(module, nn.Module) else {}
     fixed = tuple(-1 if d in length_dims else size for d, size in enumerate(example.shape))
     signature = (fixed, example.dtype, length_dims, pass_mask)

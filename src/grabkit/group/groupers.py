@@ -127,6 +127,7 @@ class DynamicGrouper(Grouper):
         self.options = dict(
             cost=cost, alpha=alpha, overhead=overhead, max_group_cost=max_group_cost
         )
+        plan_groups([1], **self.options)  # bad options fail here, not at the first batch
 
     def plan(self, lengths, size):
         self._need_label(lengths, self.ldim_label)
