@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from grabkit.group import (
@@ -189,3 +191,35 @@ def test_a_cost_that_is_not_finite_and_non_negative_is_named(bad) -> None:
         plan_groups([1, 2, 5], cost=lambda L: bad)
     with pytest.raises(ValueError, match="cost_fn"):
         find_thresholds([1, 2, 3, 4], lambda L: bad, 1)
+
+
+# ----------------------------------------------------------------------------- properties
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 6), min_size=0, max_size=10),
+    seed=st.integers(0, 2**16),
+    shrink=st.booleans(),
+)
+def test_any_given_plan_is_exact_or_refused(lengths, seed, shrink) -> None:
+    """A random partition as a plan: exact when it pads every item, refused when it does not."""
+    n = len(lengths)
+    g = torch.Generator().manual_seed(seed)
+    padded = torch.randn(n, 6, generator=g)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    groups = torch.randint(0, 3, (n,), generator=g)
+    partition = [torch.nonzero(groups == k)[:, 0] for k in range(3)]
+    plan = plan_from_partition(partition, lens)
+    too_short = shrink and any(size[0] > 0 for size in plan.lengths)
+    if too_short:
+        plan.lengths = [[max(0, size[0] - 1)] for size in plan.lengths]
+
+    def masked_sum(x, mask):
+        return (x * mask).sum(1)
+
+    mask = torch.arange(6)[None] < lens[:, None]
+    if too_short:
+        with pytest.raises(ValueError, match="the plan pads group"):
+            run_grouped(masked_sum, padded, lens, plan=plan, pass_mask=True)
+    else:
+        out = run_grouped(masked_sum, padded, lens, plan=plan, pass_mask=True)
+        torch.testing.assert_close(out, masked_sum(padded, mask))

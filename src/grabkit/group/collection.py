@@ -52,7 +52,6 @@ from .plumbing import length_mask, merge_groups, narrow_gather, pad_stack
 
 __all__ = [
     "DataCollection",
-    "Grouping",
     "IncompatibleDataCollectionError",
     "TensorData",
 ]
@@ -129,7 +128,10 @@ class DataCollection:
         self._grouping = grouping
 
     @classmethod
-    def _make(cls, signatures: Any, preset_padding: Any, lengths: dict[str, Tensor], **form: Any):
+    def _make(
+        cls, signatures: Any, preset_padding: Any, lengths: dict[str, Tensor], **form: Any
+    ) -> DataCollection:
+        """A collection from parsed parts, unchecked; ``form`` is ``items=`` or ``grouping=``."""
         dc = cls.__new__(cls)
         dc._init(signatures, preset_padding, lengths, **form)
         return dc
