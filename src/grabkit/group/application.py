@@ -66,30 +66,29 @@ def _output_lengths(
 
 
 def _check_leaf(
-    tensor: Any,
-    sig: Signature,
-    where: str,
-    idx: Tensor,
-    need: Mapping[str, int],
-    padded: Mapping[str, int],
-    derived: Mapping[str, Callable],
+    tensor: Any, sig: Signature, where: str, rows: int, limits: Mapping[str, tuple[int, int, bool]]
 ) -> None:
-    """One output tensor of a group against its annotation (``need``/``padded`` per label)."""
+    """One output tensor of a group against its annotation.
+
+    ``limits[label]``: the group's longest output length, its padded input length, and whether
+    the module declared the length as changed (else the output must keep the padded size).
+    """
     if not isinstance(tensor, Tensor) or tensor.dim() != len(sig):
         got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
         raise AnnotationError(f"{where}: expected a {len(sig)}-dim tensor {sig}, got {got}")
     for pos, dim in enumerate(sig.dims):
         size = tensor.shape[pos]
-        if dim.kind == BATCH and size != len(idx):
-            raise AnnotationError(f"{where}: batch dim has {size} rows for {len(idx)} items")
+        if dim.kind == BATCH and size != rows:
+            raise AnnotationError(f"{where}: batch dim has {size} rows for {rows} items")
         if dim.kind == CONST and size != dim.size:
             raise AnnotationError(f"{where}: dim {pos} is {size}, annotated {dim.size}")
         if dim.kind != LENGTH:
             continue
-        if size < need[dim.label] or (dim.label not in derived and size != padded[dim.label]):
+        need, padded, derived = limits[dim.label]
+        if size < need or (not derived and size != padded):
             raise AnnotationError(
                 f"{where}: size {size} along L_{dim.label}, but the group is padded "
-                f"to {padded[dim.label]}; a module that changes a length should define "
+                f"to {padded}; a module that changes a length should define "
                 "get_output_lengths() returning {label: fn(input_lengths)}"
             )
 
@@ -102,20 +101,27 @@ def check_output(
     lengths: Mapping[str, Tensor],
     derived: Mapping[str, Callable],
 ) -> None:
-    """Group ``i``'s output ``out`` against the output signatures ``sigs``."""
+    """Group ``i``'s output ``out`` against the output signatures ``sigs``.
+
+    ``lengths``: every item's output lengths; ``derived``: the labels the module changes.
+    """
     idx = dc.partition[i]
+    inputs = dc.lengths
 
-    def group_max(table: Mapping[str, Tensor]) -> dict[str, int]:
-        return {k: int(v[idx].max()) if len(idx) else 0 for k, v in table.items()}
+    def group_max(values: Tensor) -> int:
+        return int(values[idx].max()) if len(idx) else 0
 
-    need, padded = group_max(lengths), group_max(dc.lengths)
+    limits = {
+        label: (group_max(values), group_max(inputs[label]), label in derived)
+        for label, values in lengths.items()
+    }
     for path, sig in iter_leaves(sigs):
         where = f"group {i} output {'/'.join(path) or '(root)'}"
         try:
             tensor = tree_get(out, path)
         except (KeyError, TypeError, IndexError) as error:
             raise AnnotationError(f"{where}: missing, but the output annotation has it") from error
-        _check_leaf(tensor, sig, where, idx, need, padded, derived)
+        _check_leaf(tensor, sig, where, len(idx), limits)
 
 
 def apply_module(
