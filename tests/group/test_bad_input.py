@@ -148,6 +148,12 @@ def test_length_dims_out_of_range_or_repeated_raise() -> None:
     assert group_batch(torch.ones(3, 5), [1, 2, 5], length_dims=(-1,)).length_dims == (1,)
 
 
+@pytest.mark.parametrize("dims", [(3,), (0, -1), (True,), (0.0,)])
+def test_collate_length_dims_out_of_range_repeated_or_not_int_raise(dims) -> None:
+    with pytest.raises(ValueError, match="length_dims"):
+        GroupingCollate(length_dims=dims, key=None)([torch.ones(3), torch.ones(5)])
+
+
 def test_lengths_on_the_meta_device_raise_clearly() -> None:
     with pytest.raises(ValueError, match="lengths"):
         run_grouped(row_sum, torch.ones(3, 5), torch.tensor([1, 2, 5], device="meta"))

@@ -17,7 +17,7 @@ from torch.utils.data import default_collate
 from .annotation import BATCH, LENGTH, MODEL, Dim, Signature
 from .grouped import GroupedBatch
 from .planning import GroupPlan, plan_groups
-from .plumbing import ConstantPadder, pad_stack
+from .plumbing import ConstantPadder, normalise_dims, pad_stack
 
 __all__ = ["GroupingCollate"]
 
@@ -45,7 +45,7 @@ class GroupingCollate:
     ) -> None:
         if not length_dims:
             raise ValueError("length_dims should name at least one dim of the sequence tensor")
-        self.length_dims = tuple(int(d) for d in length_dims)
+        self.length_dims = tuple(length_dims)
         self.key = key
         self.pad_value = pad_value
         self.planning = planning
@@ -68,9 +68,9 @@ class GroupingCollate:
     def _lengths(self, tensors: Sequence[Tensor]) -> tuple[tuple[int, ...], Tensor]:
         """The length dims (non-negative) and the ``(n, k)`` int64 lengths of the items."""
         rank = tensors[0].dim()
-        dims = tuple(d % rank for d in self.length_dims) if rank else ()
-        if len(dims) != len(self.length_dims):
-            raise ValueError(f"length_dims {self.length_dims} do not fit items of rank {rank}")
+        if rank == 0:
+            raise ValueError(f"length_dims {self.length_dims} do not fit items of rank 0")
+        dims = normalise_dims(self.length_dims, rank, "each item")
         lengths = torch.tensor([[t.shape[d] for d in dims] for t in tensors], dtype=torch.long)
         return dims, lengths
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .coupling import warn_if_batch_coupled
 from .planning import GroupPlan, as_length_matrix, plan_groups
-from .plumbing import length_mask, merge_groups, narrow_gather
+from .plumbing import length_mask, merge_groups, narrow_gather, normalise_dims
 
 __all__ = [
     "GroupedBatch",
@@ -35,19 +35,10 @@ _probe_cache: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictio
 
 def _check_length_dims(length_dims: Sequence[int], rank: int) -> tuple[int, ...]:
     """Length dims as non-negative positions of a rank-``rank`` tensor; never dim 0, no repeats."""
-    dims = []
-    for d in length_dims:
-        if isinstance(d, bool) or not isinstance(d, int) or not -rank <= d < rank:
-            raise ValueError(
-                f"length_dims should be dims of the {rank}-dim padded tensor (in [-{rank}, "
-                f"{rank})), but got {tuple(length_dims)}"
-            )
-        dims.append(d % rank)
+    dims = normalise_dims(length_dims, rank, "the padded tensor")
     if 0 in dims:
         raise ValueError("the batch dim (0) cannot also be a length dim; fix length_dims")
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"length_dims name the same dim twice: {tuple(length_dims)}")
-    return tuple(dims)
+    return dims
 
 
 def _check_plan(plan: GroupPlan, matrix: Tensor) -> None:

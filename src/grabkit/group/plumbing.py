@@ -8,6 +8,7 @@ inverse permutation.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "length_mask",
     "merge_groups",
     "narrow_gather",
+    "normalise_dims",
     "pad_stack",
 ]
 
@@ -106,6 +108,25 @@ def as_padder(spec: object, where: str = "padding") -> Padder:
     if isinstance(spec, (int, float, bool)):
         return ConstantPadder(spec)
     raise TypeError(f"{where} should be None, a number or a Padder, but got {type(spec)!r}")
+
+
+def normalise_dims(dims: Sequence[int], rank: int, what: str) -> tuple[int, ...]:
+    """``length_dims`` as non-negative positions of a rank-``rank`` ``what``; distinct ints."""
+    out = []
+    for d in dims:
+        try:
+            index = None if isinstance(d, bool) else operator.index(d)  # ints, numpy ints
+        except TypeError:
+            index = None
+        if index is None or not -rank <= index < rank:
+            raise ValueError(
+                f"length_dims should be dims of {what} (rank {rank}: in [-{rank}, {rank})), but "
+                f"got {tuple(dims)}"
+            )
+        out.append(index % rank)
+    if len(set(out)) != len(out):
+        raise ValueError(f"length_dims name the same dim twice: {tuple(dims)}")
+    return tuple(out)
 
 
 def _layout(signature: Signature) -> tuple[list[int], list[int]]:
