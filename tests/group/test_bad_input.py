@@ -229,3 +229,27 @@ def test_any_given_plan_is_exact_or_refused(lengths, seed, shrink) -> None:
     else:
         out = run_grouped(masked_sum, padded, lens, plan=plan, pass_mask=True)
         torch.testing.assert_close(out, masked_sum(padded, mask))
+
+
+# ----------------------------------------------------------------------------- grouped input
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(length_info={"s": [[2]]}), r"length_info\['s'\] gives 1 groups for 2"),
+        (dict(length_info={}), "length_info should give every length label"),
+        (dict(length_info={"s": [[2], [3]]}), r"length_info\['s'\]\[1\] has 1 lengths for 2"),
+        (dict(length_info={"s": [[5], [3, 3]]}), "exceeds the padded size"),
+        (
+            dict(length_info={"s": [[2], [3, 3]]}, data_partition=[[0], [0, 1]]),
+            "every item index 0..2 exactly once",
+        ),
+        (
+            dict(length_info={"s": [[2], [3, 3]]}, data_partition=[[0], [1]]),
+            "data_partition\\[1\\] has 1 items but group 1 has 2 rows",
+        ),
+    ],
+)
+def test_an_inconsistent_grouped_collection_is_refused(options, match) -> None:
+    groups = [torch.ones(1, 2), torch.ones(2, 3)]
+    with pytest.raises(ValueError, match=match):
+        DataCollection("(B, L_s)", data_groups=groups, **options)

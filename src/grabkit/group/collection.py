@@ -37,6 +37,7 @@ from .items import (
     consecutive,
     copy_masks,
     group_size,
+    grouped_lengths,
     label_mask,
     length_labels,
     lengths_for,
@@ -46,7 +47,6 @@ from .items import (
     padding_tree,
     place_mask,
     read_item_lengths,
-    scatter_length_info,
 )
 from .plumbing import length_mask, merge_groups, narrow_gather, pad_stack
 
@@ -101,13 +101,12 @@ class DataCollection:
             if length_info is None:
                 raise ValueError("data_groups needs length_info (label -> per-group lengths)")
             groups = as_tensor_data(data_groups)
-            sizes = [group_size(signatures, g) for g in groups]
             partition = (
-                consecutive(sizes)
+                consecutive([group_size(signatures, g) for g in groups])
                 if data_partition is None
                 else [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in data_partition]
             )
-            lengths = scatter_length_info(length_info, partition, sum(sizes))
+            lengths = grouped_lengths(signatures, groups, partition, length_info)
             self._init(signatures, preset, lengths, grouping=Grouping(groups, partition))
         else:
             raise ValueError("give data_list, or data_groups with length_info")

@@ -27,6 +27,7 @@ __all__ = [
     "consecutive",
     "copy_masks",
     "group_size",
+    "grouped_lengths",
     "label_mask",
     "length_labels",
     "lengths_for",
@@ -36,7 +37,6 @@ __all__ = [
     "padding_tree",
     "place_mask",
     "read_item_lengths",
-    "scatter_length_info",
 ]
 
 
@@ -224,16 +224,54 @@ def group_size(signatures: Any, group: TensorData) -> int:
     return tree_get(group.value, path).shape[sig.batch_index]
 
 
-def scatter_length_info(
-    length_info: Mapping[str, Sequence[Sequence[int]]], partition: list[Tensor], n: int
+def _check_partition(partition: list[Tensor], sizes: list[int]) -> None:
+    """``partition[g]`` names ``sizes[g]`` items; together every index ``0..n-1`` once."""
+    if len(partition) != len(sizes):
+        raise ValueError(f"data_partition has {len(partition)} groups for {len(sizes)}")
+    for g, (idx, rows) in enumerate(zip(partition, sizes, strict=True)):
+        if len(idx) != rows:
+            raise ValueError(
+                f"data_partition[{g}] has {len(idx)} items but group {g} has {rows} rows"
+            )
+    n = sum(sizes)
+    seen = torch.cat(partition) if partition else torch.zeros(0, dtype=torch.long)
+    if not torch.equal(seen.sort().values, torch.arange(n)):
+        raise ValueError(f"data_partition should hold every item index 0..{n - 1} exactly once")
+
+
+def grouped_lengths(
+    signatures: Any,
+    groups: list[TensorData],
+    partition: list[Tensor],
+    length_info: Mapping[str, Sequence[Sequence[int]]],
 ) -> dict[str, Tensor]:
-    """``{label: (n,) int64}`` from per-group lengths (``length_info[label][g][j]``)."""
+    """``{label: (n,) int64}`` from per-group lengths (``length_info[label][g][j]``), checked.
+
+    The partition must cover every item once, match the groups' row counts, and give each
+    length label one int per item, none above its group's padded size.
+    """
+    sizes = [group_size(signatures, g) for g in groups]
+    _check_partition(partition, sizes)
+    missing = set(length_labels(signatures)) - set(length_info)
+    if missing:
+        raise ValueError(f"length_info should give every length label; missing {sorted(missing)}")
     lengths = {}
     for label, per_group in length_info.items():
-        full = torch.zeros(n, dtype=torch.long)
-        for g, (idx, values) in enumerate(zip(partition, per_group, strict=False)):
-            full[idx] = as_length_matrix(list(values), f"length_info[{label!r}][{g}]", k=1)[:, 0]
+        if len(per_group) != len(groups):
+            raise ValueError(
+                f"length_info[{label!r}] gives {len(per_group)} groups for {len(groups)}"
+            )
+        full = torch.zeros(sum(sizes), dtype=torch.long)
+        for g, (idx, values) in enumerate(zip(partition, per_group, strict=True)):
+            where = f"length_info[{label!r}][{g}]"
+            column = as_length_matrix(list(values), where, k=1)[:, 0]
+            if len(column) != len(idx):
+                raise ValueError(f"{where} has {len(column)} lengths for {len(idx)} items")
+            full[idx] = column
         lengths[label] = full
+    for g, (data, idx) in enumerate(zip(groups, partition, strict=True)):
+        group_lengths = {k: v[idx] for k, v in lengths.items()}
+        padded_lengths(signatures, data, group_lengths, f"length_info (group {g})")
     return lengths
 
 
@@ -273,7 +311,10 @@ def assemble(signatures: Any, parts: Mapping[tuple[str, ...], Tensor]) -> Any:
 
 
 def padded_lengths(
-    signatures: Any, data: TensorData, lengths: Mapping[str, Sequence[int] | Tensor]
+    signatures: Any,
+    data: TensorData,
+    lengths: Mapping[str, Sequence[int] | Tensor],
+    name: str = "lengths",
 ) -> dict[str, Tensor]:
     """``{label: (n,) int64}`` for one padded batch, checked against its shapes.
 
@@ -281,21 +322,21 @@ def padded_lengths(
     """
     missing = set(length_labels(signatures)) - set(lengths)
     if missing:
-        raise ValueError(f"lengths should give every length label; missing {sorted(missing)}")
+        raise ValueError(f"{name} should give every length label; missing {sorted(missing)}")
     table = {
-        label: as_length_matrix(values, f"lengths[{label!r}]", k=1)[:, 0]
+        label: as_length_matrix(values, f"{name}[{label!r}]", k=1)[:, 0]
         for label, values in lengths.items()
     }
     n = group_size(signatures, data)
     for label, values in table.items():
         if len(values) != n:
-            raise ValueError(f"lengths[{label!r}] has {len(values)} entries for {n} items")
+            raise ValueError(f"{name}[{label!r}] has {len(values)} entries for {n} items")
     for path, sig in iter_leaves(signatures):
         size = tree_get(data.value, path).shape
         for pos, label in sig.length_dims():
             if n and int(table[label].max()) > size[pos]:
                 raise ValueError(
-                    f"a length {int(table[label].max())} in lengths[{label!r}] exceeds the "
+                    f"a length {int(table[label].max())} in {name}[{label!r}] exceeds the "
                     f"padded size {size[pos]} of dim {pos}"
                 )
     return table
