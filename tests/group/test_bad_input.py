@@ -17,7 +17,10 @@ from torch import nn
 from grabkit.group import (
     DataCollection,
     DynamicGrouper,
+    Grouper,
     GroupingCollate,
+    GroupPlan,
+    UniGrouper,
     backward_by_group,
     find_thresholds,
     group_batch,
@@ -253,3 +256,16 @@ def test_an_inconsistent_grouped_collection_is_refused(options, match) -> None:
     groups = [torch.ones(1, 2), torch.ones(2, 3)]
     with pytest.raises(ValueError, match=match):
         DataCollection("(B, L_s)", data_groups=groups, **options)
+
+
+def test_a_custom_grouper_that_drops_items_is_refused() -> None:
+    class Dropping(Grouper):
+        def plan(self, lengths, size):
+            return GroupPlan([torch.tensor([0, 1])], [[4]])
+
+    dc = DataCollection("(B, L_s)", [torch.ones(n) for n in (2, 4, 3)])
+    with pytest.raises(ValueError, match=r"Dropping.plan\(\) covers 2 items but the batch has 3"):
+        dc.group(Dropping())
+    dc.group(UniGrouper())
+    with pytest.raises(ValueError, match="Dropping"):
+        dc.regroup(Dropping())

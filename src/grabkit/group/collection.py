@@ -48,6 +48,7 @@ from .items import (
     place_mask,
     read_item_lengths,
 )
+from .planning import GroupPlan
 from .plumbing import length_mask, merge_groups, narrow_gather, pad_stack
 
 __all__ = [
@@ -222,7 +223,7 @@ class DataCollection:
         if self.is_grouped:
             raise RuntimeError("already grouped; call ungroup() first, or regroup(grouper)")
         padders = self._padders(padding)
-        plan = grouper.plan(self._lengths, len(self))
+        plan = self._plan(grouper)
         full = {}
         for path, sig in iter_leaves(self.shapesig_data):
             items = [tree_get(d.value, path) for d in self._items]
@@ -230,6 +231,11 @@ class DataCollection:
                 items, sig, lengths_for(self._lengths, sig, len(self)), tree_get(padders, path)
             )
         self._split(full, list(plan.groups), forget_order, padders)
+
+    def _plan(self, grouper: Grouper) -> GroupPlan:
+        plan = grouper.plan(self._lengths, len(self))
+        plan.check_covers(len(self), f"{type(grouper).__name__}.plan()")
+        return plan
 
     def _split(self, full: Leaves, partition: list[Tensor], forget: bool, padders: Any) -> None:
         """Cut full padded tensors (items in original order) into groups; become grouped."""
@@ -306,7 +312,7 @@ class DataCollection:
             self.group(grouper, padding, forget_order)
             return
         full = self._merge()
-        plan = grouper.plan(self._lengths, len(self))
+        plan = self._plan(grouper)
         self._split(full, list(plan.groups), forget_order, self._grouping.padding)
 
     # ----------------------------------------------------------------- masks

@@ -43,13 +43,7 @@ def _check_length_dims(length_dims: Sequence[int], rank: int) -> tuple[int, ...]
 
 def _check_plan(plan: GroupPlan, matrix: Tensor) -> None:
     """``plan`` must hold every item once and pad each group at least to its longest item."""
-    n = len(matrix)
-    order = plan.order
-    if len(order) != n or not torch.equal(order.sort().values, torch.arange(n)):
-        raise ValueError(
-            f"the plan covers {len(order)} items but the batch has {n}; it should hold every item "
-            "index once: build it from these lengths (plan_groups / plan_from_partition)"
-        )
+    plan.check_covers(len(matrix))
     for g, idx in enumerate(plan.groups):
         sizes = torch.as_tensor(plan.lengths[g], dtype=torch.long).reshape(-1)
         if len(sizes) != matrix.shape[1]:

@@ -103,6 +103,16 @@ class GroupPlan:
     def partition(self) -> list[list[int]]:
         return [g.tolist() for g in self.groups]
 
+    def check_covers(self, n: int, source: str = "the plan") -> None:
+        """Raise unless the groups hold every item index ``0..n-1`` exactly once."""
+        order = self.order
+        if len(order) != n or not torch.equal(order.sort().values, torch.arange(n)):
+            raise ValueError(
+                f"{source} covers {len(order)} items but the batch has {n}; it should hold "
+                "every item index once: build it from these lengths (plan_groups / "
+                "plan_from_partition)"
+            )
+
 
 def as_length_matrix(lengths: Any, name: str = "lengths", k: int | None = None) -> Tensor:
     """``lengths`` as an ``(n, k)`` int64 CPU tensor; ``(n,)`` input becomes ``(n, 1)``.
