@@ -20,6 +20,7 @@ from grabkit.group import (
     Grouper,
     GroupingCollate,
     GroupPlan,
+    LengthThresholdGrouper,
     UniGrouper,
     backward_by_group,
     find_thresholds,
@@ -269,3 +270,12 @@ def test_a_custom_grouper_that_drops_items_is_refused() -> None:
     dc.group(UniGrouper())
     with pytest.raises(ValueError, match="Dropping"):
         dc.regroup(Dropping())
+
+
+def test_thresholds_that_are_not_finite_numbers_are_named() -> None:
+    with pytest.raises(ValueError, match="thresholds should be finite"):
+        LengthThresholdGrouper("s", [math.nan])
+    with pytest.raises(TypeError, match="thresholds should hold numbers"):
+        LengthThresholdGrouper("s", [True, 3])
+    grouper = LengthThresholdGrouper("s", [2.5])  # L <= 2.5 is L <= 2 for integer lengths
+    assert grouper.plan({"s": torch.tensor([1, 2, 3])}, 3).partition() == [[0, 1], [2]]
