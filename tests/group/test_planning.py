@@ -117,14 +117,14 @@ def test_notebook_thresholds_and_grouper_convention() -> None:
 
 def test_calibrate_cost_recovers_the_timing_model(monkeypatch) -> None:
     """A fake clock advances by exactly ``2e-3 + n * 1e-5 * L`` per call: the fit is exact."""
-    import grabkit.group.planning as planning
+    import grabkit.group.calibration as calibration
 
     now = [0.0]
 
     def run(n, L):
         now[0] += 2e-3 + n * 1e-5 * L
 
-    monkeypatch.setattr(planning.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: now[0])
     model = calibrate_cost(run, lengths=(4, 16, 64), sizes=(1, 8, 32), repeats=1)
     assert model.alpha == pytest.approx(2e-3, rel=1e-6)
     assert model(10) == pytest.approx(1e-4, rel=1e-6)

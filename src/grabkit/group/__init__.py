@@ -15,6 +15,7 @@ outputs back in the original order.
 """
 
 from .annotation import AnnotationError
+from .calibration import CostModel, calibrate_cost
 from .collate import GroupingCollate
 from .collection import DataCollection, IncompatibleDataCollectionError, TensorData
 from .grouped import GroupedBatch, backward_by_group, group_batch, infer_output_lengths, run_grouped
@@ -27,16 +28,9 @@ from .groupers import (
     UniGrouper,
 )
 from .module import AnnotatedModule
-from .planning import (
-    CostModel,
-    GroupPlan,
-    calibrate_cost,
-    find_thresholds,
-    plan_cost,
-    plan_from_partition,
-    plan_groups,
-)
+from .planning import GroupPlan, plan_cost, plan_from_partition, plan_groups
 from .plumbing import CDimPadder, ConstantPadder, Padder, ZeroPadder, length_mask
+from .thresholds import find_thresholds
 
 __all__ = [
     "AnnotatedModule",

@@ -133,6 +133,12 @@ def parse_signature(
     body = stripped[1:-1].strip()
     atoms = [a.strip() for a in body.split(",")] if body else []
     dims = tuple(_parse_atom(a, side, text, where) for a in atoms)
+    _check_dims(dims, side, text, where, output)
+    return Signature(dims, side)
+
+
+def _check_dims(dims: tuple[Dim, ...], side: str, text: str, where: str, output: bool) -> None:
+    """One batch dim, at most one abbreviation (outside outputs), no repeated length label."""
     batch_count = sum(d.kind == BATCH for d in dims)
     if batch_count != 1:
         name = "B" if side == "data" else "b"
@@ -145,7 +151,6 @@ def parse_signature(
     labels = [d.label for d in dims if d.kind == LENGTH]
     if len(labels) != len(set(labels)):
         raise AnnotationError(f"{where} repeats a length label in {text!r}")
-    return Signature(dims, side)
 
 
 def parse_annotation(

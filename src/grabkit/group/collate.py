@@ -17,7 +17,7 @@ from torch.utils.data import default_collate
 from .annotation import BATCH, LENGTH, MODEL, Dim, Signature
 from .grouped import GroupedBatch
 from .planning import GroupPlan, plan_groups
-from .plumbing import ConstantPadder, pad_stack
+from .plumbing import ConstantPadder, normalise_dims, pad_stack
 
 __all__ = ["GroupingCollate"]
 
@@ -45,7 +45,7 @@ class GroupingCollate:
     ) -> None:
         if not length_dims:
             raise ValueError("length_dims should name at least one dim of the sequence tensor")
-        self.length_dims = tuple(int(d) for d in length_dims)
+        self.length_dims = tuple(length_dims)
         self.key = key
         self.pad_value = pad_value
         self.planning = planning
@@ -65,36 +65,47 @@ class GroupingCollate:
             f"{type(sample).__name__}; use key=None for bare tensors"
         )
 
+    def _lengths(self, tensors: Sequence[Tensor]) -> tuple[tuple[int, ...], Tensor]:
+        """The length dims (non-negative) and the ``(n, k)`` int64 lengths of the items."""
+        rank = tensors[0].dim()
+        if rank == 0:
+            raise ValueError(f"length_dims {self.length_dims} do not fit items of rank 0")
+        dims = normalise_dims(self.length_dims, rank, "each item")
+        lengths = torch.tensor([[t.shape[d] for d in dims] for t in tensors], dtype=torch.long)
+        return dims, lengths
+
+    def _extras(self, rests: list[Any]) -> Any:
+        """The other fields, collated in the original order (one tuple field stored bare)."""
+        if self.key is None:
+            return None
+        if isinstance(rests[0], list) and len(rests[0]) == 1:
+            rests = [rest[0] for rest in rests]
+        return default_collate(rests)
+
     def __call__(self, samples: Sequence[Any]) -> GroupedBatch:
         if not samples:
             raise ValueError("cannot collate an empty batch")
         split = [self._split_sample(s) for s in samples]
         tensors = [torch.as_tensor(t) for t, _ in split]
-        rank = tensors[0].dim()
-        dims = tuple(d % rank for d in self.length_dims) if rank else ()
-        if len(dims) != len(self.length_dims):
-            raise ValueError(f"length_dims {self.length_dims} do not fit items of rank {rank}")
-        lengths = torch.tensor([[t.shape[d] for d in dims] for t in tensors], dtype=torch.long)
+        dims, lengths = self._lengths(tensors)
         plan: GroupPlan = plan_groups(lengths, **self.planning)
-        order = plan.order.tolist()
         signature = Signature(
             (
                 Dim(BATCH),
-                *tuple(
-                    Dim(LENGTH, f"l{d}") if d in dims else Dim(MODEL, f"m{d}") for d in range(rank)
+                *(
+                    Dim(LENGTH, f"l{d}") if d in dims else Dim(MODEL, f"m{d}")
+                    for d in range(tensors[0].dim())
                 ),
             )
         )
-        ordered = lengths[plan.order]
+        ordered = lengths[plan.order]  # (n, k), rows in group order
         padded = pad_stack(
-            [tensors[i] for i in order], signature, ordered, ConstantPadder(self.pad_value)
+            [tensors[i] for i in plan.order.tolist()],
+            signature,
+            ordered,
+            ConstantPadder(self.pad_value),
         )
-        extras = None
-        if self.key is not None:
-            rests = [rest for _, rest in split]
-            if isinstance(rests[0], list) and len(rests[0]) == 1:
-                rests = [rest[0] for rest in rests]
-            extras = default_collate(rests)
+        extras = self._extras([rest for _, rest in split])
         return GroupedBatch(
             padded, ordered, plan, tuple(d + 1 for d in dims), extras, self.pad_value
         )

@@ -1,127 +1,67 @@
 """``DataCollection``: a batch of variable-length (possibly nested) items, grouped by length.
 
 Ungrouped, it is a list of items (each a tensor or nested dict of tensors) with a shape
-annotation. Grouped, it is a list of padded group tensors plus every item's lengths and the
-partition that says which item sits in which row, so module outputs can be put back in the
+annotation. Grouped, it holds a :class:`Grouping`: padded group tensors, the partition that says
+which item sits in which row, and the padders used, so module outputs can be put back in the
 original order. Padding, splitting and merging are vectorised (see ``plumbing``).
+
+A collection never mutates a container it may share with another (``to``, ``pin_memory`` and
+``[key]`` return collections sharing tensors and signature dicts): ``__setitem__`` builds new
+dicts, so setting a key on a copy leaves the original untouched.
 """
 
 from __future__ import annotations
 
-import itertools
-import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from .annotation import (
-    BATCH,
-    CONST,
-    LENGTH,
-    AnnotationError,
-    Dim,
     KeyConversion,
-    Signature,
     convert_keys,
     iter_leaves,
     map_tree,
     parse_annotation,
     tree_get,
 )
+from .application import FROM_MODULE, apply_module
 from .groupers import Grouper
-from .plumbing import Padder, as_padder, length_mask, pad_stack
+from .items import (
+    Grouping,
+    TensorData,
+    as_tensor_data,
+    assemble,
+    consecutive,
+    copy_masks,
+    group_size,
+    grouped_lengths,
+    label_mask,
+    length_labels,
+    lengths_for,
+    nested_signatures,
+    pad_to,
+    padded_lengths,
+    padding_tree,
+    place_mask,
+    read_item_lengths,
+)
+from .planning import GroupPlan
+from .plumbing import length_mask, merge_groups, narrow_gather, pad_stack
 
 __all__ = [
     "DataCollection",
     "IncompatibleDataCollectionError",
     "TensorData",
-    "warn_if_batch_coupled",
 ]
 
-_FROM_MODULE = object()
+Leaves = dict[tuple[str, ...], Tensor]  # key path -> full padded tensor, items in original order
 
 
 class IncompatibleDataCollectionError(ValueError):
     """Two collections do not share items or grouping, so they cannot be combined."""
-
-
-class TensorData:
-    """A tensor or a nested dict of tensors; ``value`` is the raw object, ``[key]`` a subtree."""
-
-    def __init__(self, value: Tensor | Mapping[str, Any]) -> None:
-        self.value = value
-
-    @property
-    def is_leaf(self) -> bool:
-        return not isinstance(self.value, Mapping)
-
-    def __getitem__(self, key: str) -> TensorData:
-        if self.is_leaf:
-            raise KeyError(f"this TensorData is a tensor, not a dict; cannot look up {key!r}")
-        return TensorData(self.value[key])
-
-    def __contains__(self, key: str) -> bool:
-        return not self.is_leaf and key in self.value
-
-    def keys(self) -> list[str]:
-        return [] if self.is_leaf else list(self.value)
-
-    def __repr__(self) -> str:
-        if self.is_leaf:
-            return f"TensorData(shape={tuple(self.value.shape)})"
-        return f"TensorData(keys={self.keys()})"
-
-
-def _padding_tree(signatures: Any, padding: Any, where: str = "padding") -> Any:
-    """A Padder for every leaf of ``signatures`` (zeros where ``padding`` says nothing)."""
-    if isinstance(signatures, Mapping):
-        if padding is not None and not isinstance(padding, Mapping):
-            raise TypeError(
-                f"{where} should be a dict mirroring the annotation's keys, got {type(padding)!r}"
-            )
-        unknown = set(padding or {}) - set(signatures)
-        if unknown:
-            raise ValueError(
-                f"{where} names keys {sorted(unknown)} that the annotation does not have; known "
-                f"keys: {sorted(signatures)}"
-            )
-        return {
-            k: _padding_tree(v, (padding or {}).get(k), f"{where}[{k!r}]")
-            for k, v in signatures.items()
-        }
-    return as_padder(padding, where)
-
-
-def _length_labels(signatures: Any) -> list[str]:
-    labels: list[str] = []
-    for _, sig in iter_leaves(signatures):
-        labels += [label for _, label in sig.length_dims() if label not in labels]
-    return labels
-
-
-_BATCH_COUPLED: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
-_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def warn_if_batch_coupled(module: nn.Module, groups: int) -> None:
-    """Warn (once per module) when a training-mode BatchNorm would see per-group statistics."""
-    if groups <= 1 or not isinstance(module, nn.Module) or module in _warned:
-        return
-    coupled = [
-        name for name, m in module.named_modules() if isinstance(m, _BATCH_COUPLED) and m.training
-    ]
-    if coupled:
-        _warned.add(module)
-        warnings.warn(
-            f"{type(module).__name__} has batch-coupled layers in training mode ({coupled[:3]}); "
-            f"run in {groups} groups they normalise each group with its own statistics, so "
-            "results differ from the padded batch. Use LayerNorm/GroupNorm, eval mode, or "
-            "UniGrouper for these layers.",
-            stacklevel=3,
-        )
 
 
 class DataCollection:
@@ -148,67 +88,52 @@ class DataCollection:
         padding: Any = None,
         validate: bool = True,
     ) -> None:
-        self.shapesig_data = parse_annotation(shape_annot, "data", "shape_annot")
-        self.preset_padding = (
-            None if padding is None else _padding_tree(self.shapesig_data, padding)
-        )
-        self._dirty = False
-        self._active_padding = None
+        signatures = parse_annotation(shape_annot, "data", "shape_annot")
+        preset = None if padding is None else padding_tree(signatures, padding)
         if data_list is not None:
             if data_groups is not None or length_info is not None or data_partition is not None:
                 raise ValueError("give either data_list or data_groups with length_info, not both")
-            self.data_list: list[TensorData] | None = [
-                d if isinstance(d, TensorData) else TensorData(d) for d in data_list
-            ]
-            if not self.data_list:
+            items = as_tensor_data(data_list)
+            if not items:
                 raise ValueError("data_list should hold at least one item, but it is empty")
-            self.data_groups: list[TensorData] | None = None
-            self._lengths = self._read_lengths(validate)
-            self._groups: list[Tensor] | None = None
+            lengths = read_item_lengths(signatures, items, validate)
+            self._init(signatures, preset, lengths, items=items)
         elif data_groups is not None:
             if length_info is None:
                 raise ValueError("data_groups needs length_info (label -> per-group lengths)")
-            self.data_list = None
-            self.data_groups = [
-                d if isinstance(d, TensorData) else TensorData(d) for d in data_groups
-            ]
-            sizes = [self._group_size(g) for g in self.data_groups]
-            if data_partition is None:
-                bounds = torch.cumsum(torch.tensor([0, *sizes]), 0).tolist()
-                data_partition = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
-            self._groups = [
-                torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in data_partition
-            ]
-            n = sum(sizes)
-            self._lengths = {}
-            for label, per_group in length_info.items():
-                full = torch.zeros(n, dtype=torch.long)
-                for idx, values in zip(self._groups, per_group, strict=False):
-                    full[idx] = torch.as_tensor(list(values), dtype=torch.long)
-                self._lengths[label] = full
+            groups = as_tensor_data(data_groups)
+            partition = (
+                consecutive([group_size(signatures, g) for g in groups])
+                if data_partition is None
+                else [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in data_partition]
+            )
+            lengths = grouped_lengths(signatures, groups, partition, length_info)
+            self._init(signatures, preset, lengths, grouping=Grouping(groups, partition))
         else:
             raise ValueError("give data_list, or data_groups with length_info")
 
-    # ----------------------------------------------------------------- construction helpers
-    @classmethod
-    def _grouped(
-        cls,
+    def _init(
+        self,
         signatures: Any,
-        groups_data: list[TensorData],
+        preset_padding: Any,
         lengths: dict[str, Tensor],
-        groups: list[Tensor],
-        padding: Any = None,
-        dirty: bool = False,
+        items: list[TensorData] | None = None,
+        grouping: Grouping | None = None,
+    ) -> None:
+        """Every field, in one place: exactly one of ``items`` and ``grouping`` is given."""
+        self.shapesig_data = signatures
+        self.preset_padding = preset_padding
+        self._lengths = lengths
+        self._items = items
+        self._grouping = grouping
+
+    @classmethod
+    def _make(
+        cls, signatures: Any, preset_padding: Any, lengths: dict[str, Tensor], **form: Any
     ) -> DataCollection:
+        """A collection from parsed parts, unchecked; ``form`` is ``items=`` or ``grouping=``."""
         dc = cls.__new__(cls)
-        dc.shapesig_data = signatures
-        dc.preset_padding = padding
-        dc.data_list = None
-        dc.data_groups = groups_data
-        dc._lengths = lengths
-        dc._groups = groups
-        dc._dirty = dirty
-        dc._active_padding = None
+        dc._init(signatures, preset_padding, lengths, **form)
         return dc
 
     @classmethod
@@ -225,90 +150,48 @@ class DataCollection:
         the ``(n,)`` item lengths. Call :meth:`regroup` to split it into length groups.
         """
         signatures = parse_annotation(shape_annot, "data", "shape_annot")
-        labels = _length_labels(signatures)
-        missing = set(labels) - set(lengths)
-        if missing:
-            raise ValueError(f"lengths should give every length label; missing {sorted(missing)}")
-        table = {
-            k: torch.as_tensor(v, dtype=torch.long).cpu().reshape(-1) for k, v in lengths.items()
-        }
         data = TensorData(padded)
-        n = next(
-            tree_get(padded, path).shape[sig.batch_index] for path, sig in iter_leaves(signatures)
-        )
-        for label, values in table.items():
-            if len(values) != n:
-                raise ValueError(f"lengths[{label!r}] has {len(values)} entries for {n} items")
-        preset = None if padding is None else _padding_tree(signatures, padding)
-        return cls._grouped(signatures, [data], table, [torch.arange(n)], preset)
-
-    def _group_size(self, group: TensorData) -> int:
-        path, sig = next(iter_leaves(self.shapesig_data))
-        return tree_get(group.value, path).shape[sig.batch_index]
-
-    def _read_lengths(self, validate: bool) -> dict[str, Tensor]:
-        """Every item's size along each length label; checks ranks and fixed sizes."""
-        lengths: dict[str, Tensor] = {}
-        for path, sig in iter_leaves(self.shapesig_data):
-            try:
-                tensors = [tree_get(d.value, path) for d in self.data_list]
-            except (KeyError, TypeError) as error:
-                raise ValueError(
-                    f"an item lacks key path {'/'.join(path)!r} of the annotation"
-                ) from error
-            item_dims = sig.item_dims()
-            ranks = {t.dim() for t in tensors}
-            if ranks != {len(item_dims)}:
-                raise ValueError(
-                    f"items at {'/'.join(path) or '(root)'} should have {len(item_dims)} dims "
-                    f"for {sig} (without B), but have {sorted(ranks)}"
-                )
-            shapes = torch.tensor([tuple(t.shape) for t in tensors], dtype=torch.long)
-            if shapes.dim() == 1:
-                shapes = shapes.reshape(len(tensors), 0)
-            for axis, dim in enumerate(item_dims):
-                column = shapes[:, axis].contiguous()
-                if dim.kind == LENGTH:
-                    if dim.label in lengths and not torch.equal(lengths[dim.label], column):
-                        bad = int((lengths[dim.label] != column).nonzero()[0])
-                        raise ValueError(
-                            f"item {bad}: length L_{dim.label} is {int(column[bad])} at "
-                            f"{'/'.join(path)!r} but {int(lengths[dim.label][bad])} elsewhere"
-                        )
-                    lengths[dim.label] = column
-                elif validate and len(column) and bool((column != column[0]).any()):
-                    bad = int((column != column[0]).nonzero()[0])
-                    raise ValueError(
-                        f"item {bad} at {'/'.join(path) or '(root)'} has size {int(column[bad])} "
-                        f"along {dim.render('data')}, but item 0 has {int(column[0])}; only L_ "
-                        "dims may vary between items"
-                    )
-                elif validate and dim.kind == CONST and len(column) and int(column[0]) != dim.size:
-                    raise ValueError(
-                        f"items at {'/'.join(path) or '(root)'} have size {int(column[0])} where "
-                        f"{sig} says {dim.size}"
-                    )
-        return lengths
+        table = padded_lengths(signatures, data, lengths)
+        preset = None if padding is None else padding_tree(signatures, padding)
+        grouping = Grouping([data], [torch.arange(group_size(signatures, data))])
+        return cls._make(signatures, preset, table, grouping=grouping)
 
     # ----------------------------------------------------------------- views and info
     @property
     def is_grouped(self) -> bool:
-        return self.data_groups is not None
+        return self._grouping is not None
+
+    @property
+    def data_list(self) -> list[TensorData] | None:
+        """The items (``None`` when grouped)."""
+        return self._items
+
+    @property
+    def data_groups(self) -> list[TensorData] | None:
+        """One padded tree per group (``None`` when ungrouped)."""
+        return None if self._grouping is None else self._grouping.data
+
+    @property
+    def partition(self) -> list[Tensor]:
+        """Item indices (int64 CPU) of each group; raises when ungrouped."""
+        return self._need_grouped("partition").partition
 
     def __len__(self) -> int:
-        return len(self.data_list) if self.data_list is not None else sum(map(len, self._groups))
+        if self._items is not None:
+            return len(self._items)
+        return sum(map(len, self._grouping.partition))
 
     @property
     def data_partition(self) -> list[list[int]] | None:
         """Item indices of each group (``None`` when ungrouped)."""
-        return None if self._groups is None else [g.tolist() for g in self._groups]
+        return None if self._grouping is None else [g.tolist() for g in self.partition]
 
     @property
     def length_info(self) -> dict[str, list[list[int]]] | None:
         """``{label: [[length of each item of group g] for g]}`` (``None`` when ungrouped)."""
-        if self._groups is None:
+        if self._grouping is None:
             return None
-        return {k: [v[g].tolist() for g in self._groups] for k, v in self._lengths.items()}
+        return {k: [v[g].tolist() for g in self.partition] for k, v in self._lengths.items()}
 
     @property
     def lengths(self) -> dict[str, Tensor]:
@@ -316,12 +199,13 @@ class DataCollection:
         return dict(self._lengths)
 
     def get_group_length_info(self, i: int) -> dict[str, list[int]]:
-        self._need_grouped("get_group_length_info()")
-        return {k: v[self._groups[i]].tolist() for k, v in self._lengths.items()}
+        idx = self._need_grouped("get_group_length_info()").partition[i]
+        return {k: v[idx].tolist() for k, v in self._lengths.items()}
 
-    def _need_grouped(self, what: str) -> None:
-        if not self.is_grouped:
+    def _need_grouped(self, what: str) -> Grouping:
+        if self._grouping is None:
             raise RuntimeError(f"{what} needs a grouped DataCollection; call group(grouper) first")
+        return self._grouping
 
     def _padders(self, padding: Any) -> Any:
         if padding is not None and self.preset_padding is not None:
@@ -330,15 +214,8 @@ class DataCollection:
                 "padding again"
             )
         if padding is not None:
-            return _padding_tree(self.shapesig_data, padding)
-        return self.preset_padding or _padding_tree(self.shapesig_data, None)
-
-    def _lengths_for(self, sig: Signature, rows: Tensor | None = None) -> Tensor:
-        columns = [self._lengths[label] for _, label in sig.length_dims()]
-        if not columns:
-            return torch.zeros((len(self), 0), dtype=torch.long)
-        matrix = torch.stack(columns, dim=1)
-        return matrix if rows is None else matrix[rows]
+            return padding_tree(self.shapesig_data, padding)
+        return self.preset_padding or padding_tree(self.shapesig_data, None)
 
     # ----------------------------------------------------------------- grouping
     def group(self, grouper: Grouper, padding: Any = None, forget_order: bool = False) -> None:
@@ -346,109 +223,84 @@ class DataCollection:
         if self.is_grouped:
             raise RuntimeError("already grouped; call ungroup() first, or regroup(grouper)")
         padders = self._padders(padding)
+        plan = self._plan(grouper)
+        full = {}
+        for path, sig in iter_leaves(self.shapesig_data):
+            items = [tree_get(d.value, path) for d in self._items]
+            full[path] = pad_stack(
+                items, sig, lengths_for(self._lengths, sig, len(self)), tree_get(padders, path)
+            )
+        self._split(full, list(plan.groups), forget_order, padders)
+
+    def _plan(self, grouper: Grouper) -> GroupPlan:
         plan = grouper.plan(self._lengths, len(self))
-        full = {}
-        for path, sig in iter_leaves(self.shapesig_data):
-            items = [tree_get(d.value, path) for d in self.data_list]
-            full[path] = pad_stack(items, sig, self._lengths_for(sig), tree_get(padders, path))
-        self.data_list = None
-        self._split(full, list(plan.groups), forget_order)
-        self._active_padding = padders
+        plan.check_covers(len(self), f"{type(grouper).__name__}.plan()")
+        return plan
 
-    def _split(self, full: dict[tuple[str, ...], Tensor], groups: list[Tensor], forget: bool):
-        """Cut full padded tensors (items in original order) into groups."""
-        trivial = len(groups) == 1 and torch.equal(groups[0], torch.arange(len(groups[0])))
-        per_group: list[dict] = [{} for _ in groups]
+    def _split(self, full: Leaves, partition: list[Tensor], forget: bool, padders: Any) -> None:
+        """Cut full padded tensors (items in original order) into groups; become grouped."""
+        trivial = Grouping([], partition).is_identity
+        per_group: list[dict] = [{} for _ in partition]
         for path, sig in iter_leaves(self.shapesig_data):
-            tensor = full[path]
-            b = sig.batch_index
-            for g, idx in enumerate(groups):
-                part = tensor  # narrow first, so the gather moves only the group's columns
-                for pos, label in sig.length_dims():
-                    size = int(self._lengths[label][idx].max()) if len(idx) else 0
-                    if size < part.shape[pos]:
-                        part = part.narrow(pos, 0, size)
-                if not trivial:
-                    part = part.index_select(b, idx.to(tensor.device))
-                per_group[g][path] = part
-        self.data_groups = [TensorData(self._assemble(parts)) for parts in per_group]
+            for g, idx in enumerate(partition):
+                sizes = {
+                    pos: int(self._lengths[label][idx].max()) if len(idx) else 0
+                    for pos, label in sig.length_dims()
+                }
+                rows = None if trivial else idx
+                per_group[g][path] = narrow_gather(full[path], sig.batch_index, sizes, rows)
+        data = [TensorData(assemble(self.shapesig_data, parts)) for parts in per_group]
         if forget:
-            order = torch.cat(groups)
+            order = torch.cat(partition)
             self._lengths = {k: v[order] for k, v in self._lengths.items()}
-            bounds = torch.cumsum(torch.tensor([0, *map(len, groups)]), 0).tolist()
-            groups = [torch.arange(a, b) for a, b in itertools.pairwise(bounds)]
-        self._groups = groups
-        self._dirty = False
+            partition = consecutive(list(map(len, partition)))
+        self._items = None
+        self._grouping = Grouping(data, partition, dirty=False, padding=padders)
 
-    def _assemble(self, parts: dict[tuple[str, ...], Tensor]) -> Any:
-        if () in parts:
-            return parts[()]
-
-        def build(tree: Any, prefix: tuple[str, ...]) -> Any:
-            if isinstance(tree, Mapping):
-                return {k: build(v, (*prefix, k)) for k, v in tree.items()}
-            return parts[prefix]
-
-        return build(self.shapesig_data, ())
-
-    def _merge(self) -> dict[tuple[str, ...], Tensor]:
+    def _merge(self) -> Leaves:
         """Full padded tensors, items in original order, padded positions reset to padding."""
-        padders = self._active_padding or self._padders(None)
-        trivial = len(self._groups) == 1 and torch.equal(
-            self._groups[0], torch.arange(len(self._groups[0]))
-        )
-        order = torch.cat(self._groups)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
+        grouping = self._grouping
+        padders = grouping.padding or self._padders(None)
+        inverse = None if grouping.is_identity else torch.argsort(torch.cat(grouping.partition))
         full = {}
         for path, sig in iter_leaves(self.shapesig_data):
-            b = sig.batch_index
-            tensors = [tree_get(g.value, path) for g in self.data_groups]
+            tensors = [tree_get(g.value, path) for g in grouping.data]
             padder = tree_get(padders, path)
             lens = sig.length_dims()
-            target = {pos: int(self._lengths[label].max()) for pos, label in lens}
             target = {
-                pos: max(size, *(t.shape[pos] for t in tensors)) for pos, size in target.items()
+                pos: max(int(self._lengths[label].max()), *(t.shape[pos] for t in tensors))
+                for pos, label in lens
             }
-            padded = [_pad_to(t, sig, target, padder) for t in tensors]
-            merged = padded[0] if trivial else torch.cat(padded, dim=b)
-            if not trivial:
-                merged = merged.index_select(b, inverse.to(merged.device))
-            if lens and self._dirty:
-                mask = _place_mask(
-                    length_mask(self._lengths_for(sig), [merged.shape[p] for p, _ in lens]),
+            padded = [pad_to(t, sig, target, padder) for t in tensors]
+            merged = merge_groups(padded, inverse, sig.batch_index)
+            if lens and grouping.dirty:
+                sizes = [merged.shape[p] for p, _ in lens]
+                mask = place_mask(
+                    length_mask(lengths_for(self._lengths, sig, len(self)), sizes),
                     sig,
                     merged.shape,
                 )
-                merged = torch.where(
-                    mask.to(merged.device),
-                    merged,
-                    padder.background(merged.shape, sig, merged.dtype, merged.device),
-                )
+                background = padder.background(merged.shape, sig, merged.dtype, merged.device)
+                merged = torch.where(mask.to(merged.device), merged, background)
             full[path] = merged
         return full
 
     def ungroup(self) -> None:
         """Back to a list of items (unpadded, in the original order)."""
-        self._need_grouped("ungroup()")
-        n = len(self)
-        items: list[dict] = [{} for _ in range(n)]
+        grouping = self._need_grouped("ungroup()")
+        items: list[dict] = [{} for _ in range(len(self))]
         for path, sig in iter_leaves(self.shapesig_data):
             b = sig.batch_index
             lens = sig.length_dims()
-            for group, idx in zip(self.data_groups, self._groups, strict=False):
-                tensor = tree_get(group.value, path)
-                rows = tensor.unbind(b)
-                length_rows = self._lengths_for(sig, idx).tolist()
+            for group, idx in zip(grouping.data, grouping.partition, strict=False):
+                rows = tree_get(group.value, path).unbind(b)
+                length_rows = lengths_for(self._lengths, sig, len(self), idx).tolist()
                 for row, item, row_lengths in zip(rows, idx.tolist(), length_rows, strict=False):
                     for (pos, _), size in zip(lens, row_lengths, strict=False):
                         row = row.narrow(pos - (pos > b), 0, size)
                     items[item][path] = row
-        self.data_list = [TensorData(self._assemble(parts)) for parts in items]
-        self.data_groups = None
-        self._groups = None
-        self._dirty = False
-        self._active_padding = None
+        self._items = [TensorData(assemble(self.shapesig_data, parts)) for parts in items]
+        self._grouping = None
 
     def regroup(self, grouper: Grouper, padding: Any = None, forget_order: bool = False) -> None:
         """Group again with another grouper; from a grouped state this never builds items."""
@@ -460,8 +312,8 @@ class DataCollection:
             self.group(grouper, padding, forget_order)
             return
         full = self._merge()
-        plan = grouper.plan(self._lengths, len(self))
-        self._split(full, list(plan.groups), forget_order)
+        plan = self._plan(grouper)
+        self._split(full, list(plan.groups), forget_order, self._grouping.padding)
 
     # ----------------------------------------------------------------- masks
     def get_mask(
@@ -473,41 +325,18 @@ class DataCollection:
         a list of length labels: one ``(n_g, L_a, L_b, ...)`` tensor. A position is real when it
         is inside the item along every length dim.
         """
-        self._need_grouped("get_mask()")
-        idx = self._groups[i]
-        group = self.data_groups[i]
+        grouping = self._need_grouped("get_mask()")
+        idx, group = grouping.partition[i], grouping.data[i]
         if mask_hint == "copy":
-
-            def leaf_mask(sig: Signature, tensor: Tensor) -> Tensor:
-                lens = sig.length_dims()
-                if not lens:
-                    return torch.ones_like(tensor, dtype=torch.bool)
-                base = length_mask(
-                    self._lengths_for(sig, idx), [tensor.shape[p] for p, _ in lens], tensor.device
-                )
-                return _place_mask(base, sig, tensor.shape).contiguous()
-
-            masks = map_tree(leaf_mask, self.shapesig_data, group.value)
+            masks = copy_masks(self.shapesig_data, self._lengths, idx, group)
             return convert_keys(masks, key_conv)
-        if isinstance(mask_hint, str) or not isinstance(mask_hint, Sequence) or not mask_hint:
-            raise ValueError(
-                "mask_hint should be None, 'copy' or a non-empty list of length labels, but got "
-                f"{mask_hint!r}"
-            )
-        unknown = [label for label in mask_hint if label not in self._lengths]
-        if unknown:
-            raise ValueError(
-                f"mask_hint labels {unknown} are not length labels; known: {sorted(self._lengths)}"
-            )
-        matrix = torch.stack([self._lengths[label][idx] for label in mask_hint], dim=1)
-        device = next(t for _, t in iter_leaves(group.value)).device
-        return length_mask(matrix, matrix.max(0).values.tolist(), device).contiguous()
+        return label_mask(self._lengths, idx, group, mask_hint)
 
     # ----------------------------------------------------------------- modules
     def apply(
         self,
         module: nn.Module,
-        mask_hint: Any = _FROM_MODULE,
+        mask_hint: Any = FROM_MODULE,
         input_key_conv: KeyConversion | None = None,
         output_key_conv: KeyConversion | None = None,
     ) -> DataCollection:
@@ -516,118 +345,16 @@ class DataCollection:
         ``mask_hint`` defaults to ``module.get_mask_hint()``; pass ``None``, ``"copy"`` or a
         list of (module or data) length labels to override it. ``input_key_conv`` /
         ``output_key_conv`` rename dict keys (``{old: (new, sub_conversion)}``) on the way in
-        and out.
+        and out. See :mod:`grabkit.group.application` for the output checks.
         """
-        self._need_grouped("apply()")
-        if not callable(getattr(module, "get_input_annot", None)):
-            raise TypeError(
-                f"apply() needs an AnnotatedModule (with get_input_annot/get_output_annot), got "
-                f"{type(module).__name__}; for a plain nn.Module use grabkit.group.run_grouped"
-            )
-        inputs = convert_keys(self.shapesig_data, input_key_conv)
-        out_sigs, binding = module.resolve(inputs)
-        hint = module.get_mask_hint() if mask_hint is _FROM_MODULE else mask_hint
-        if isinstance(hint, Sequence) and not isinstance(hint, str):
-            hint = [self._data_label(label, binding) for label in hint]
-        derived = {
-            self._data_label(label, binding): fn
-            for label, fn in (getattr(module, "get_output_lengths", dict)() or {}).items()
-        }
-        warn_if_batch_coupled(module, len(self.data_groups))
-        new_lengths: dict[str, Tensor] = {}
-        for label in _length_labels(out_sigs):
-            base = self._lengths[label]
-            if label in derived:
-                base = torch.as_tensor(derived[label](base.clone())).to(torch.long).cpu()
-                if base.shape != self._lengths[label].shape or bool((base < 0).any()):
-                    raise ValueError(
-                        f"get_output_lengths()[{label!r}] should map {len(self)} input lengths to "
-                        f"as many non-negative output lengths, but gave {base.tolist()[:8]}..."
-                    )
-            new_lengths[label] = base
-        outputs = []
-        for i, group in enumerate(self.data_groups):
-            value = convert_keys(group.value, input_key_conv)
-            if hint is None:
-                out = module(value)
-            else:
-                out = module(value, self.get_mask(i, key_conv=input_key_conv, mask_hint=hint))
-            out = convert_keys(out, output_key_conv)
-            self._check_output(
-                out, convert_keys(out_sigs, output_key_conv), i, new_lengths, derived
-            )
-            outputs.append(TensorData(out))
-        return DataCollection._grouped(
-            convert_keys(out_sigs, output_key_conv),
-            outputs,
-            new_lengths,
-            self._groups,
-            dirty=True,
+        grouping = self._need_grouped("apply()")
+        sigs, outputs, lengths = apply_module(
+            self, module, mask_hint, input_key_conv, output_key_conv
         )
-
-    def _data_label(self, label: str, binding: Mapping[str, str]) -> str:
-        if label in binding:
-            return binding[label]
-        if label in self._lengths:
-            return label
-        raise ValueError(
-            f"length label {label!r} is neither a module label bound by the input annotation "
-            f"({sorted(binding)}) nor a data label ({sorted(self._lengths)})"
-        )
-
-    def _check_output(
-        self,
-        out: Any,
-        sigs: Any,
-        i: int,
-        lengths: Mapping[str, Tensor],
-        derived: Mapping[str, Callable],
-    ) -> None:
-        idx = self._groups[i]
-        for path, sig in iter_leaves(sigs):
-            where = f"group {i} output {'/'.join(path) or '(root)'}"
-            try:
-                tensor = tree_get(out, path)
-            except (KeyError, TypeError, IndexError) as error:
-                raise AnnotationError(
-                    f"{where}: missing, but the output annotation has it"
-                ) from error
-            if not isinstance(tensor, Tensor) or tensor.dim() != len(sig):
-                got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-                raise AnnotationError(f"{where}: expected a {len(sig)}-dim tensor {sig}, got {got}")
-            for pos, dim in enumerate(sig.dims):
-                size = tensor.shape[pos]
-                if dim.kind == BATCH and size != len(idx):
-                    raise AnnotationError(
-                        f"{where}: batch dim has {size} rows for {len(idx)} items"
-                    )
-                if dim.kind == CONST and size != dim.size:
-                    raise AnnotationError(f"{where}: dim {pos} is {size}, annotated {dim.size}")
-                if dim.kind == LENGTH:
-                    need = int(lengths[dim.label][idx].max()) if len(idx) else 0
-                    padded = int(self._lengths[dim.label][idx].max()) if len(idx) else 0
-                    if size < need or (dim.label not in derived and size != padded):
-                        raise AnnotationError(
-                            f"{where}: size {size} along L_{dim.label}, but the group is padded "
-                            f"to {padded}; a module that changes a length should define "
-                            "get_output_lengths() returning {label: fn(input_lengths)}"
-                        )
+        result = Grouping(outputs, list(grouping.partition), dirty=True)
+        return DataCollection._make(sigs, None, lengths, grouping=result)
 
     # ----------------------------------------------------------------- nesting
-    def _nested_signatures(self, bdim_idx: int, new_ldim_label: str) -> Any:
-        if new_ldim_label in self._lengths:
-            raise ValueError(f"length label {new_ldim_label!r} is already in use")
-
-        def convert(sig: Signature) -> Signature:
-            dims = [Dim(LENGTH, new_ldim_label) if d.kind == BATCH else d for d in sig.dims]
-            where = bdim_idx if bdim_idx >= 0 else bdim_idx + len(dims) + 1
-            if not 0 <= where <= len(dims):
-                raise ValueError(f"bdim_idx={bdim_idx} is out of range for {sig}")
-            dims.insert(where, Dim(BATCH))
-            return Signature(tuple(dims), "data")
-
-        return map_tree(convert, self.shapesig_data)
-
     def groups_as_data(
         self, bdim_idx: int, new_ldim_label: str, padding: Any = None
     ) -> DataCollection:
@@ -636,49 +363,52 @@ class DataCollection:
         The batch dim of each group becomes length dim ``L_<new_ldim_label>`` and a new batch
         dim is inserted at ``bdim_idx``: a ragged list of ragged items, ready to group again.
         """
-        self._need_grouped("groups_as_data()")
-        signatures = self._nested_signatures(bdim_idx, new_ldim_label)
+        grouping = self._need_grouped("groups_as_data()")
+        signatures = nested_signatures(self.shapesig_data, self._lengths, bdim_idx, new_ldim_label)
         if padding is None and self.preset_padding is not None:
             padding = self.preset_padding
-        return DataCollection(signatures, data_list=list(self.data_groups), padding=padding)
+        return DataCollection(signatures, data_list=list(grouping.data), padding=padding)
 
     def masks_as_data(
         self, bdim_idx: int, new_ldim_label: str, padding: Any = None
     ) -> DataCollection:
         """Like :meth:`groups_as_data`, with each group's ``'copy'`` masks as the items."""
-        self._need_grouped("masks_as_data()")
-        signatures = self._nested_signatures(bdim_idx, new_ldim_label)
-        masks = [self.get_mask(i) for i in range(len(self.data_groups))]
+        grouping = self._need_grouped("masks_as_data()")
+        signatures = nested_signatures(self.shapesig_data, self._lengths, bdim_idx, new_ldim_label)
+        masks = [self.get_mask(i) for i in range(len(grouping.data))]
         return DataCollection(signatures, data_list=masks, padding=padding)
 
-    # ----------------------------------------------------------------- devices
+    # ----------------------------------------------------------------- copies
+    def _derive(
+        self,
+        leaf: Callable[[TensorData], TensorData],
+        padding: Callable[[Any], Any],
+        signatures: Any = None,
+        lengths: dict[str, Tensor] | None = None,
+    ) -> DataCollection:
+        """A new collection: ``leaf`` maps every item or group, ``padding`` each padder tree.
+
+        The copy gets its own lists and dicts; tensors and signatures are shared, which is safe
+        because no method mutates them in place.
+        """
+        preset = None if self.preset_padding is None else padding(self.preset_padding)
+        signatures = self.shapesig_data if signatures is None else signatures
+        lengths = dict(self._lengths) if lengths is None else lengths
+        if self._grouping is None:
+            items = [leaf(d) for d in self._items]
+            return DataCollection._make(signatures, preset, lengths, items=items)
+        g = self._grouping
+        active = None if g.padding is None else padding(g.padding)
+        grouping = Grouping([leaf(d) for d in g.data], list(g.partition), g.dirty, active)
+        return DataCollection._make(signatures, preset, lengths, grouping=grouping)
+
     def _map_tensors(
         self, fn: Callable[[Tensor], Tensor], device: torch.device | str | None = None
     ) -> DataCollection:
-        padding = self.preset_padding
-        if padding is not None and device is not None:
-            padding = map_tree(lambda p: p.to(device), padding)
+        def move_padding(tree: Any) -> Any:
+            return tree if device is None else map_tree(lambda p: p.to(device), tree)
 
-        def move(data: TensorData) -> TensorData:
-            return TensorData(map_tree(fn, data.value))
-
-        if self.is_grouped:
-            dc = DataCollection._grouped(
-                self.shapesig_data,
-                [move(g) for g in self.data_groups],
-                dict(self._lengths),
-                list(self._groups),
-                padding,
-                self._dirty,
-            )
-            active = self._active_padding
-            if active is not None and device is not None:
-                active = map_tree(lambda p: p.to(device), active)
-            dc._active_padding = active
-            return dc
-        dc = DataCollection._grouped(self.shapesig_data, None, dict(self._lengths), None, padding)
-        dc.data_list = [move(d) for d in self.data_list]
-        return dc
+        return self._derive(lambda d: TensorData(map_tree(fn, d.value)), move_padding)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> DataCollection:
         """A copy on ``device`` (lengths and partition stay on the CPU)."""
@@ -698,31 +428,21 @@ class DataCollection:
         if key not in self.shapesig_data:
             raise KeyError(f"no key {key!r}; keys are {list(self.shapesig_data)}")
         signatures = self.shapesig_data[key]
-        labels = _length_labels(signatures)
+        labels = length_labels(signatures)
         lengths = {k: v for k, v in self._lengths.items() if k in labels}
-        padding = None if self.preset_padding is None else self.preset_padding[key]
-        if self.is_grouped:
-            groups = [g[key] for g in self.data_groups]
-            dc = DataCollection._grouped(
-                signatures, groups, lengths, list(self._groups), padding, self._dirty
-            )
-            if self._active_padding is not None:
-                dc._active_padding = self._active_padding[key]
-            return dc
-        dc = DataCollection._grouped(signatures, None, lengths, None, padding)
-        dc.data_list = [d[key] for d in self.data_list]
-        return dc
+        return self._derive(lambda d: d[key], lambda tree: tree[key], signatures, lengths)
 
     def _same_grouping(self, other: DataCollection) -> bool:
         if self.is_grouped != other.is_grouped or len(self) != len(other):
             return False
         if not self.is_grouped:
             return True
-        return len(self._groups) == len(other._groups) and all(
-            torch.equal(a, b) for a, b in zip(self._groups, other._groups, strict=False)
+        mine, theirs = self.partition, other.partition
+        return len(mine) == len(theirs) and all(
+            torch.equal(a, b) for a, b in zip(mine, theirs, strict=False)
         )
 
-    def __setitem__(self, key: str, sub: DataCollection) -> None:
+    def _check_compatible(self, sub: DataCollection) -> None:
         if not isinstance(self.shapesig_data, Mapping):
             raise KeyError("this DataCollection holds tensors, not dicts; cannot set a key")
         if not self._same_grouping(sub):
@@ -733,23 +453,26 @@ class DataCollection:
         for label, values in sub._lengths.items():
             if label in self._lengths and not torch.equal(self._lengths[label], values):
                 raise IncompatibleDataCollectionError(f"length label {label!r} disagrees")
-        if self.is_grouped:
-            for mine, theirs in zip(self.data_groups, sub.data_groups, strict=False):
-                mine.value[key] = theirs.value
-        else:
-            for mine, theirs in zip(self.data_list, sub.data_list, strict=False):
-                mine.value[key] = theirs.value
-        self.shapesig_data[key] = sub.shapesig_data
-        self._lengths.update(sub._lengths)
-        self._dirty = self._dirty or sub._dirty
-        others = {k: v for k, v in self.shapesig_data.items() if k != key}
-        theirs = sub.preset_padding or _padding_tree(sub.shapesig_data, None)
+
+    def __setitem__(self, key: str, sub: DataCollection) -> None:
+        """Put ``sub``'s data under ``key``; new dicts throughout, so copies stay independent."""
+        self._check_compatible(sub)
+        theirs = sub.preset_padding or padding_tree(sub.shapesig_data, None)
         if self.preset_padding is not None or sub.preset_padding is not None:
-            self.preset_padding = dict(self.preset_padding or _padding_tree(others, None))
-            self.preset_padding[key] = theirs
-        if self._active_padding is not None:
-            self._active_padding = dict(self._active_padding)
-            self._active_padding[key] = sub._active_padding or theirs
+            others = {k: v for k, v in self.shapesig_data.items() if k != key}
+            mine = self.preset_padding or padding_tree(others, None)
+            self.preset_padding = {**mine, key: theirs}
+        self.shapesig_data = {**self.shapesig_data, key: sub.shapesig_data}
+        self._lengths = {**self._lengths, **sub._lengths}
+        if self._grouping is None:
+            pairs = zip(self._items, sub._items, strict=False)
+            self._items = [mine.with_key(key, other.value) for mine, other in pairs]
+            return
+        g, h = self._grouping, sub._grouping
+        pairs = zip(g.data, h.data, strict=False)
+        data = [mine.with_key(key, other.value) for mine, other in pairs]
+        active = None if g.padding is None else {**g.padding, key: h.padding or theirs}
+        self._grouping = replace(g, data=data, dirty=g.dirty or h.dirty, padding=active)
 
     @classmethod
     def from_dict(cls, collections: Mapping[str, DataCollection]) -> DataCollection:
@@ -762,14 +485,11 @@ class DataCollection:
                 raise IncompatibleDataCollectionError(
                     f"collection {i} does not hold the same items in the same groups as the first"
                 )
-        combined = cls._grouped(
-            {},
-            [TensorData({}) for _ in first.data_groups] if first.is_grouped else None,
-            {},
-            None if first._groups is None else list(first._groups),
-        )
-        if not first.is_grouped:
-            combined.data_list = [TensorData({}) for _ in range(len(first))]
+        if first.is_grouped:
+            empty = Grouping([TensorData({}) for _ in first.partition], list(first.partition))
+            combined = cls._make({}, None, {}, grouping=empty)
+        else:
+            combined = cls._make({}, None, {}, items=[TensorData({}) for _ in range(len(first))])
         for key, dc in collections.items():
             combined[key] = dc
         return combined
@@ -777,26 +497,3 @@ class DataCollection:
     def __repr__(self) -> str:
         state = f"{len(self.data_groups)} groups" if self.is_grouped else "ungrouped"
         return f"DataCollection({len(self)} items, {state}, labels={sorted(self._lengths)})"
-
-
-def _pad_to(tensor: Tensor, sig: Signature, target: Mapping[int, int], padder: Padder) -> Tensor:
-    """Pad ``tensor`` along length positions to ``target`` sizes with ``padder``'s values."""
-    if all(tensor.shape[p] == s for p, s in target.items()):
-        return tensor
-    shape = list(tensor.shape)
-    for pos, size in target.items():
-        shape[pos] = size
-    out = padder.background(shape, sig, tensor.dtype, tensor.device)
-    out[tuple(slice(0, s) for s in tensor.shape)] = tensor
-    return out
-
-
-def _place_mask(mask: Tensor, sig: Signature, shape: Sequence[int]) -> Tensor:
-    """Lay a ``(n, L_1, ..., L_k)`` mask out as ``sig`` and broadcast it to ``shape``."""
-    positions = [sig.batch_index] + [p for p, _ in sig.length_dims()]
-    order = sorted(range(len(positions)), key=positions.__getitem__)
-    mask = mask.permute(order)
-    view = [1] * len(shape)
-    for p in positions:
-        view[p] = shape[p]
-    return mask.reshape(view).expand(tuple(shape))

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .collection import warn_if_batch_coupled
-from .planning import GroupPlan, plan_groups
-from .plumbing import length_mask, merge_groups
+from .coupling import warn_if_batch_coupled
+from .planning import GroupPlan, as_length_matrix, plan_groups
+from .plumbing import length_mask, merge_groups, narrow_gather, normalise_dims
 
 __all__ = [
     "GroupedBatch",
@@ -33,16 +33,32 @@ __all__ = [
 _probe_cache: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 
 
-def _length_matrix(lengths: Tensor | Sequence[int], k: int) -> Tensor:
-    matrix = torch.as_tensor(lengths).to("cpu", torch.long)
-    if matrix.dim() == 1:
-        matrix = matrix[:, None]
-    if matrix.dim() != 2 or matrix.shape[1] != k:
-        raise ValueError(
-            f"lengths should be (n,) or (n, {k}) for {k} length dim(s), but got shape "
-            f"{tuple(matrix.shape)}"
-        )
-    return matrix
+def _check_length_dims(length_dims: Sequence[int], rank: int) -> tuple[int, ...]:
+    """Length dims as non-negative positions of a rank-``rank`` tensor; never dim 0, no repeats."""
+    dims = normalise_dims(length_dims, rank, "the padded tensor")
+    if 0 in dims:
+        raise ValueError("the batch dim (0) cannot also be a length dim; fix length_dims")
+    return dims
+
+
+def _check_plan(plan: GroupPlan, matrix: Tensor) -> None:
+    """``plan`` must hold every item once and pad each group at least to its longest item."""
+    plan.check_covers(len(matrix))
+    for g, idx in enumerate(plan.groups):
+        sizes = torch.as_tensor(plan.lengths[g], dtype=torch.long).reshape(-1)
+        if len(sizes) != matrix.shape[1]:
+            raise ValueError(
+                f"the plan gives group {g} {len(sizes)} padded lengths for "
+                f"{matrix.shape[1]} length dims; build the plan from these lengths"
+            )
+        short = (matrix[idx] > sizes).nonzero()
+        if len(short):
+            row, k = short[0].tolist()
+            raise ValueError(
+                f"the plan pads group {g} to {int(sizes[k])} along length dim {k}, but item "
+                f"{int(idx[row])} has length {int(matrix[idx[row], k])}; build the plan from "
+                "these lengths"
+            )
 
 
 def _call(module: Callable, x: Tensor, mask: Tensor | None, args: tuple, kwargs: dict) -> Tensor:
@@ -82,19 +98,13 @@ class GroupedBatch:
         """One view per group: a row slice narrowed (or padded) to the group's shape."""
         out = []
         for g, (start, stop) in enumerate(self.plan.slices):
-            sizes, rows = self.plan.lengths[g], self.plan.rows[g]
-            part = self.padded
-            grow = {}
-            for d, size in zip(self.length_dims, sizes, strict=True):
-                if size <= part.shape[d]:
-                    part = part.narrow(d, 0, size)
-                else:
-                    grow[d] = size - part.shape[d]
+            sizes = dict(zip(self.length_dims, self.plan.lengths[g], strict=True))
             if self.rows_sorted:
-                part = part[start:stop]
+                part = narrow_gather(self.padded, 0, sizes, None)[start:stop]
             else:
-                part = part.index_select(0, self.plan.groups[g].to(part.device))
-            grow[0] = rows - (stop - start)
+                part = narrow_gather(self.padded, 0, sizes, self.plan.groups[g])
+            grow = {d: size - part.shape[d] for d, size in sizes.items() if size > part.shape[d]}
+            grow[0] = self.plan.rows[g] - (stop - start)
             if any(grow.values()):
                 spec: list[int] = []
                 for d in range(part.dim() - 1, -1, -1):
@@ -135,7 +145,15 @@ class GroupedBatch:
     def run(
         self, module: Callable[..., Tensor], pass_mask: bool = False, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """``module`` on every group, outputs merged into the original order."""
+        """``module`` on every group, outputs merged into the original order.
+
+        An empty batch has no groups: ``module`` then runs once on the empty padded batch (with
+        a ``(0, *L)`` mask), which is exactly the ungrouped result.
+        """
+        if len(self) == 0:
+            sizes = [self.padded.shape[d] for d in self.length_dims]
+            mask = length_mask(self.lengths, sizes, self.padded.device) if pass_mask else None
+            return _call(module, self.padded, mask, args, kwargs)
         if isinstance(module, nn.Module):
             warn_if_batch_coupled(module, len(self.plan))
         masks = self.group_masks() if pass_mask else [None] * len(self.plan)
@@ -145,31 +163,17 @@ class GroupedBatch:
         ]
         return self.merge(outputs)
 
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> GroupedBatch:
+        """A copy with ``fn`` applied to the padded tensor and tensor extras (not the plan)."""
+        return replace(self, padded=fn(self.padded), extras=_map_tensors(self.extras, fn))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> GroupedBatch:
         """The padded tensor (and tensor extras) on ``device``; plan and lengths stay on the CPU."""
-        extras = _map_tensors(self.extras, lambda t: t.to(device, non_blocking=non_blocking))
-        padded = self.padded.to(device, non_blocking=non_blocking)
-        return GroupedBatch(
-            padded,
-            self.lengths,
-            self.plan,
-            self.length_dims,
-            extras,
-            self.pad_value,
-            self.rows_sorted,
-        )
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> GroupedBatch:
-        extras = _map_tensors(self.extras, lambda t: t.pin_memory())
-        return GroupedBatch(
-            self.padded.pin_memory(),
-            self.lengths,
-            self.plan,
-            self.length_dims,
-            extras,
-            self.pad_value,
-            self.rows_sorted,
-        )
+        """Page-locked copy, so ``DataLoader(pin_memory=True)`` and non-blocking copies work."""
+        return self._map(lambda t: t.pin_memory())
 
     def padding_efficiency(self) -> float:
         """Real elements over computed elements (1.0 means no padding)."""
@@ -200,10 +204,8 @@ def group_batch(
     ``planning`` keywords go to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``,
     ``max_group_cost``, ``length_buckets``, ``size_buckets``).
     """
-    length_dims = tuple(int(d) % padded.dim() for d in length_dims)
-    if 0 in length_dims:
-        raise ValueError("the batch dim (0) cannot also be a length dim")
-    matrix = _length_matrix(lengths, len(length_dims))
+    length_dims = _check_length_dims(length_dims, padded.dim())
+    matrix = as_length_matrix(lengths, k=len(length_dims))
     if len(matrix) != padded.shape[0]:
         raise ValueError(f"lengths has {len(matrix)} rows for a batch of {padded.shape[0]}")
     for k, d in enumerate(length_dims):
@@ -216,6 +218,8 @@ def group_batch(
         plan = plan_groups(matrix, **planning)
     elif planning:
         raise ValueError("give either a plan or planning options, not both")
+    else:
+        _check_plan(plan, matrix)
     return GroupedBatch(padded, matrix, plan, length_dims, None, pad_value, rows_sorted=False)
 
 
@@ -250,7 +254,7 @@ def run_grouped(
     output = batch.run(module, pass_mask, *args, **kwargs)
     if not return_lengths:
         return output
-    matrix = _length_matrix(lengths, len(batch.length_dims))
+    matrix = as_length_matrix(lengths, k=len(batch.length_dims))
     example = padded[:1]
     return output, infer_output_lengths(
         module, example, matrix, batch.length_dims, output.shape, pass_mask, args, kwargs
@@ -311,8 +315,11 @@ def infer_output_lengths(
     per module. Returns ``{output_dim: (n,) int64}`` for every dim where some item's size is
     below ``output_shape``.
     """
-    kwargs = dict(kwargs or {})
     length_dims = tuple(length_dims)
+    lengths = as_length_matrix(lengths, k=len(length_dims))
+    if len(lengths) == 0:
+        return {}  # no item: no dim has a size below the batch output's
+    kwargs = dict(kwargs or {})
     cache = _probe_cache.setdefault(module, {}) if isinstance(module, nn.Module) else {}
     fixed = tuple(-1 if d in length_dims else size for d, size in enumerate(example.shape))
     signature = (fixed, example.dtype, length_dims, pass_mask)
@@ -348,9 +355,19 @@ def backward_by_group(
     ``loss_fn(output_g, items_g)`` returns the per-item losses ``(n_g,)`` of group ``g``, where
     ``items_g`` are the original item indices (to pick targets). The accumulated gradient is
     that of the whole batch's ``mean`` (or ``sum``) loss, which is returned detached.
+
+    An empty batch with ``reduction="sum"`` returns a zero loss and touches no gradient; with
+    ``"mean"`` it raises ``ValueError``, since a mean over no items is undefined (NaN).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction should be 'mean' or 'sum', but got {reduction!r}")
+    if len(batch) == 0:
+        if reduction == "mean":
+            raise ValueError(
+                "backward_by_group got an empty batch: the mean loss over 0 items is undefined; "
+                "skip the batch, or pass reduction='sum' (a zero loss and no gradient)"
+            )
+        return torch.zeros(())
     if isinstance(module, nn.Module):
         warn_if_batch_coupled(module, len(batch.plan))
     scale = 1.0 / len(batch) if reduction == "mean" else 1.0

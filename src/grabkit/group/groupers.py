@@ -7,8 +7,10 @@ returns a :class:`~grabkit.group.planning.GroupPlan`. Grouping never changes res
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,6 +34,15 @@ def _stack_lengths(lengths: Mapping[str, Tensor], n: int, first: str | None = No
     if not labels:
         return torch.zeros((n, 1), dtype=torch.long)
     return torch.stack([lengths[label] for label in labels], dim=1)
+
+
+def _threshold(value: object) -> int:
+    """A length threshold as an int: ``L <= 2.5`` is ``L <= 2`` for integer lengths."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number, Tensor)):
+        raise TypeError(f"thresholds should hold numbers, but got {value!r}")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"thresholds should be finite lengths, but got {value!r}")
+    return math.floor(value)
 
 
 class Grouper:
@@ -89,7 +100,7 @@ class LengthThresholdGrouper(Grouper):
     """
 
     def __init__(self, ldim_label: str, thresholds: Sequence[int]) -> None:
-        values = sorted(int(t) for t in thresholds)
+        values = sorted(_threshold(t) for t in thresholds)
         if not values:
             raise ValueError("thresholds should hold at least one length, but got []")
         if len(set(values)) != len(values):
@@ -127,6 +138,7 @@ class DynamicGrouper(Grouper):
         self.options = dict(
             cost=cost, alpha=alpha, overhead=overhead, max_group_cost=max_group_cost
         )
+        plan_groups([1], **self.options)  # bad options fail here, not at the first batch
 
     def plan(self, lengths, size):
         self._need_label(lengths, self.ldim_label)

@@ -1,34 +1,37 @@
-"""Choosing groups: an exact per-batch dynamic program, dataset-level thresholds, cost calibration.
+"""Choosing groups for one batch: the plan type, length checks and an exact dynamic program.
 
 A group of ``n_g`` items padded to length ``L_g`` costs ``alpha + n_g * cost(L_g)``: ``alpha`` is
 the fixed price of one more module call (kernel launches, Python), ``cost(L)`` the price of one
 item at padded length ``L``. With ``cost`` non-decreasing, some optimal partition is contiguous
 in length order (swapping a long item of a short group with a short item of a long group never
 raises either maximum), so a dynamic program over the sorted lengths is exact.
+
+Dataset-level thresholds live in ``thresholds``, timing a module into a cost model in
+``calibration``.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
-import time
+import math
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 __all__ = [
-    "CostModel",
     "GroupPlan",
-    "calibrate_cost",
-    "find_thresholds",
+    "as_length_matrix",
+    "check_number",
     "plan_cost",
     "plan_from_partition",
     "plan_groups",
     "resolve_cost",
+    "unit_costs",
 ]
 
 CostLike = Callable[[int], float] | str
@@ -100,19 +103,80 @@ class GroupPlan:
     def partition(self) -> list[list[int]]:
         return [g.tolist() for g in self.groups]
 
+    def check_covers(self, n: int, source: str = "the plan") -> None:
+        """Raise unless the groups hold every item index ``0..n-1`` exactly once."""
+        order = self.order
+        if len(order) != n or not torch.equal(order.sort().values, torch.arange(n)):
+            raise ValueError(
+                f"{source} covers {len(order)} items but the batch has {n}; it should hold "
+                "every item index once: build it from these lengths (plan_groups / "
+                "plan_from_partition)"
+            )
 
-def _as_length_matrix(lengths: Sequence[int] | Sequence[Sequence[int]] | Tensor) -> Tensor:
+
+def as_length_matrix(lengths: Any, name: str = "lengths", k: int | None = None) -> Tensor:
+    """``lengths`` as an ``(n, k)`` int64 CPU tensor; ``(n,)`` input becomes ``(n, 1)``.
+
+    Integer tensors on any device (a device copy is a host sync), numpy arrays and sequences of
+    ints are accepted. Floats and bools raise ``TypeError`` (truncating ``2.7`` to ``2`` would
+    silently drop data); negative lengths and other shapes (``k`` columns, when given) raise
+    ``ValueError``.
+    """
+    if isinstance(lengths, Tensor) and lengths.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device and has no values; give real lengths")
     t = torch.as_tensor(lengths)
+    if t.numel() == 0:
+        t = t.to(torch.long)
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise TypeError(
+            f"{name} should hold integers, but got dtype {t.dtype}; lengths are counts, so "
+            f"convert them explicitly (e.g. {name}.long() after checking they are whole numbers)"
+        )
     if t.dim() == 1:
         t = t[:, None]
-    if t.dim() != 2 or t.dtype.is_floating_point or t.dtype == torch.bool:
+    if t.dim() != 2 or (k is not None and t.shape[1] != k):
+        columns = "k" if k is None else k
         raise ValueError(
-            "lengths should be a 1-D sequence of ints (or (n, k) for k length dims), but got "
-            f"shape {tuple(t.shape)} dtype {t.dtype}"
+            f"{name} should be (n,) or (n, {columns}) for {columns} length dim(s), but got shape "
+            f"{tuple(t.shape)}"
         )
+    t = t.to("cpu", torch.long)
     if len(t) and int(t.min()) < 0:
-        raise ValueError(f"lengths should be non-negative, but got min {int(t.min())}")
-    return t.to(torch.long)
+        raise ValueError(f"{name} should be non-negative, but got min {int(t.min())}")
+    return t
+
+
+def check_number(value: Any, name: str, positive: bool = False) -> float:
+    """``value`` as a float, raising unless it is a finite non-negative (or positive) number."""
+    bound = "positive" if positive else "non-negative"
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{name} should be a {bound} finite number, but got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{name} should be {bound} and finite, but got {name}={value!r}")
+    return number
+
+
+def unit_costs(
+    cost: CostLike, lengths: np.ndarray, name: str = "cost", monotone: bool = False
+) -> np.ndarray:
+    """``cost(L)`` for every length, checked finite, non-negative and (optionally) monotone.
+
+    A NaN or infinite price would make every plan look infeasible and the error blame another
+    option, so it is caught here and named.
+    """
+    unit = resolve_cost(cost)(lengths)
+    bad = ~np.isfinite(unit)
+    if monotone and not bad.any() and np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
+        raise ValueError(f"{name} should be non-decreasing in the length")
+    bad |= unit < 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name} should return finite non-negative prices, but {name}({int(lengths[i])}) = "
+            f"{float(unit[i])}"
+        )
+    return unit
 
 
 def _round_up(value: int, buckets: Sequence[int] | None) -> int:
@@ -138,7 +202,7 @@ def plan_from_partition(
     size_buckets: Sequence[int] | None = None,
 ) -> GroupPlan:
     """A :class:`GroupPlan` for a given partition; padded sizes are the group maxima (bucketed)."""
-    matrix = _as_length_matrix(lengths)
+    matrix = as_length_matrix(lengths)
     length_buckets = _check_buckets(length_buckets, "length_buckets")
     size_buckets = _check_buckets(size_buckets, "size_buckets")
     groups = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in partition]
@@ -239,7 +303,12 @@ def plan_groups(
     Exact over partitions contiguous in length order, which hold an optimum whenever sizes are
     not bucketed. Runs on the CPU in ``O(n)`` numpy operations.
     """
-    matrix = _as_length_matrix(lengths)
+    if alpha is not None:
+        alpha = check_number(alpha, "alpha")
+    overhead = check_number(overhead, "overhead")
+    if max_group_cost is not None:
+        max_group_cost = check_number(max_group_cost, "max_group_cost", positive=True)
+    matrix = as_length_matrix(lengths)
     n = len(matrix)
     if n == 0:
         return GroupPlan([], [])
@@ -252,17 +321,9 @@ def plan_groups(
     padded_len = sorted_len
     if length_buckets is not None:
         padded_len = np.array([_round_up(int(v), length_buckets) for v in sorted_len])
-    unit = resolve_cost(cost)(padded_len)
-    if np.any(np.diff(unit) < -1e-12 * np.abs(unit).max()):
-        raise ValueError("cost should be non-decreasing in the length")
+    unit = unit_costs(cost, padded_len, monotone=True)
     if alpha is None:
-        if overhead < 0:
-            raise ValueError(f"overhead should be non-negative, but got overhead={overhead}")
-        alpha = overhead * float(resolve_cost(cost)(sorted_len).sum())
-    if alpha < 0:
-        raise ValueError(f"alpha should be non-negative, but got alpha={alpha}")
-    if max_group_cost is not None and max_group_cost <= 0:
-        raise ValueError(f"max_group_cost should be positive, but got {max_group_cost}")
+        alpha = overhead * float(unit_costs(cost, sorted_len).sum())
 
     if max_group_cost is None and size_buckets is None:
         # boundaries only where the (bucketed) length changes; convex-hull DP, O(runs)
@@ -296,183 +357,3 @@ def plan_cost(plan: GroupPlan, cost: CostLike = "linear", alpha: float = 0.0) ->
     """``sum_g alpha + rows_g * cost(L_g)`` on the first length dim: what plan_groups minimises."""
     unit = resolve_cost(cost)(np.array([lens[0] for lens in plan.lengths]))
     return float(sum(alpha + r * u for r, u in zip(plan.rows, unit, strict=False)))
-
-
-def _distinct_counts(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    values = np.asarray(list(lengths), dtype=np.int64)
-    if values.ndim != 1 or len(values) == 0:
-        raise ValueError("lengths should be a non-empty 1-D sequence of ints")
-    if values.min() <= 0:
-        raise ValueError(f"lengths should be positive, but got min {int(values.min())}")
-    return np.unique(values, return_counts=True)
-
-
-def _exact_thresholds(xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int) -> list[int]:
-    """Minimise ``sum_g count_g * cost(max_g)`` over partitions into ``k + 1`` contiguous bins."""
-    d = len(xs)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    # best[g, j]: first j distinct values in g + 1 bins; bin (i, j] costs (cum[j]-cum[i])*unit[j-1]
-    best = np.full((k + 1, d + 1), np.inf)
-    back = np.zeros((k + 1, d + 1), dtype=np.int64)
-    best[0, 1:] = cum[1:] * unit
-    for g in range(1, k + 1):
-        for j in range(g + 1, d + 1):
-            price = best[g - 1, g:j] + (cum[j] - cum[g:j]) * unit[j - 1]
-            back[g, j] = g + int(np.argmin(price))
-            best[g, j] = price[back[g, j] - g]
-    cuts, j = [], d
-    for g in range(k, 0, -1):
-        j = int(back[g, j])
-        cuts.append(j)
-    return [int(xs[c - 1]) for c in reversed(cuts)]
-
-
-def _balance_thresholds(
-    xs: np.ndarray, counts: np.ndarray, unit: np.ndarray, k: int, rng: random.Random, patience: int
-) -> tuple[list[int], float, str]:
-    """Local search that equalises neighbouring bin costs (``count * cost(max)``)."""
-    d = len(xs)
-    cum = np.concatenate([[0], np.cumsum(counts)])
-
-    def bin_costs(t: list[int]) -> np.ndarray:
-        edges = [0, *(i + 1 for i in t), d]
-        return np.array([(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)])
-
-    t = sorted(rng.sample(range(d - 1), k))
-    best_t, best_gap, stale, status = list(t), np.inf, 0, "patience"
-    for _ in range(4 * d * max(k, 1)):
-        diffs = np.diff(bin_costs(t))
-        j = int(np.argmax(np.abs(diffs)))
-        gap = float(abs(diffs[j]))
-        if gap < best_gap:
-            best_t, best_gap, stale = list(t), gap, 0
-        else:
-            stale += 1
-        if gap == 0:
-            status = "balanced"
-            break
-        step = 1 if diffs[j] > 0 else -1
-        moved = t[j] + step
-        lower = t[j - 1] + 1 if j > 0 else 0
-        upper = t[j + 1] - 1 if j + 1 < k else d - 2
-        if stale > patience or not lower <= moved <= upper:
-            status = "patience" if stale > patience else "boundary"
-            break
-        t[j] = moved
-    return [int(xs[i]) for i in best_t], best_gap, status
-
-
-def find_thresholds(
-    l: Sequence[int],
-    cost_fn: Callable[[int], float] | str,
-    k: int,
-    tolerate: int | None = None,
-    print_status: bool = False,
-    num_trials: int = 100,
-    return_max_diff: bool = False,
-    method: str = "exact",
-    seed: int | None = None,
-) -> list[int] | tuple[list[int], float]:
-    """Dataset-level thresholds for :class:`LengthThresholdGrouper` (``k`` of them, ascending).
-
-    A threshold closes a bin: bin ``g`` holds the lengths in ``(t_{g-1}, t_g]`` and the last one
-    everything above ``t_k``. ``method="exact"`` (default) minimises the dataset's padded cost
-    ``sum_g count_g * cost_fn(max_g)`` by dynamic programming; ``method="balance"`` is the
-    random-restart search that equalises ``count_g * cost_fn(max_g)`` across bins
-    (``num_trials`` restarts, ``tolerate`` non-improving steps each). ``return_max_diff`` also
-    returns the largest gap between neighbouring bin costs of the answer.
-    """
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k should be a positive integer, but got k={k!r}")
-    xs, counts = _distinct_counts(l)
-    if len(xs) < k + 1:
-        raise ValueError(
-            f"k={k} thresholds need at least {k + 1} distinct lengths, but the data has "
-            f"{len(xs)}; use a smaller k"
-        )
-    unit = resolve_cost(cost_fn)(xs)
-    if method == "exact":
-        thresholds = _exact_thresholds(xs, counts, unit, k)
-        status_freq = {"exact": 1}
-    elif method == "balance":
-        if num_trials < 1:
-            raise ValueError(f"num_trials should be a positive integer, but got {num_trials}")
-        rng = random.Random(seed)
-        patience = 2 * len(xs) if tolerate is None else int(tolerate)
-        best: tuple[list[int], float] | None = None
-        status_freq = {}
-        for _ in range(num_trials):
-            t, gap, status = _balance_thresholds(xs, counts, unit, k, rng, patience)
-            status_freq[status] = status_freq.get(status, 0) + 1
-            if best is None or gap < best[1]:
-                best = (t, gap)
-        thresholds = best[0]
-    else:
-        raise ValueError(f"method should be 'exact' or 'balance', but got {method!r}")
-    if print_status:
-        print(status_freq)
-    if not return_max_diff:
-        return thresholds
-    index = np.searchsorted(xs, thresholds)
-    edges = [0, *(i + 1 for i in index), len(xs)]
-    cum = np.concatenate([[0], np.cumsum(counts)])
-    costs = [(cum[b] - cum[a]) * unit[b - 1] for a, b in itertools.pairwise(edges)]
-    return thresholds, float(np.max(np.abs(np.diff(costs))))
-
-
-@dataclass
-class CostModel:
-    """Fitted timing model: one group of ``n`` items at length ``L`` takes ``alpha + n * cost(L)``.
-
-    ``cost(L) = c0 + c1 * L + c2 * L**2`` seconds per item; ``alpha`` seconds per module call.
-    Pass it as ``plan_groups(lengths, cost=model, alpha=model.alpha)``.
-    """
-
-    alpha: float
-    coefficients: tuple[float, float, float]
-
-    def __call__(self, length: int) -> float:
-        c0, c1, c2 = self.coefficients
-        return c0 + c1 * length + c2 * length * length
-
-
-def calibrate_cost(
-    run: Callable[[int, int], object],
-    lengths: Sequence[int],
-    sizes: Sequence[int] = (1, 8, 32),
-    repeats: int = 3,
-    synchronize: Callable[[], None] | None = None,
-) -> CostModel:
-    """Time ``run(n, L)`` (one module call on ``n`` items of length ``L``) and fit a CostModel.
-
-    Each grid point is run once to warm up, then ``repeats`` times; the median is fitted by
-    non-negative least squares on ``[1, n, n*L, n*L**2]``. ``synchronize`` (e.g.
-    ``torch.cuda.synchronize``) is called before reading the clock.
-    """
-    if not lengths or not sizes:
-        raise ValueError("calibrate_cost needs at least one length and one size")
-    rows, times = [], []
-    for n in sizes:
-        for length in lengths:
-            run(n, length)
-            samples = []
-            for _ in range(max(1, repeats)):
-                if synchronize:
-                    synchronize()
-                start = time.perf_counter()
-                run(n, length)
-                if synchronize:
-                    synchronize()
-                samples.append(time.perf_counter() - start)
-            rows.append([1.0, n, n * length, n * length * length])
-            times.append(float(np.median(samples)))
-    design, target = np.asarray(rows, np.float64), np.asarray(times, np.float64)
-    active = list(range(design.shape[1]))
-    coef = np.zeros(design.shape[1])
-    while active:  # non-negative least squares by dropping the most negative coefficient
-        sol, *_ = np.linalg.lstsq(design[:, active], target, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return CostModel(float(coef[0]), (float(coef[1]), float(coef[2]), float(coef[3])))

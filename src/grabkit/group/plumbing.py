@@ -8,7 +8,8 @@ inverse permutation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,8 @@ __all__ = [
     "as_padder",
     "length_mask",
     "merge_groups",
+    "narrow_gather",
+    "normalise_dims",
     "pad_stack",
 ]
 
@@ -107,6 +110,25 @@ def as_padder(spec: object, where: str = "padding") -> Padder:
     raise TypeError(f"{where} should be None, a number or a Padder, but got {type(spec)!r}")
 
 
+def normalise_dims(dims: Sequence[int], rank: int, what: str) -> tuple[int, ...]:
+    """``length_dims`` as non-negative positions of a rank-``rank`` ``what``; distinct ints."""
+    out = []
+    for d in dims:
+        try:
+            index = None if isinstance(d, bool) else operator.index(d)  # ints, numpy ints
+        except TypeError:
+            index = None
+        if index is None or not -rank <= index < rank:
+            raise ValueError(
+                f"length_dims should be dims of {what} (rank {rank}: in [-{rank}, {rank})), but "
+                f"got {tuple(dims)}"
+            )
+        out.append(index % rank)
+    if len(set(out)) != len(out):
+        raise ValueError(f"length_dims name the same dim twice: {tuple(dims)}")
+    return tuple(out)
+
+
 def _layout(signature: Signature) -> tuple[list[int], list[int]]:
     """Positions of length dims and of the other item dims, both in the batched signature."""
     lengths = [i for i, d in enumerate(signature.dims) if d.kind == LENGTH]
@@ -181,6 +203,23 @@ def length_mask(
         along = torch.arange(size, device=lengths.device)[None, :] < lengths[:, j : j + 1]
         mask = mask & along.reshape(shape)
     return mask.expand((n, *sizes))
+
+
+def narrow_gather(
+    tensor: Tensor, batch_dim: int, sizes: Mapping[int, int], rows: Tensor | None
+) -> Tensor:
+    """One group of a padded batch: narrowed to ``sizes`` (dim -> size), then rows gathered.
+
+    Narrowing first means the gather (``index_select`` of ``rows`` along ``batch_dim``) moves
+    only the group's columns; ``rows=None`` keeps every row (a view, no copy). Sizes at or
+    above the tensor's are left alone.
+    """
+    for dim, size in sizes.items():
+        if size < tensor.shape[dim]:
+            tensor = tensor.narrow(dim, 0, size)
+    if rows is None:
+        return tensor
+    return tensor.index_select(batch_dim, rows.to(tensor.device))
 
 
 def merge_groups(
