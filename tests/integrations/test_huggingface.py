@@ -1,0 +1,255 @@
+"""GrabkitTrainer against the real transformers Trainer, tiny BERT from a config, CPU.
+
+Each silent failure of the plain wiring (issue 13) is shown going wrong next to the integration
+going right.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from grabkit import OptimizerWrapperGNTS  # noqa: E402
+from grabkit.integrations.huggingface import GrabkitTrainer  # noqa: E402
+from grabkit.noise import AccumulationNoiseScale  # noqa: E402
+from grabkit.order import GraBSampler  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+N, T, B = 24, 6, 4
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=T, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (N, T), generator=g)
+    labels = torch.randint(0, 2, (N,), generator=g)
+    # position_ids in the batch: per-example statistics need the batch in dim 0 of every layer
+    positions = torch.arange(T)
+    return [{"input_ids": ids[i], "position_ids": positions, "labels": labels[i]} for i in range(N)]
+
+
+def arguments(out, **overrides) -> TrainingArguments:
+    options = dict(
+        per_device_train_batch_size=B, gradient_accumulation_steps=2, num_train_epochs=2,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+        report_to=[], use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True,
+        seed=0, log_level="error",
+    )  # fmt: skip
+    options.update(overrides)
+    return TrainingArguments(str(out), **options)
+
+
+def batch(data, indices) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([data[i][k] for i in indices]) for k in data[0]}
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def plain_grab_loop(epochs: int = 2):
+    """The reference: the same model, data and sampler, stepped after every microbatch."""
+    model, data = tiny_bert(), dataset()
+    sampler = GraBSampler(data, model=model, seed=0, record_orders=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, N, 2 * B):
+            for micro in (order[start : start + B], order[start + B : start + 2 * B]):
+                (model(**batch(data, micro)).loss / 2).backward()
+                sampler.step()  # the loss is each microbatch's mean / 2
+            opt.step()
+            opt.zero_grad()
+    return sampler.orders_history, params(model)
+
+
+def test_grab_order_and_gradients_match_the_plain_loop(tmp_path):
+    trainer = GrabkitTrainer(
+        tiny_bert(), arguments(tmp_path), train_dataset=dataset(), grab={"record_orders": True}
+    )
+    trainer.model_accepts_loss_kwargs = False  # BERT's loss ignores num_items_in_batch: mean / 2
+    trainer.train()
+    orders, weights = plain_grab_loop()
+    assert trainer.grab_sampler.orders_history == orders  # each epoch's visit order is GraB's
+    assert trainer.grab_sampler.state_dict()["stepped"] == N  # every example stepped once
+    for name, value in params(trainer.model).items():
+        torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6)
+
+
+class _GraBSamplerTrainer(Trainer):
+    """The naive wiring: a GraB sampler in Trainer, stepped from a callback."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        if not hasattr(self, "grab_sampler"):
+            self.grab_sampler = GraBSampler(self.train_dataset, model=self.model, seed=0)
+        return self.grab_sampler
+
+
+class _StepBeforeOptimizer(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.grab_sampler.step()
+
+
+def test_naive_callback_steps_only_half_the_examples(tmp_path):
+    trainer = _GraBSamplerTrainer(
+        tiny_bert(), arguments(tmp_path, num_train_epochs=1), train_dataset=dataset()
+    )
+    trainer.add_callback(_StepBeforeOptimizer(trainer))
+    trainer.train()
+    assert trainer.grab_sampler.state_dict()["stepped"] == N // 2  # silently half
+
+
+def _resumable(tmp_path, cls=GrabkitTrainer, **kwargs):
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2, num_train_epochs=3)
+    return cls(tiny_bert(), args, train_dataset=dataset(), **kwargs)
+
+
+def test_resume_from_trainer_checkpoint_is_bitwise(tmp_path):
+    full = _resumable(tmp_path / "full", grab={})
+    full.train()  # 3 updates per epoch: checkpoint-2 and -8 are mid-epoch
+    for step in (2, 8):
+        resumed = _resumable(tmp_path / "full", grab={})
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{step}"))
+        assert torch.equal(resumed.grab_sampler.order, full.grab_sampler.order)
+        for name, value in params(resumed.model).items():
+            assert torch.equal(value, params(full.model)[name]), (step, name)
+
+
+def test_naive_resume_without_sampler_state_diverges(tmp_path):
+    class Stepping(_GraBSamplerTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.grab_sampler.step()
+            return loss
+
+    full = _resumable(tmp_path / "full", cls=Stepping)
+    full.train()
+    resumed = _resumable(tmp_path / "full", cls=Stepping)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))
+    assert not torch.equal(resumed.grab_sampler.order, full.grab_sampler.order)
+
+
+def test_resume_from_a_checkpoint_without_sampler_state_is_refused(tmp_path):
+    _resumable(tmp_path / "plain", cls=Trainer).train()
+    trainer = _resumable(tmp_path / "plain", grab={})
+    with pytest.raises(FileNotFoundError, match=r"grabkit_sampler\.pt"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
+
+
+# -- adaptive accumulation ------------------------------------------------------------------------
+def gnts(optimizer):
+    return OptimizerWrapperGNTS(optimizer, max_batch_draws=4, norm_threshold=0.1)
+
+
+def test_adaptive_accumulation_skips_and_the_schedule_follows_real_updates(tmp_path):
+    args = arguments(
+        tmp_path, gradient_accumulation_steps=1, max_grad_norm=0.1, lr_scheduler_type="linear",
+        max_steps=12,
+    )  # fmt: skip
+    trainer = GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), accumulation=gnts)
+    trainer.train()
+    wrapper = trainer._adaptive_wrapper()
+    assert 0 < wrapper.num_steps < 12  # windows of several microbatches
+    assert wrapper.clip_grad_norm == 0.1  # clipping handed to the wrapper, Trainer's is off
+    assert trainer.lr_scheduler.scheduler.last_epoch == wrapper.num_steps
+    assert float(wrapper.last_step_count) == B * wrapper.last_step_num_draws  # counts reached it
+    logged = [e for e in trainer.state.log_history if "grabkit/optimizer_updates" in e]
+    assert logged[-1]["grabkit/optimizer_updates"] == wrapper.num_steps
+
+
+def test_naive_wrapper_in_trainer_steps_every_microbatch(tmp_path):
+    args = arguments(tmp_path, gradient_accumulation_steps=1, max_grad_norm=0.1, max_steps=12)
+    model = tiny_bert()
+    wrapper = gnts(torch.optim.SGD(model.parameters(), lr=0.1))
+    Trainer(model, args, train_dataset=dataset(), optimizers=(wrapper, None)).train()
+    assert wrapper.num_steps == 12  # Trainer clipped each microbatch to the threshold: no window
+
+
+def test_adaptive_accumulation_refuses_trainer_accumulation(tmp_path):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps should be 1"):
+        GrabkitTrainer(tiny_bert(), arguments(tmp_path), train_dataset=dataset(), accumulation=gnts)
+
+
+# -- noise scale ----------------------------------------------------------------------------------
+def plain_noise_scale(clip: float, measure_after_clipping: bool = False):
+    """The reference loop: 2 microbatches a step, clipped at ``clip`` as Trainer does."""
+    model, data = tiny_bert(), dataset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gns = AccumulationNoiseScale(model, update_rate=0.5)
+    result = None
+    for start in range(0, N, 2 * B):
+        for micro in (range(start, start + B), range(start + B, start + 2 * B)):
+            (model(**batch(data, list(micro))).loss / 2).backward()
+            gns.end_microbatch(B)
+        if not measure_after_clipping:
+            result = gns.end_step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if measure_after_clipping:
+            result = gns.end_step()
+        opt.step()
+        opt.zero_grad()
+    return result
+
+
+def test_noise_scale_equals_the_plain_loop_and_is_measured_before_clipping(tmp_path):
+    args = arguments(
+        tmp_path, num_train_epochs=1, max_grad_norm=0.05, train_sampling_strategy="sequential"
+    )
+    trainer = GrabkitTrainer(
+        tiny_bert(), args, train_dataset=dataset(), noise_scale={"update_rate": 0.5}
+    )
+    trainer.train()
+    expected = plain_noise_scale(0.05)
+    after_clipping = plain_noise_scale(0.05, measure_after_clipping=True)
+    got = trainer.noise_scale_result
+    assert got.observations == expected.observations == N // (2 * B)
+    assert got.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-5)
+    assert got.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-5)
+    assert after_clipping.grad_norm_sq != pytest.approx(expected.grad_norm_sq, rel=1e-2)
+    logged = [e for e in trainer.state.log_history if "noise_scale/grad_norm_sq" in e]
+    assert logged[-1]["noise_scale/grad_norm_sq"] == pytest.approx(expected.grad_norm_sq, rel=1e-5)
+
+
+def test_noise_scale_needs_trainer_accumulation(tmp_path):
+    args = arguments(tmp_path, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps >= 2"):
+        GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), noise_scale={})
+
+
+def test_importing_grabkit_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, grabkit, grabkit.integrations, grabkit.integrations.resume\n"
+        "bad = [m for m in ('transformers', 'accelerate', 'lightning', 'torchdata') "
+        "if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = dict(os.environ)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
