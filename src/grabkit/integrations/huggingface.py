@@ -44,6 +44,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import replay_state
+from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order.sampler import GraBSampler
 
@@ -84,35 +85,6 @@ class _CheckpointFiles(TrainerCallback):
             torch.save(self.trainer.grab_sampler.state_dict(), os.path.join(folder, SAMPLER_FILE))
         if self.trainer.noise_scale is not None:
             torch.save(self.trainer.noise_scale.state_dict(), os.path.join(folder, NOISE_FILE))
-
-
-class _RealUpdateSchedule:
-    """An LR scheduler that advances only when the adaptive wrapper really stepped.
-
-    Trainer calls ``lr_scheduler.step()`` after every microbatch; this forwards the call when
-    ``wrapper.num_steps`` moved since the last one. Everything else is the inner scheduler's.
-    """
-
-    def __init__(self, scheduler: Any, wrapper: AdaptiveAccumulationWrapper) -> None:
-        self.scheduler, self.wrapper = scheduler, wrapper
-        self.updates_seen = wrapper.num_steps
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.wrapper.num_steps != self.updates_seen:
-            self.updates_seen = self.wrapper.num_steps
-            self.scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"scheduler": self.scheduler.state_dict(), "updates_seen": self.updates_seen}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.updates_seen = int(state["updates_seen"])
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "scheduler" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
 
 
 class GrabkitTrainer(Trainer):
@@ -273,8 +245,8 @@ class GrabkitTrainer(Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         scheduler = super().create_scheduler(num_training_steps, optimizer)
         wrapper = self._adaptive_wrapper()
-        if wrapper is not None and not isinstance(scheduler, _RealUpdateSchedule):
-            self.lr_scheduler = _RealUpdateSchedule(scheduler, wrapper)
+        if wrapper is not None and not isinstance(scheduler, RealUpdateSchedule):
+            self.lr_scheduler = RealUpdateSchedule(scheduler, wrapper)
         return self.lr_scheduler
 
     def _adaptive_wrapper(self) -> AdaptiveAccumulationWrapper | None:
