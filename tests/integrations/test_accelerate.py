@@ -95,3 +95,36 @@ def test_adaptive_step_refuses_accelerate_accumulation():
     _, optimizer = accelerator.prepare(model, wrapper)
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         adaptive_step(optimizer, count=B)
+
+
+def test_adaptive_step_through_accelerates_grad_scaler():
+    """The GradScaler path: accelerate's AcceleratedOptimizer with a (CPU) GradScaler."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    reference = torch.nn.Linear(8, 2)
+    reference.load_state_dict(model.state_dict())
+
+    def gnts_every_two(m):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=2, norm_threshold=1e-9)
+
+    wrapper, reference_wrapper = gnts_every_two(model), gnts_every_two(reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = AcceleratedOptimizer(wrapper, device_placement=False, scaler=scaler)
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    for part in range(4):
+        rows = slice(4 * part, 4 * part + 4)
+        scaler.scale(torch.nn.functional.cross_entropy(model(x[rows]), y[rows])).backward()
+        adaptive_step(optimizer, count=4)
+        torch.nn.functional.cross_entropy(reference(x[rows]), y[rows]).backward()
+        reference_wrapper.step(count=4)
+    assert wrapper.num_steps == reference_wrapper.num_steps == 2
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    model.weight.grad = torch.full_like(model.weight, float("inf"))  # an overflowed microbatch
+    model.bias.grad = torch.zeros_like(model.bias)
+    assert adaptive_step(optimizer, count=4) is False
+    assert wrapper.num_skipped == 1 and wrapper.num_draws == 0
