@@ -118,6 +118,14 @@ def test_resume_from_a_checkpoint_without_sampler_state_is_refused(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
 
 
+def test_resume_with_ignore_data_skip_is_refused(tmp_path):
+    trainer = GrabkitTrainer(
+        tiny_bert(), arguments(tmp_path, ignore_data_skip=True), train_dataset=dataset(), grab={}
+    )
+    with pytest.raises(ValueError, match="ignore_data_skip=False"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+
 # -- adaptive accumulation ------------------------------------------------------------------------
 def gnts(optimizer):
     return OptimizerWrapperGNTS(optimizer, max_batch_draws=4, norm_threshold=0.1)

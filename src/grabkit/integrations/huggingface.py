@@ -28,6 +28,11 @@ What it wires, and why plain callbacks cannot:
   ``Trainer.log``. Needs ``gradient_accumulation_steps >= 2`` (the microbatches are the small
   batches of the two-batch identity).
 
+``accumulation`` sets ``args.max_grad_norm`` to 0 on the Trainer's own ``TrainingArguments``
+(the value moves to the wrapper); ``noise_scale`` with ``count="examples"`` sets
+``model_accepts_loss_kwargs = False`` so that each microbatch's mean loss is divided by the
+accumulation steps (see ``_scale_losses_by_share``).
+
 Single process only for ``grab`` and ``noise_scale`` (hook-mode GraB does not distribute yet):
 a distributed run raises instead of letting accelerate shard the GraB order silently.
 """
@@ -210,6 +215,13 @@ class GrabkitTrainer(Trainer):
         if folder is True:
             folder = get_last_checkpoint(self.args.output_dir)
         if isinstance(folder, str):
+            if self.grab_options is not None and self.args.ignore_data_skip:
+                raise ValueError(
+                    "GrabkitTrainer: grab= resumes the interrupted epoch through Trainer's own "
+                    "data skipping (the sampler replays the epoch's order, Trainer skips what "
+                    "was trained), but TrainingArguments.ignore_data_skip=True would train those "
+                    "examples twice; set ignore_data_skip=False."
+                )
             self._resume_folder = folder if self.grab_options is not None else None
             noise_path = os.path.join(folder, NOISE_FILE)
             if self.noise_scale is not None and os.path.isfile(noise_path):
