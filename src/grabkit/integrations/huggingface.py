@@ -125,6 +125,7 @@ class GrabkitTrainer(Trainer):
         self.noise_scale: AccumulationNoiseScale | None = None
         self.noise_scale_result = None
         self._resume_folder: str | None = None
+        self._wrapper_clip: float | None = None  # max_grad_norm, moved to the wrapper
         self._check_combination(noise_scale)
         if noise_scale is not None:
             self.noise_scale = AccumulationNoiseScale(self.model, **dict(noise_scale))
@@ -244,7 +245,7 @@ class GrabkitTrainer(Trainer):
         return self.optimizer
 
     def _configure_wrapper(self, wrapper: AdaptiveAccumulationWrapper) -> None:
-        clip = getattr(self, "_wrapper_clip", None)
+        clip = self._wrapper_clip
         if clip is not None:
             if wrapper.clip_grad_norm not in (None, clip):
                 raise ValueError(
