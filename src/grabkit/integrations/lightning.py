@@ -170,11 +170,15 @@ class NoiseScaleCallback(Callback):
 
     Args:
         count_fn: batch -> examples; default :func:`batch_count`.
+        per_block: also log ``noise_scale/b_simple/<parameter>`` for every parameter tensor
+            (one ``log`` entry each, which Lightning makes costly on small models).
         **options: ``AccumulationNoiseScale`` keywords (``update_rate``, ``window``, ...).
     """
 
-    def __init__(self, count_fn: Any = batch_count, **options: Any) -> None:
-        self.count_fn, self.options = count_fn, options
+    def __init__(
+        self, count_fn: Any = batch_count, per_block: bool = False, **options: Any
+    ) -> None:
+        self.count_fn, self.per_block, self.options = count_fn, per_block, options
         self.estimator: AccumulationNoiseScale | None = None
         self.result = None
         self._count = 0.0
@@ -204,7 +208,10 @@ class NoiseScaleCallback(Callback):
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.result = self.estimator.end_step()  # before Lightning clips
         if self.result is not None:
-            pl_module.log_dict({f"noise_scale/{k}": v for k, v in self.result.as_dict().items()})
+            values = self.result.as_dict()
+            if not self.per_block:
+                values = {k: v for k, v in values.items() if "/" not in k}
+            pl_module.log_dict({f"noise_scale/{k}": v for k, v in values.items()})
 
     def state_dict(self) -> dict[str, Any]:
         return {} if self.estimator is None else {"estimator": self.estimator.state_dict()}
