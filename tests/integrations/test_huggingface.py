@@ -82,13 +82,17 @@ def test_naive_callback_steps_only_half_the_examples(tmp_path):
     assert trainer.grab_sampler.state_dict()["stepped"] == N // 2  # silently half
 
 
-def _resumable(tmp_path, cls=GrabkitTrainer, **kwargs):
-    args = arguments(tmp_path, save_strategy="steps", save_steps=2, num_train_epochs=3)
+def _resumable(tmp_path, cls=GrabkitTrainer, workers=0, **kwargs):
+    args = arguments(
+        tmp_path, save_strategy="steps", save_steps=2, num_train_epochs=3,
+        dataloader_num_workers=workers, dataloader_persistent_workers=workers > 0,
+    )  # fmt: skip
     return cls(tiny_bert(), args, train_dataset=dataset(), **kwargs)
 
 
-def test_resume_from_trainer_checkpoint_is_bitwise(tmp_path):
-    full = _resumable(tmp_path / "full", grab={})
+@pytest.mark.parametrize("workers", [0, 2])  # workers fetch batches ahead of training
+def test_resume_from_trainer_checkpoint_is_bitwise(tmp_path, workers):
+    full = _resumable(tmp_path / "full", workers=workers, grab={})
     full.train()  # 3 updates per epoch: checkpoint-8 is mid-epoch, after an epoch boundary
     resumed = _resumable(tmp_path / "full", grab={})
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-8"))  # epoch 2
