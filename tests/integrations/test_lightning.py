@@ -29,7 +29,7 @@ from grabkit.integrations.lightning import (  # noqa: E402
     GraBCallback,
     NoiseScaleCallback,
 )
-from grabkit.order import GraBSampler  # noqa: E402
+from grabkit.order import GraBBatchSampler, GraBSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +79,13 @@ def test_grab_order_and_gradients_match_the_plain_loop(tmp_path):
     assert sampler.state_dict()["stepped"] == N
     for name, value in params(module.net).items():
         torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_sampler_form(tmp_path):
+    module, data = Module(), dataset()
+    batches = GraBBatchSampler(data, model=module.net, seed=0, batch_size=B, record_orders=True)
+    trainer(tmp_path, [GraBCallback(batches)]).fit(module, DataLoader(data, batch_sampler=batches))
+    assert batches.sampler.orders_history == plain_grab_loop()[0]
 
 
 def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0):

@@ -35,7 +35,7 @@ import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import rewound_state
-from grabkit.order.sampler import GraBSampler
+from grabkit.order.sampler import GraBBatchSampler, GraBSampler
 
 __all__ = ["SamplerCheckpoint", "adaptive_step"]
 
@@ -89,7 +89,9 @@ class SamplerCheckpoint:
     the examples the loader fetched ahead back to the sampler.
     """
 
-    def __init__(self, sampler: GraBSampler) -> None:
+    def __init__(self, sampler: GraBSampler | GraBBatchSampler) -> None:
+        if isinstance(sampler, GraBBatchSampler):
+            sampler = sampler.sampler  # the state and the steps are its sampler's
         if not isinstance(sampler, GraBSampler):
             raise TypeError(
                 f"SamplerCheckpoint needs a GraBSampler, but got {type(sampler).__name__}"

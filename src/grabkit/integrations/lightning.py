@@ -35,7 +35,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import rewound_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
-from grabkit.order.sampler import GraBSampler
+from grabkit.order.sampler import GraBBatchSampler, GraBSampler
 
 __all__ = ["AdaptiveAccumulationCallback", "GraBCallback", "NoiseScaleCallback", "batch_count"]
 
@@ -74,7 +74,9 @@ class GraBCallback(Callback):
             LightningModule or its network).
     """
 
-    def __init__(self, sampler: GraBSampler) -> None:
+    def __init__(self, sampler: GraBSampler | GraBBatchSampler) -> None:
+        if isinstance(sampler, GraBBatchSampler):
+            sampler = sampler.sampler  # the state and the steps are its sampler's
         if not isinstance(sampler, GraBSampler):
             raise TypeError(f"GraBCallback needs a GraBSampler, but got {type(sampler).__name__}")
         self.sampler = sampler
