@@ -27,6 +27,7 @@ from transformers import (  # noqa: E402
 
 from grabkit import OptimizerWrapperGNTS  # noqa: E402
 from grabkit.integrations.huggingface import GrabkitTrainer  # noqa: E402
+from grabkit.noise import AccumulationNoiseScale  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -199,6 +200,47 @@ def test_noise_scale_equals_the_plain_loop_and_is_measured_before_clipping(tmp_p
     assert after_clipping.grad_norm_sq != pytest.approx(expected.grad_norm_sq, rel=1e-2)
     logged = [e for e in trainer.state.log_history if "noise_scale/grad_norm_sq" in e]
     assert logged[-1]["noise_scale/grad_norm_sq"] == pytest.approx(expected.grad_norm_sq, rel=1e-5)
+
+
+def test_noise_scale_in_tokens_for_a_causal_lm(tmp_path):
+    """Tiny GPT-2, count="tokens": the loss averages the window's shifted label tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2():
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=40, n_positions=8, n_embd=16, n_layer=1, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+
+    ids = torch.randint(0, 40, (N, 8), generator=torch.Generator().manual_seed(2))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = arguments(tmp_path, num_train_epochs=1, train_sampling_strategy="sequential")
+    trainer = GrabkitTrainer(
+        gpt2(), args, train_dataset=data, noise_scale={"update_rate": 0.5}, count="tokens"
+    )
+    trainer.train()
+    # Trainer divides each microbatch's token sum by the window's num_items_in_batch; this
+    # transformers counts all 8 labels a row for GPT-2 (its loss_type is None, so the label
+    # shift is not detected), and the integration counts tokens exactly as Trainer does, so
+    # that the counts are the shares the loss was divided by.
+    window_tokens = 2 * B * 8
+    model = gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gns = AccumulationNoiseScale(model, update_rate=0.5)
+    for start in range(0, N, 2 * B):
+        for micro in (ids[start : start + B], ids[start + B : start + 2 * B]):
+            token_sum = model(input_ids=micro, labels=micro).loss * B * 7  # 7 predicted a row
+            (token_sum / window_tokens).backward()
+            gns.end_microbatch(B * 8)
+        expected = gns.end_step()
+        opt.step()
+        opt.zero_grad()
+    got = trainer.noise_scale_result
+    assert got.examples == expected.examples == N * 8
+    assert got.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-5)
+    assert got.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-5)
 
 
 def test_noise_scale_needs_trainer_accumulation(tmp_path):

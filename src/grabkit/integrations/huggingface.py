@@ -60,10 +60,17 @@ NOISE_FILE = "grabkit_noise_scale.pt"
 _COUNTS = ("examples", "tokens")
 
 
-def microbatch_count(inputs: Mapping[str, Any], count: str) -> float:
-    """Examples in a collated batch, or its label tokens (``labels != -100``) for ``"tokens"``."""
+def microbatch_count(inputs: Mapping[str, Any], count: str, shifted: bool = False) -> float:
+    """Examples in a collated batch, or its label tokens (``labels != -100``) for ``"tokens"``.
+
+    ``shifted``: the loss predicts token t + 1 from token t (causal LMs), so the first label of
+    each row is no target: count ``labels[..., 1:]`` (or the collator's ``shift_labels``), as
+    Trainer's ``num_items_in_batch`` does.
+    """
     if count == "tokens":
-        labels = inputs.get("labels")
+        labels = inputs.get("shift_labels", inputs.get("labels"))
+        if shifted and "shift_labels" not in inputs and labels is not None:
+            labels = labels[..., 1:]
         if labels is None:
             raise ValueError(
                 'count="tokens" counts the batch\'s label tokens, but the batch has no "labels"; '
@@ -271,7 +278,8 @@ class GrabkitTrainer(Trainer):
     # -- every microbatch ------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         wrapper = self._adaptive_wrapper()
-        count = microbatch_count(inputs, self.count)
+        shifted = bool(getattr(self, "_loss_shifts_labels", False))  # as num_items_in_batch
+        count = microbatch_count(inputs, self.count, shifted)
         if wrapper is not None:
             wrapper.default_count = count  # the weight of the step() Trainer calls next
         loss = super().training_step(model, inputs, num_items_in_batch)
