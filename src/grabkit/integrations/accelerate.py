@@ -1,0 +1,105 @@
+"""Hugging Face Accelerate: the two pieces a hand-written accelerate loop needs.
+
+Accelerate needs no callback machinery; a loop stays a loop (``pip install accelerate``)::
+
+    sampler = GraBSampler(dataset, model=model)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=16)
+    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)  # one process
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
+    for batch in loader:
+        accelerator.backward(loss_fn(model, batch))
+        sampler.step()                                     # every microbatch
+        adaptive_step(optimizer, count=len(batch["labels"]))  # wrapper: AcceleratedOptimizer
+        optimizer.zero_grad()
+
+* :func:`adaptive_step`: ``AcceleratedOptimizer.step()`` takes no ``count=``; this steps the
+  ``AdaptiveAccumulationWrapper`` inside it with the count, through accelerate's ``GradScaler``
+  when mixed precision has one (the wrapper unscales each microbatch itself and drops an
+  overflowed one). It refuses ``gradient_accumulation_steps > 1``: ``accelerator.backward``
+  would divide every loss and ``accumulate()`` would hide microbatches from the wrapper.
+* :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
+  ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
+  counts a batch that was never trained; this one hands the in-flight examples back, and after
+  ``load_state`` the next ``iter(loader)`` yields exactly the untrained rest of the epoch. Do
+  not also ``skip_first_batches``.
+
+Nothing here imports accelerate; it works with any object that has ``.optimizer`` and
+``.scaler`` the way ``AcceleratedOptimizer`` has them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
+from grabkit.integrations.resume import rewound_state
+from grabkit.order.sampler import GraBBatchSampler, GraBSampler
+
+__all__ = ["SamplerCheckpoint", "adaptive_step"]
+
+
+def _unwrap(optimizer: Any) -> AdaptiveAccumulationWrapper:
+    inner = optimizer
+    while inner is not None and not isinstance(inner, AdaptiveAccumulationWrapper):
+        inner = getattr(inner, "optimizer", None)
+    if inner is None:
+        raise TypeError(
+            "adaptive_step needs an AdaptiveAccumulationWrapper (or accelerate's "
+            f"AcceleratedOptimizer around one), but got {type(optimizer).__name__}; pass the "
+            "wrapper to accelerator.prepare(...)."
+        )
+    return inner
+
+
+def adaptive_step(
+    optimizer: Any,
+    *,
+    count: float | torch.Tensor | None = None,
+    metric: float | torch.Tensor | None = None,
+) -> bool:
+    """Step the adaptive wrapper inside an ``AcceleratedOptimizer`` with ``count`` / ``metric``.
+
+    Call after every microbatch's ``accelerator.backward(loss)``. Returns True when the inner
+    optimizer stepped (the wrapper's answer; False also for an overflowed fp16 microbatch).
+    """
+    wrapper = _unwrap(optimizer)
+    state = getattr(optimizer, "gradient_state", None)
+    steps = getattr(state, "num_steps", 1)
+    if steps != 1:
+        raise ValueError(
+            "adaptive_step: the adaptive wrapper decides the accumulation window, so "
+            f"Accelerator(gradient_accumulation_steps=...) should be 1, but got {steps}; with "
+            "more, accelerator.backward divides every loss and accumulate() hides microbatches "
+            "from the wrapper."
+        )
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and scaler.is_enabled():
+        stepped = scaler.step(wrapper, count=count, metric=metric)  # the wrapper unscales
+        scaler.update()
+        return bool(stepped)
+    return wrapper.step(count=count, metric=metric)
+
+
+class SamplerCheckpoint:
+    """A ``GraBSampler`` for ``accelerator.register_for_checkpointing``, prefetch-safe.
+
+    Save right after an optimizer step (everything stepped was trained); the saved state hands
+    the examples the loader fetched ahead back to the sampler.
+    """
+
+    def __init__(self, sampler: GraBSampler | GraBBatchSampler) -> None:
+        if isinstance(sampler, GraBBatchSampler):
+            sampler = sampler.sampler  # the state and the steps are its sampler's
+        if not isinstance(sampler, GraBSampler):
+            raise TypeError(
+                f"SamplerCheckpoint needs a GraBSampler, but got {type(sampler).__name__}"
+            )
+        self.sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return rewound_state(self.sampler.state_dict())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

@@ -1,0 +1,130 @@
+"""The accelerate pattern (prepare, save_state / load_state, adaptive steps) with the real
+accelerate, tiny BERT, CPU, one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from tests.integrations.tiny import B, N, dataset, params, tiny_bert  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from grabkit import OptimizerWrapperGNTS  # noqa: E402
+from grabkit.integrations.accelerate import SamplerCheckpoint, adaptive_step  # noqa: E402
+from grabkit.order import GraBSampler  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def run(root, registered, *, stop_after=None, resume=False, epochs=2):
+    """GraB loop under accelerate; save_state after ``stop_after`` updates and stop there."""
+    accelerator = Accelerator(cpu=True, project_dir=str(root))
+    model, data = tiny_bert(), dataset()
+    sampler = GraBSampler(data, model=model, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, sampler=sampler, batch_size=B)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(registered(sampler))
+    trained, updates = 0, 0
+    if resume:
+        accelerator.load_state(str(root / "state"))
+    start_epoch = sampler.epoch
+    for epoch in range(start_epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            accelerator.backward(model(**batch).loss)
+            sampler.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            trained, updates = trained + len(batch["labels"]), updates + 1
+            if updates == stop_after:
+                accelerator.save_state(str(root / "state"))
+                return model, sampler, trained
+    return model, sampler, trained
+
+
+def test_save_state_load_state_resumes_bitwise(tmp_path):
+    full_model, full_sampler, _ = run(tmp_path, SamplerCheckpoint)
+    run(tmp_path, SamplerCheckpoint, stop_after=8)  # mid-epoch 1: 6 batches an epoch
+    model, sampler, trained = run(tmp_path, SamplerCheckpoint, resume=True)
+    assert trained == 2 * N - 8 * B  # nothing lost, nothing repeated
+    assert torch.equal(sampler.order, full_sampler.order)
+    for name, value in params(model).items():
+        assert torch.equal(value, params(full_model)[name]), name
+
+
+def test_naive_registered_sampler_loses_the_prefetched_batch(tmp_path):
+    run(tmp_path, lambda sampler: sampler, stop_after=8)
+    _, _, trained = run(tmp_path, lambda sampler: sampler, resume=True)
+    assert trained == 2 * N - 8 * B - B  # the batch accelerate fetched ahead is never trained
+
+
+def test_adaptive_step_passes_count_and_skips(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = tiny_bert()
+    wrapper = OptimizerWrapperGNTS(
+        torch.optim.SGD(model.parameters(), lr=0.1), max_batch_draws=4, norm_threshold=0.1
+    )
+    loader = DataLoader(dataset(), batch_size=B)
+    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+    with pytest.raises(TypeError):
+        optimizer.step(count=B)  # what accelerate itself answers
+    for batch in loader:
+        accelerator.backward(model(**batch).loss)
+        adaptive_step(optimizer, count=len(batch["labels"]))
+    assert 0 < wrapper.num_steps < N // B
+    assert float(wrapper.last_step_count) == B * wrapper.last_step_num_draws
+
+
+def test_adaptive_step_refuses_accelerate_accumulation():
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_bert()
+    wrapper = OptimizerWrapperGNTS(torch.optim.SGD(model.parameters(), lr=0.1))
+    _, optimizer = accelerator.prepare(model, wrapper)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        adaptive_step(optimizer, count=B)
+
+
+def test_adaptive_step_through_accelerates_grad_scaler():
+    """The GradScaler path: accelerate's AcceleratedOptimizer with a (CPU) GradScaler."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    reference = torch.nn.Linear(8, 2)
+    reference.load_state_dict(model.state_dict())
+
+    def gnts_every_two(m):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=2, norm_threshold=1e-9)
+
+    wrapper, reference_wrapper = gnts_every_two(model), gnts_every_two(reference)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = AcceleratedOptimizer(wrapper, device_placement=False, scaler=scaler)
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    for part in range(4):
+        rows = slice(4 * part, 4 * part + 4)
+        scaler.scale(torch.nn.functional.cross_entropy(model(x[rows]), y[rows])).backward()
+        adaptive_step(optimizer, count=4)
+        torch.nn.functional.cross_entropy(reference(x[rows]), y[rows]).backward()
+        reference_wrapper.step(count=4)
+    assert wrapper.num_steps == reference_wrapper.num_steps == 2
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    model.weight.grad = torch.full_like(model.weight, float("inf"))  # an overflowed microbatch
+    model.bias.grad = torch.zeros_like(model.bias)
+    assert adaptive_step(optimizer, count=4) is False
+    assert wrapper.num_skipped == 1 and wrapper.num_draws == 0

@@ -1,0 +1,75 @@
+"""The tiny model, data and plain-loop references shared by the framework tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from grabkit.noise import AccumulationNoiseScale
+from grabkit.order import GraBSampler
+
+N, T, B = 24, 6, 4
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=T, num_labels=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 40, (N, T), generator=g)
+    labels = torch.randint(0, 2, (N,), generator=g)
+    # position_ids in the batch: per-example statistics need the batch in dim 0 of every layer
+    positions = torch.arange(T)
+    return [{"input_ids": ids[i], "position_ids": positions, "labels": labels[i]} for i in range(N)]
+
+
+def batch(data, indices) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([data[i][k] for i in indices]) for k in data[0]}
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def plain_grab_loop(epochs: int = 2):
+    """The reference: the same model, data and sampler, stepped after every microbatch."""
+    model, data = tiny_bert(), dataset()
+    sampler = GraBSampler(data, model=model, seed=0, record_orders=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, N, 2 * B):
+            for micro in (order[start : start + B], order[start + B : start + 2 * B]):
+                (model(**batch(data, micro)).loss / 2).backward()
+                sampler.step()  # the loss is each microbatch's mean / 2
+            opt.step()
+            opt.zero_grad()
+    return sampler.orders_history, params(model)
+
+
+def plain_noise_scale(clip: float, measure_after_clipping: bool = False):
+    """The reference loop: 2 microbatches a step, clipped at ``clip`` as Trainer does."""
+    model, data = tiny_bert(), dataset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gns = AccumulationNoiseScale(model, update_rate=0.5)
+    result = None
+    for start in range(0, N, 2 * B):
+        for micro in (range(start, start + B), range(start + B, start + 2 * B)):
+            (model(**batch(data, list(micro))).loss / 2).backward()
+            gns.end_microbatch(B)
+        if not measure_after_clipping:
+            result = gns.end_step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if measure_after_clipping:
+            result = gns.end_step()
+        opt.step()
+        opt.zero_grad()
+    return result
