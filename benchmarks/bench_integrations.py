@@ -29,26 +29,6 @@ from benchmarks.common import machine_description, time_side_by_side
 N, T, B = 128, 32, 16
 
 
-def _repair_torchvision_import() -> None:
-    """transformers and Lightning import torchvision; see tests/integrations/conftest.py."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        import torchvision  # noqa: F401
-    except RuntimeError as error:
-        if "torchvision::nms" not in str(error):
-            raise
-        library = torch.library.Library("torchvision", "DEF")
-        library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _LIBRARIES.append(library)
-
-
-_LIBRARIES: list = []
-
-
 def tiny_bert():
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -204,7 +184,6 @@ PAIRS = [
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
     torch.set_num_threads(1)
-    _repair_torchvision_import()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
