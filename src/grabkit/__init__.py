@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     # ordering
     "GraBSampler": "grabkit.order",
     "GraBBatchSampler": "grabkit.order",
+    "BalanceType": "grabkit.order",
     "herding_bound": "grabkit.order",
     "StreamingHerdingBound": "grabkit.order",
     "make_projection": "grabkit.order",

@@ -77,7 +77,7 @@ def test_run_recursion_matches_explicit_tree_walk():
     for i, z in enumerate(Z):
         node = 0
         for level in range(3):
-            eps = 1.0 if sums[node] @ z <= 0 else -1.0
+            eps = 1.0 if sums[node] @ z < 0 else -1.0
             assert signs[i, level] == eps
             sums[node] += eps * z
             if level < 2:

@@ -65,8 +65,10 @@ def test_plus_to_front_minus_to_back_reversed():
     X = torch.tensor([[1.0], [1.0], [1.0], [-1.0]], dtype=torch.float64)
     sampler = GraBSampler(range(4), balance_type="mean", random_first_epoch=False)
     assert list(sampler) == [0, 1, 2, 3]
-    sampler.step(X)  # s: 0 -> +1 (0: +), <1, 1> > 0 -> - (1), 0 -> + (2), <1, -1> < 0 -> + (3)
-    assert list(sampler) == [0, 2, 3, 1]
+    # grab-sampler's rule, +1 iff <s, z> < 0: s = 0 -> - (0), <-1, 1> < 0 -> + (1), s = 0 -> - (2),
+    # <-1, -1> > 0 -> - (3); front [1], back [0, 2, 3] reversed
+    sampler.step(X)
+    assert list(sampler) == [1, 3, 2, 0]
 
 
 def test_iter_twice_without_progress_repeats_the_epoch():

@@ -8,6 +8,7 @@ themselves live in ``grabkit.order.orderings``, the batched sign recursion in
 
 from __future__ import annotations
 
+from grabkit.order.compat import BalanceType
 from grabkit.order.herding import StreamingHerdingBound, herding_bound
 from grabkit.order.orderings import ORDERINGS
 from grabkit.order.projection import make_projection
@@ -15,6 +16,7 @@ from grabkit.order.sampler import GraBBatchSampler, GraBSampler
 
 __all__ = [
     "BALANCE_TYPES",
+    "BalanceType",
     "GraBBatchSampler",
     "GraBSampler",
     "StreamingHerdingBound",

@@ -2,7 +2,9 @@
 
 Herding decides one sign per vector: with s the running signed sum and z the next vector,
 
-* deterministic rule: eps = +1 if <s, z> <= 0 else -1  (the greedy choice ||s + eps z|| minimal);
+* deterministic rule: eps = +1 if <s, z> < 0 else -1  (the greedy choice ||s + eps z|| minimal;
+  a tie, such as the first vector of an epoch, goes to -1 as in grab-sampler, whose orders
+  grabkit reproduces exactly);
 * probabilistic rule (the self-balancing walk): eps = +1 with probability 1/2 - <s, z> / (2c).
 
 Done naively that is one device round trip per example. Here a batch costs one: for a batch of
@@ -124,7 +126,7 @@ class SignRule:
     def decide(self, value: float, uniform: float | None) -> float:
         """The sign (+1.0 / -1.0) for a vector z with <s, z> = ``value``."""
         if not self.probabilistic:
-            return 1.0 if value <= 0.0 else -1.0
+            return 1.0 if value < 0.0 else -1.0  # grab-sampler's convention: ties -> -1
         if self.c is None:
             self.largest_seen = max(self.largest_seen, abs(value))
             c = self.largest_seen

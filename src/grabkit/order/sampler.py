@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from grabkit.order.balance import SignRule
+from grabkit.order.compat import GRAB_SAMPLER_PROJECTIONS as _GRAB_SAMPLER_PROJECTIONS
 from grabkit.order.orderings import ORDERINGS, Ordering
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
@@ -65,12 +66,6 @@ _STATE_VERSION = 1
 #: orderings whose decisions do not depend on how the visit sequence is cut into batches), so the
 #: host transfer of the (B, B) Gram matrix stays small
 MAX_BLOCK_ROWS = 1024
-_GRAB_SAMPLER_PROJECTIONS = {
-    "none": None,
-    "jl": "gaussian",
-    "jl_sparse": "sparse",
-    "kron": "kronecker",
-}
 _PROJECTIONS = ("gaussian", "sparse", "kronecker")
 
 
