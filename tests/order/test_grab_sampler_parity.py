@@ -2,7 +2,8 @@
 
 grab-sampler is fetched with ``pip download --no-deps`` (never installed: it would pull torch)
 and imported from the unpacked wheel with stub modules for what current environments lack
-(``absl.logging``, ``overrides``, ``torch_sparse.SparseTensor``, ``pandas``, ``tqdm``). The test skips when any of that fails.
+(``absl.logging``, ``overrides``, ``torch_sparse.SparseTensor``, ``pandas``, ``tqdm``). The
+test skips when any of that fails.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def grabsampler(tmp_path_factory):
     patch.syspath_prepend(str(where / "pkg"))
     try:
         import grabsampler.sorter as sorter
-    except Exception as error:  # noqa: BLE001 (any import failure means: cannot compare)
+    except Exception as error:  # any import failure means: cannot compare
         patch.undo()
         pytest.skip(f"grab-sampler 0.1.3 does not import here: {error!r}")
     yield sorter
