@@ -46,6 +46,7 @@ whole epoch was yielded resumes with the next epoch, like ``StatefulDataLoader``
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -53,14 +54,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from grabkit.order.balance import SignRule
+from grabkit.order import distributed as collective
+from grabkit.order.balance import NON_FINITE_HELP, SignRule
 from grabkit.order.compat import GRAB_SAMPLER_PROJECTIONS as _GRAB_SAMPLER_PROJECTIONS
 from grabkit.order.orderings import ORDERINGS, Ordering
+from grabkit.order.orderings.base import random_permutation
+from grabkit.order.sources import HookSource, dense_batch, normalized
+from grabkit.order.state import check_config, check_positions, plain_config
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
 __all__ = ["GraBBatchSampler", "GraBSampler"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+#: epoch_generator purpose of the distributed padding (distinct from the orderings' purposes)
+_PURPOSE_PADDING = 5
 
 #: dense batches larger than this are balanced in consecutive blocks (same decisions, for the
 #: orderings whose decisions do not depend on how the visit sequence is cut into batches), so the
@@ -103,42 +110,6 @@ def jl_dimension(n: int, eps: float) -> int:
     if not 0 < eps < 1:
         raise ValueError(f"`pi_eps` should be in (0, 1), but got pi_eps={eps!r}")
     return max(1, math.ceil(4 * math.log(max(n, 2)) / (eps**2 / 2 - eps**3 / 3)))
-
-
-def _normalized(batch: GradientBatch) -> GradientBatch:
-    """g_i / ||g_i|| for every example (zero rows stay zero)."""
-    if isinstance(batch, DenseGradientBatch):
-        norms = torch.linalg.vector_norm(batch.matrix, dim=1, keepdim=True)
-        return DenseGradientBatch(batch.matrix / torch.where(norms > 0, norms, 1.0))
-    return _NormalizedBatch(batch)
-
-
-class _NormalizedBatch:
-    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
-
-    def __init__(self, batch: GradientBatch) -> None:
-        self.inner = batch
-        self.size, self.dim = batch.size, batch.dim
-        self.dtype, self.device = batch.dtype, batch.device
-        norms = batch.norms_squared().sqrt()
-        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
-
-    def gram(self) -> torch.Tensor:
-        return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
-
-    def norms_squared(self) -> torch.Tensor:
-        return self.inner.norms_squared() * self.scale**2
-
-    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
-        d = self.inner.dot(vectors)
-        return d * (self.scale if d.ndim == 1 else self.scale[:, None])
-
-    def total(self) -> torch.Tensor:
-        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
-
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        s = self.scale if weights.ndim == 1 else self.scale[:, None]
-        return self.inner.weighted_sum(weights * s.to(weights.dtype))
 
 
 class GraBSampler(Sampler[int]):
@@ -290,6 +261,7 @@ class GraBSampler(Sampler[int]):
             **options,
         )  # fmt: skip
         self.stats = stats
+        self._owns_stats = False
         if model is not None and stats is None:
             if self.ordering.needs_coordinates or self.projection_kind is not None:
                 what = (
@@ -305,11 +277,24 @@ class GraBSampler(Sampler[int]):
             from grabkit.stats import PerSampleStats
 
             self.stats = PerSampleStats(model, loss_reduction=loss_reduction)
+            self._owns_stats = True
+        self.source = None if self.stats is None else HookSource(self.stats)
+        self._config = plain_config(
+            n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
+            balance_type=balance_type, seed=seed, drop_last=self.drop_last,
+            probabilistic=self.rule.probabilistic, prob_balance_c=self.rule.c,
+            normalize=self.normalize, projection=self.projection_kind,
+            projection_dim=projection_dim, pi_eps=pi_eps, batch_size=self.batch_size,
+            random_first_epoch=bool(random_first_epoch), options=options,
+        )  # fmt: skip
+        self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
         self._epoch = 0
         self._requested_epoch: int | None = None
         self._finished_any = False
+        self._live: dict[str, Any] = {}  # the ordering state every state_dict() shares
+        self._history: list[torch.Tensor] = []
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
@@ -405,8 +390,17 @@ class GraBSampler(Sampler[int]):
         self.rule.start_epoch(self.seed, epoch)
         if self.record_orders:
             self.orders_history.append(self._order.tolist())
+            self._history.append(self._order)
+        self._publish()
 
     def _advance(self) -> None:
+        if self._stepped == 0 and self._yielded and self.ordering.uses_gradients:
+            warnings.warn(
+                f"GraBSampler epoch {self._epoch} ended with no step() at all, so "
+                f'balance_type="{self.balance_type}" saw no gradient and keeps the order. Call '
+                "sampler.step(...) after each backward (see the GraBSampler docstring).",
+                stacklevel=3,
+            )
         epoch = self._epoch + 1 if self._requested_epoch is None else self._requested_epoch
         order = self.ordering.finish_epoch(self._order, epoch)
         self._finished_any = True
@@ -427,18 +421,27 @@ class GraBSampler(Sampler[int]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"`epoch` should be a non-negative integer, but got epoch={epoch!r}")
         self._requested_epoch = epoch
+        self._publish()
 
     def _padded_order(self) -> torch.Tensor:
+        """The global order padded to ``total_size`` with examples drawn afresh each epoch
+        (from (seed, epoch), so every rank pads alike), as DistributedSampler's padding
+        varies with its shuffle; or truncated with ``drop_last``."""
         order = self._order
-        if self.total_size > order.numel():
-            repeats = math.ceil(self.total_size / order.numel())
-            order = order.repeat(repeats)
+        extra = self.total_size - order.numel()
+        if extra > 0:
+            picks = random_permutation(order.numel(), self.seed, self._epoch, _PURPOSE_PADDING)
+            repeats = math.ceil(extra / order.numel())
+            order = torch.cat([order, order[picks.repeat(repeats)[:extra]]])
         return order[: self.total_size]
 
     def _local_indices(self) -> torch.Tensor:
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        if not self._agreed and collective.process_group_matches(self.num_replicas):
+            collective.check_agreement({**self._config, "rank": None}, self.num_replicas)
+            self._agreed = True
         if self._requested_epoch == self._epoch and (self._resume or not self._started):
             self._requested_epoch = None  # set_epoch(e) for the epoch already under way
         if self._resume:
@@ -462,6 +465,7 @@ class GraBSampler(Sampler[int]):
                 self._begin(e, order)
             self._yielded = 0
         self._token += 1
+        self._publish()
         return self._iterate(self._token, self._yielded, self._local_indices().tolist())
 
     def _iterate(self, token: int, start: int, local: list[int]) -> Iterator[int]:
@@ -476,31 +480,17 @@ class GraBSampler(Sampler[int]):
         return self.num_samples
 
     # -- stepping ----------------------------------------------------------------------------
-    def _as_batch(self, grads: Any) -> GradientBatch:
-        if grads is None:
-            if self.stats is None:
-                raise ValueError(
-                    "step() without gradients needs hook statistics: construct the sampler with "
-                    "model=... (or stats=...), or pass the per-example gradients to step()."
-                )
-            return self.stats.gradient_batch()
-        if isinstance(grads, Mapping):
-            if not grads:
-                raise ValueError("step() got an empty dict of per-example gradients")
-            return DenseGradientBatch(named_to_flat({k: v.detach() for k, v in grads.items()}, 1))
-        if isinstance(grads, torch.Tensor):
-            if grads.ndim < 2:
-                raise ValueError(
-                    "step() expects per-example gradients with a leading batch dimension, (B, d) "
-                    f"or (B, ...), but got a tensor of shape {tuple(grads.shape)}"
-                )
-            return DenseGradientBatch(grads.detach().flatten(1))
-        if isinstance(grads, GradientBatch):
-            return grads
-        raise TypeError(
-            "step() expects a dict of (B, ...) per-example gradients, a (B, d) tensor, a "
-            f"GradientBatch, or nothing in hook mode, but got {type(grads).__name__}"
-        )
+    def _pieces(self, grads: Any) -> list[GradientBatch]:
+        """The step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
+        backward since the last step)."""
+        if grads is not None:
+            return [dense_batch(grads)]
+        if self.source is None:
+            raise ValueError(
+                "step() without gradients needs hook statistics: construct the sampler with "
+                "model=... (or stats=...), or pass the per-example gradients to step()."
+            )
+        return self.source.batches()
 
     def _prepare(self, batch: GradientBatch) -> GradientBatch:
         """dtype/device, projection; dense batches only (statistics batches pass through)."""
@@ -534,19 +524,81 @@ class GraBSampler(Sampler[int]):
             self.projection_kind, d, k, seed=self.seed, device=X.device, dtype=X.dtype
         )
 
-    def step(self, grads: Any = None) -> None:
+    def step(self, grads: Any = None, *, indices: Any = None) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
         Args:
             grads: per-example gradients of the examples this rank visited next: the dict of
                 (B, ...) tensors that ``torch.func.vmap(torch.func.grad(f))`` returns, a (B, d)
-                tensor, a ``GradientBatch``, or nothing in hook mode.
+                tensor, a ``GradientBatch``, or nothing in hook mode (then every backward since
+                the last ``step()`` is balanced, in order: gradient accumulation works).
+            indices: the B dataset indices these gradients belong to, as yielded (e.g. the
+                ``idx`` column of the batch). Optional; with it, examples yielded before them
+                and not stepped (a skipped batch) are passed over instead of receiving these
+                gradients. Without it the gradients go to the next B unstepped examples.
         Raises:
-            ValueError: more gradients than the epoch has examples left, a gradient length that
-                differs from ``params``, or NaN / Inf values (nothing changes then).
+            ValueError: more gradients than the epoch has examples left, indices that are not
+                yielded examples in visit order, a gradient length that differs from
+                ``params``, hook mode with no backward since the last step or a backward over
+                another number of examples than a yielded batch, or NaN / Inf values. Nothing
+                changes then.
         """
-        batch = self._as_batch(grads)
-        B = int(batch.size)
+        pieces = self._pieces(grads)
+        B = sum(int(piece.size) for piece in pieces)
+        start = self._start_of(B, indices, hook=grads is None)
+        for piece in pieces:
+            if self.dim is not None and piece.dim != self.dim:
+                raise ValueError(
+                    f"step() got gradients of length {piece.dim} per example, but the params "
+                    f"given to the sampler have {self.dim} numbers in total; pass the "
+                    "per-example gradients of exactly those parameters."
+                )
+        if B and self.ordering.uses_gradients:
+            if len(pieces) > 1:  # all micro-batches are checked before any changes state
+                for piece in pieces:
+                    if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
+                        raise ValueError(NON_FINITE_HELP)
+            position = start
+            for piece in pieces:
+                self._balance(piece, position)
+                position += int(piece.size)
+        self._stepped = start + B
+        self._started = True
+        if self.source is not None and grads is None:
+            self.source.clear()
+        self._publish()
+
+    def skip(self, count: int | None = None) -> None:
+        """Give the next ``count`` unstepped examples no decision this epoch (a skipped batch).
+
+        They keep their place between the front and the back part, like examples of an
+        abandoned epoch, and the next ``step()`` balances the examples after them. In hook mode
+        ``count`` defaults to the examples of the backwards since the last ``step()`` (the
+        batch whose ``step()`` raised on NaN, say); ``GraBBatchSampler.skip()`` defaults to one
+        batch.
+        """
+        kept = self.source.discard() if self.source is not None else 0
+        if count is None:
+            count = kept
+            if not count:
+                raise ValueError(
+                    "skip() needs the number of examples to skip, skip(len(batch)), unless a "
+                    "hook-mode backward since the last step() tells it."
+                )
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"`count` should be a non-negative integer, but got count={count!r}")
+        left = self.num_samples - self._stepped
+        if count > left:
+            raise ValueError(
+                f"skip({count}) but epoch {self._epoch} has only {left} examples left to step "
+                "on this rank."
+            )
+        self._stepped += count
+        self._started = True
+        self._publish()
+
+    def _start_of(self, B: int, indices: Any, hook: bool) -> int:
+        """The local position where the step's B examples start (>= the stepped count)."""
         left = self.num_samples - self._stepped
         if left < B:
             raise ValueError(
@@ -555,32 +607,59 @@ class GraBSampler(Sampler[int]):
                 "iter(sampler) (start the next epoch) before stepping its batches, and pass one "
                 "gradient per example yielded."
             )
-        if B == 0:
-            return
-        if self.dim is not None and batch.dim != self.dim:
+        if indices is not None:
+            return self._locate(indices, B)
+        end = self._stepped + B
+        mid_batch = end % self.batch_size and end < self.num_samples
+        if hook and B and (end > self._yielded or mid_batch):
             raise ValueError(
-                f"step() got gradients of length {batch.dim} per example, but the params given to "
-                f"the sampler have {self.dim} numbers in total; pass the per-example gradients of "
-                "exactly those parameters."
+                f"hook mode: the backward(s) since the last step() covered {B} examples, but "
+                f"positions {self._stepped}..{end - 1} are not a whole number of the "
+                f"{self._yielded - self._stepped} yielded, unstepped examples in batches of "
+                f"{self.batch_size}; run the backward over the whole yielded batch (pass the "
+                "loader's batch_size to the sampler so it can check), or pass indices=."
             )
-        if self.ordering.uses_gradients:
-            batch = self._prepare(batch)
-            if self.num_replicas == 1 and self._stepped + B <= min(self.n, self._order.numel()):
-                indices = self._order[self._stepped : self._stepped + B]  # no padding reached
-            else:
-                batch, indices = self._global_batch(batch, B)
-            if self.normalize:
-                batch = _normalized(batch)
-            if indices.numel():
-                self._observe(batch, indices)
-        self._stepped += B
-        self._started = True
+        return self._stepped
 
-    def _global_batch(self, batch: GradientBatch, B: int) -> tuple[GradientBatch, torch.Tensor]:
+    def _locate(self, indices: Any, B: int) -> int:
+        wanted = torch.as_tensor(indices).reshape(-1).to(torch.int64)
+        if wanted.numel() != B:
+            raise ValueError(
+                f"step() got {wanted.numel()} indices for the gradients of {B} examples; pass "
+                "one dataset index per gradient row."
+            )
+        local = self._local_indices()
+        for start in range(self._stepped, self.num_samples - B + 1):
+            if torch.equal(local[start : start + B], wanted):
+                return start
+        raise ValueError(
+            f"step(indices={wanted.tolist()}) : these are not the next examples of epoch "
+            f"{self._epoch} in visit order on this rank (after the {self._stepped} stepped); "
+            "pass the indices exactly as the sampler yielded them, once."
+        )
+
+    def _balance(self, batch: GradientBatch, position: int) -> None:
+        """Observe one piece whose first row sits at local ``position``."""
+        B = int(batch.size)
+        batch = self._prepare(batch)
+        if self.num_replicas == 1 and position + B <= min(self.n, self._order.numel()):
+            indices = self._order[position : position + B]  # no padding reached
+        else:
+            batch, indices = self._global_batch(batch, position)
+        if self.normalize:
+            batch = normalized(batch)
+        if indices.numel():
+            self._observe(batch, indices)
+
+    def _global_batch(
+        self, batch: GradientBatch, position: int
+    ) -> tuple[GradientBatch, torch.Tensor]:
         """The rows of all ranks for this step, without padding, and their dataset indices."""
-        positions = torch.arange(self._stepped, self._stepped + B)
+        positions = torch.arange(position, position + batch.size)
         if self.num_replicas > 1:
-            batch, global_positions = self._gather(batch, positions)
+            batch, global_positions = collective.gather_rows(
+                batch, positions, position, self.num_replicas
+            )
         else:
             global_positions = positions
         keep = global_positions < self.n  # padding repeats examples: not balanced twice
@@ -598,37 +677,6 @@ class GraBSampler(Sampler[int]):
             block = DenseGradientBatch(batch.matrix[start : start + MAX_BLOCK_ROWS])
             self.ordering.observe(block, indices[start : start + MAX_BLOCK_ROWS])
 
-    def _gather(
-        self, batch: GradientBatch, positions: torch.Tensor
-    ) -> tuple[DenseGradientBatch, torch.Tensor]:
-        """All-gather the ranks' batches into the global batch, rows in global visit order."""
-        if not isinstance(batch, DenseGradientBatch):
-            raise NotImplementedError(
-                "distributed GraB with hook statistics is not supported yet; pass the dense "
-                "(or projected) per-example gradients to step() on every rank."
-            )
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
-                f"num_replicas={self.num_replicas}: the ranks share gradients through "
-                "torch.distributed, but no process group is initialised; call "
-                "torch.distributed.init_process_group(...) before stepping."
-            )
-        W = self.num_replicas
-        X = batch.matrix
-        sizes = [torch.zeros(2, dtype=torch.int64, device=X.device) for _ in range(W)]
-        dist.all_gather(sizes, torch.tensor([X.shape[0], self._stepped], device=X.device))
-        if any(int(s[0]) != X.shape[0] or int(s[1]) != self._stepped for s in sizes):
-            raise ValueError(
-                "ranks called step() with different batch sizes or at different positions "
-                f"({[tuple(s.tolist()) for s in sizes]} as (batch size, examples stepped)); every "
-                "rank must step the same number of examples each time."
-            )
-        gathered = [torch.empty_like(X) for _ in range(W)]
-        dist.all_gather(gathered, X.contiguous())
-        rows = torch.stack(gathered, dim=1).reshape(X.shape[0] * W, X.shape[1])
-        global_positions = (positions[:, None] * W + torch.arange(W)[None, :]).reshape(-1)
-        return DenseGradientBatch(rows), global_positions
-
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
         if not hasattr(self.ordering, "update_v"):
@@ -641,63 +689,88 @@ class GraBSampler(Sampler[int]):
         self.ordering.update_v(second_moment.reshape(-1))
 
     # -- state ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume exactly; plain tensors, numbers, strings, lists, dicts."""
-        return _detached_copy(
-            {
-                "version": _STATE_VERSION,
-                "n": self.n,
-                "num_replicas": self.num_replicas,
-                "balance_type": self.balance_type,
-                "seed": self.seed,
-                "epoch": self._epoch,
-                "requested_epoch": self._requested_epoch,
-                "finished_any": self._finished_any,
-                "order": self._order.clone(),
-                "yielded": self._yielded,
-                "stepped": self._stepped,
-                "started": self._started,
-                "rule": self.rule.state_dict(),
-                "ordering": self.ordering.state_dict(),
-                "orders_history": [torch.tensor(o) for o in self.orders_history],
-            }
+    def _publish(self) -> None:
+        """Refresh the live ordering state that every ``state_dict()`` shares (references to
+        the ordering's tensors, no copies: O(1) in the gradient length)."""
+        self._live.update(
+            epoch=self._epoch,
+            stepped=self._stepped,
+            requested_epoch=self._requested_epoch,
+            finished_any=self._finished_any,
+            order=self._order,
+            rule=self.rule.state_dict(),
+            ordering=self.ordering.state_dict(),
+            orders_history=list(self._history),
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """The position now, plus the sampler's live ordering state; plain data for
+        ``torch.save`` / ``torch.load(weights_only=True)``.
+
+        The position (epoch, yielded count) is a snapshot. The ordering state (running sums,
+        placements, the stepped count) is shared, not copied: every dict returned shows the
+        latest ``step()``. So ``StatefulDataLoader``, which takes a state per dispatched batch
+        ahead of training, pays nothing in the model size, and a checkpoint keeps the
+        decisions of the examples stepped after its position was taken. Save the dict when
+        you take it (or ``copy.deepcopy`` it) to freeze it.
+        """
+        return {
+            "version": _STATE_VERSION,
+            "config": dict(self._config),
+            "epoch": self._epoch,
+            "yielded": self._yielded,
+            "started": self._started,
+            "live": self._live,
+        }
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch."""
-        expected = set(self.state_dict())
+        """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
+        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
         state = _detached_copy(state)
-        unknown, missing = set(state) - expected, expected - set(state)
-        if unknown or missing:
+        check_config("GraBSampler", state, self._config, _STATE_VERSION)
+        live = state["live"]
+        if int(live["epoch"]) != int(state["epoch"]):
             raise ValueError(
-                f"GraBSampler.load_state_dict: unexpected keys {sorted(unknown)}, missing keys "
-                f"{sorted(missing)}; the state was not saved by this version of GraBSampler."
+                f"GraBSampler.load_state_dict: the state's position is in epoch {state['epoch']} "
+                f"but its ordering state moved on to epoch {live['epoch']}: state_dict() shares "
+                "the live ordering state, so save (torch.save) or copy.deepcopy it when you "
+                "take it."
             )
-        for key, mine in (
-            ("version", _STATE_VERSION),
-            ("n", self.n),
-            ("num_replicas", self.num_replicas),
-            ("balance_type", self.balance_type),
-            ("seed", self.seed),
-        ):
-            if state[key] != mine:
-                raise ValueError(
-                    f"GraBSampler.load_state_dict: the state has {key}={state[key]!r} but this "
-                    f"sampler has {key}={mine!r}; build the sampler with the same dataset, "
-                    "topology and configuration as the one that was saved."
-                )
-        self.ordering.load_state_dict(dict(state["ordering"]))
-        self.rule.load_state_dict(dict(state["rule"]))
+        order = live["order"]
+        check_positions(
+            order, self.n, permutation=self.balance_type != "swr",
+            counts=(int(state["yielded"]), int(live["stepped"])), limit=self.num_samples,
+        )  # fmt: skip
+        self.ordering.load_state_dict(dict(live["ordering"]))
+        self.rule.load_state_dict(dict(live["rule"]))
         self._epoch = int(state["epoch"])
-        req = state["requested_epoch"]
+        req = live["requested_epoch"]
         self._requested_epoch = None if req is None else int(req)
-        self._finished_any = bool(state["finished_any"])
-        self._order = state["order"].to(torch.int64).cpu().clone()
-        self._yielded, self._stepped = int(state["yielded"]), int(state["stepped"])
-        self._started = bool(state["started"])
-        self.orders_history = [o.tolist() for o in state["orders_history"]]
-        self._resume = self._started and self._yielded < self.num_samples
+        self._finished_any = bool(live["finished_any"])
+        self._order = order.to(torch.int64).cpu().clone()
+        self._yielded, self._stepped = int(state["yielded"]), int(live["stepped"])
+        self._started = bool(state["started"]) or self._stepped > 0
+        self._history = [torch.as_tensor(o) for o in live["orders_history"]]
+        self.orders_history = [o.tolist() for o in self._history]
+        self._resume = self._started
+        if self.source is not None:
+            self.source.clear()
         self._token += 1
+        self._publish()
+
+    # -- hooks -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop reading hook statistics; remove the hooks the sampler attached (``model=``)."""
+        if self.source is not None:
+            self.source.close()
+        if self._owns_stats and self.stats is not None:
+            self.stats.close()
+
+    def __enter__(self) -> GraBSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class GraBBatchSampler(Sampler[list[int]]):
@@ -737,8 +810,23 @@ class GraBBatchSampler(Sampler[list[int]]):
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def step(self, grads: Any = None) -> None:
-        self.sampler.step(grads)
+    def step(self, grads: Any = None, *, indices: Any = None) -> None:
+        self.sampler.step(grads, indices=indices)
+
+    def skip(self, count: int | None = None) -> None:
+        """Skip one batch (or ``count`` examples): they get no decision this epoch."""
+        if count is None and not (self.sampler.source and self.sampler.source.pending):
+            count = min(self.batch_size, self.sampler.num_samples - self.sampler._stepped)
+        self.sampler.skip(count)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def __enter__(self) -> GraBBatchSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
