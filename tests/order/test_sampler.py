@@ -624,8 +624,9 @@ def test_stateful_dataloader_resume(num_workers):
     resumed, _ = run(state=saved, epochs=2)
     assert resumed[0] == full[1][9:]  # the rest of the interrupted epoch
     assert all(sorted(e) == list(range(n)) for e in resumed[1:])
-    if num_workers == 0:  # nothing in flight at the snapshot: exact
-        assert resumed[1:] == full[2:]
+    # exact with workers too: the state's ordering part is live, so the decisions of batches
+    # stepped after the loader took its snapshot at dispatch are in the checkpoint
+    assert resumed[1:] == full[2:]
 
 
 @pytest.mark.parametrize("kwargs", [{"balance_type": "sign"}, {"projection": "gaussian"}])

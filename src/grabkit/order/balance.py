@@ -67,9 +67,12 @@ CPU_BLOCK_BYTES = 4 << 20
 
 NON_FINITE_HELP = (
     "step() received per-example gradients containing NaN or Inf, so no balancing decision can "
-    "be made for this batch. Fix the source of the non-finite values (lower the learning rate, "
-    "clip gradients, check the loss for log(0) or division by zero), or skip this batch by not "
-    "calling step() for it: its examples are then treated as not visited."
+    "be made for this batch (nothing changed). Fix the source of the non-finite values (lower "
+    "the learning rate, clip gradients, check the loss for log(0) or division by zero), or skip "
+    "the batch: call sampler.skip(len(batch)) (in hook mode or on a GraBBatchSampler, "
+    "sampler.skip()), or pass the dataset indices of the next batch you step, "
+    "step(grads, indices=idx). Just leaving out step() would give the next batch's gradients to "
+    "the skipped examples."
 )
 
 

@@ -572,19 +572,21 @@ class GraBSampler(Sampler[int]):
         """Give the next ``count`` unstepped examples no decision this epoch (a skipped batch).
 
         They keep their place between the front and the back part, like examples of an
-        abandoned epoch, and the next ``step()`` balances the examples after them. In hook mode
-        ``count`` defaults to the examples of the backwards since the last ``step()`` (the
-        batch whose ``step()`` raised on NaN, say); ``GraBBatchSampler.skip()`` defaults to one
-        batch.
+        abandoned epoch, and the next ``step()`` balances the examples after them. ``count``
+        defaults to the rest of the current batch of ``batch_size`` (the sampler's, or
+        ``GraBBatchSampler``'s): the batch the backwards since the last ``step()`` came from
+        in hook mode, else the next batch.
         """
         kept = self.source.discard() if self.source is not None else 0
         if count is None:
-            count = kept
-            if not count:
+            if self.batch_size == 1 and not kept:
                 raise ValueError(
-                    "skip() needs the number of examples to skip, skip(len(batch)), unless a "
-                    "hook-mode backward since the last step() tells it."
+                    "skip() needs the number of examples to skip, skip(len(batch)): this "
+                    "sampler does not know the loader's batch size (pass batch_size= to it)."
                 )
+            end = self._stepped + max(kept, 1)
+            end = min(math.ceil(end / self.batch_size) * self.batch_size, self.num_samples)
+            count = end - self._stepped
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"`count` should be a non-negative integer, but got count={count!r}")
         left = self.num_samples - self._stepped
@@ -814,9 +816,7 @@ class GraBBatchSampler(Sampler[list[int]]):
         self.sampler.step(grads, indices=indices)
 
     def skip(self, count: int | None = None) -> None:
-        """Skip one batch (or ``count`` examples): they get no decision this epoch."""
-        if count is None and not (self.sampler.source and self.sampler.source.pending):
-            count = min(self.batch_size, self.sampler.num_samples - self.sampler._stepped)
+        """Skip the current batch (or ``count`` examples): no decision for them this epoch."""
         self.sampler.skip(count)
 
     def close(self) -> None:
