@@ -120,7 +120,7 @@ def test_hook_mode_step_twice_or_a_partial_backward_raises():
         batches = list(sampler)
         F.cross_entropy(model(x[batches[0]]), y[batches[0]]).backward()
         sampler.step()
-        with pytest.raises(ValueError, match="no loss.backward"):
+        with pytest.raises(ValueError, match=r"no loss\.backward"):
             sampler.step()  # the same statistics again
         F.cross_entropy(model(x[batches[1][:3]]), y[batches[1][:3]]).backward()
         with pytest.raises(ValueError, match="whole yielded batch"):
@@ -233,7 +233,7 @@ def test_state_dict_is_o1_in_the_gradient_length():
     assert sampler.state_dict()["live"] is state["live"]
 
 
-# -- resume property --------------------------------------------------------------------------------
+# -- resume property ------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
 @given(
     kind=st.sampled_from(["mean", "pair", "recursive", "ema", "batch", "rr", "greedy"]),
@@ -257,9 +257,7 @@ def test_resume_anywhere_continues_exactly(kind, batch_form, probabilistic, stop
         while len(seen) < epochs * 4 - skip_batches:
             it = iter(sampler)
             while True:
-                batch = (
-                    next(it, None) if batch_form else list(_take(it, bs))
-                )
+                batch = next(it, None) if batch_form else list(_take(it, bs))
                 if not batch:
                     break
                 sampler.step(X[batch])

@@ -24,9 +24,7 @@ __all__ = ["check_agreement", "fingerprint", "gather_rows", "process_group_match
 
 def process_group_matches(num_replicas: int) -> bool:
     """Whether an initialised process group of exactly ``num_replicas`` ranks is there."""
-    return (
-        dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_replicas
-    )
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() == num_replicas
 
 
 def fingerprint(config: dict[str, Any]) -> int:
