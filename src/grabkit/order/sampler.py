@@ -12,8 +12,12 @@ Usage (functional per-example gradients, as with grab-sampler)::
 
 or with hook statistics (no (B, d) tensor is ever built)::
 
-    sampler = GraBSampler(dataset, model=model)     # installs grabkit.stats.PerSampleStats
-    ... loss.backward(); sampler.step() ...
+    sampler = GraBSampler(dataset, model=model, batch_size=16)  # installs PerSampleStats
+    ... loss.backward(); sampler.step() ...   # every backward since the last step, in order
+
+A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``; or pass the dataset
+indices of each stepped batch, ``sampler.step(grads, indices=idx)``, and skipped examples are
+passed over. Either way the skipped examples get no decision that epoch.
 
 Epoch semantics. ``iter(sampler)`` starts a new epoch when the current one has begun (anything
 yielded or stepped); otherwise it restarts the current one (so ``iter()`` twice in a row yields
@@ -31,16 +35,16 @@ own batch; the ranks all-gather them (dense or projected), so all of them take e
 decisions one process would take on the global batch in global visit order. Padding duplicates
 are not balanced.
 
-Resuming. ``state_dict()`` records what was yielded apart from what was stepped:
-``torchdata``'s ``StatefulDataLoader`` saves a sampler when it hands indices to workers, ahead of
-training. After ``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch
-(from the yielded count). Gradients stepped between the load and that ``iter()`` belong to the
-examples that were in flight at the snapshot, in order, so a state saved with nothing in flight
-(``state_dict()`` right after ``step``, or ``StatefulDataLoader`` with ``num_workers=0``), or one
-whose in-flight gradients are stepped again, reproduces the uninterrupted run exactly. In-flight
-examples not stepped by then get no decision in that epoch (they keep their place between the
-front and back parts); later gradients are never attributed to them. A state saved after the
-whole epoch was yielded resumes with the next epoch, like ``StatefulDataLoader``.
+Resuming. ``state_dict()`` records the position (epoch, yielded count) as a snapshot and shares
+the ordering state (running sums, placements, stepped count) live, as ``model.state_dict()``
+shares parameters: ``torchdata``'s ``StatefulDataLoader`` takes one per dispatched batch, ahead of
+training, at no cost in the gradient length, and a checkpoint saved after a ``step()`` carries
+the decisions of every stepped example, in flight at the snapshot or not. After
+``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch (from the yielded
+count; an empty pass when all of it had been yielded, as ``RandomSampler`` does). Examples handed
+out before the snapshot and not stepped by the checkpoint get no decision in that epoch (they
+keep their place between the front and back parts); later gradients are never attributed to
+them. The state records the configuration, and loading it into a sampler built otherwise raises.
 """
 
 from __future__ import annotations
@@ -154,6 +158,18 @@ class GraBSampler(Sampler[int]):
         dtype, device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
+
+    Example (hook mode, gradient accumulation over two micro-batches)::
+
+        with GraBSampler(dataset, model=model, batch_size=32) as sampler:
+            loader = DataLoader(dataset, sampler=sampler, batch_size=32)
+            for epoch in range(epochs):
+                for x, y in loader:
+                    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+                        (loss_fn(model(xm), ym) / 2).backward()
+                    sampler.step()  # both micro-batches, each to its own examples
+                    optimizer.step()
+                    optimizer.zero_grad()
     """
 
     def __init__(
