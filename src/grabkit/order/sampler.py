@@ -28,8 +28,9 @@ order (GraB orderings put them between the front and the back part). ``set_epoch
 next epoch (it seeds the random parts: random reshuffling, the first order, probabilistic
 balancing), as with ``DistributedSampler``.
 
-Distributed use follows ``DistributedSampler``: the epoch's global order is padded by repeating
-its first examples (or, with ``drop_last=True``, truncated) to a multiple of ``num_replicas``, and
+Distributed use follows ``DistributedSampler``: the epoch's global order is padded with examples
+drawn afresh each epoch from (seed, epoch) (or, with ``drop_last=True``, truncated) to a multiple
+of ``num_replicas``, and
 rank r yields positions r, r + W, r + 2W, ... Every rank calls ``step`` with the gradients of its
 own batch; the ranks all-gather them (dense or projected), so all of them take exactly the
 decisions one process would take on the global batch in global visit order. Padding duplicates
@@ -55,19 +56,24 @@ from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from grabkit.order import distributed as collective
 from grabkit.order.balance import NON_FINITE_HELP, SignRule
-from grabkit.order.compat import GRAB_SAMPLER_PROJECTIONS as _GRAB_SAMPLER_PROJECTIONS
-from grabkit.order.orderings import ORDERINGS, Ordering
+from grabkit.order.configure import (
+    BatchPreparer,
+    Topology,
+    build_ordering,
+    merge_grab_sampler_keywords,
+    positive_int,
+)
+from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import random_permutation
 from grabkit.order.sources import HookSource, dense_batch, normalized
 from grabkit.order.state import check_config, check_positions, plain_config
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
-__all__ = ["GraBBatchSampler", "GraBSampler"]
+__all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
 #: epoch_generator purpose of the distributed padding (distinct from the orderings' purposes)
@@ -78,24 +84,6 @@ _PURPOSE_PADDING = 5
 #: host transfer of the (B, B) Gram matrix stays small
 MAX_BLOCK_ROWS = 1024
 _PROJECTIONS = ("gaussian", "sparse", "kronecker")
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` should be a positive integer, but got {name}={value!r}")
-    return value
-
-
-def _alias(name: str, value: Any, old_name: str, old_value: Any, default: Any) -> Any:
-    """Merge a grabkit keyword with grab-sampler's name for it."""
-    if old_value is None:
-        return default if value is None else value
-    if value is not None and value != old_value:
-        raise ValueError(
-            f"`{name}` and its grab-sampler spelling `{old_name}` disagree "
-            f"({name}={value!r}, {old_name}={old_value!r}); pass only one of them."
-        )
-    return old_value
 
 
 def _detached_copy(tree: Any) -> Any:
@@ -109,55 +97,43 @@ def _detached_copy(tree: Any) -> Any:
     return tree
 
 
-def jl_dimension(n: int, eps: float) -> int:
-    """Johnson-Lindenstrauss target dimension 4 ln(n) / (eps^2/2 - eps^3/3) for n points."""
-    if not 0 < eps < 1:
-        raise ValueError(f"`pi_eps` should be in (0, 1), but got pi_eps={eps!r}")
-    return max(1, math.ceil(4 * math.log(max(n, 2)) / (eps**2 / 2 - eps**3 / 3)))
-
-
 class GraBSampler(Sampler[int]):
     """Order a dataset's examples by herding their gradients (GraB) or by a baseline ordering.
 
     Args:
         data_source: the dataset (only ``len()`` is used).
-        params / trainable_params: the trainable parameters (dict name -> tensor, or an
-            iterable of tensors); only their total size d is used, to check the gradients.
-            Optional.
+        params: the trainable parameters (dict name -> tensor, or an iterable of tensors);
+            only their total size d is used, to check the gradients. Optional.
         model: hook mode: a ``torch.nn.Module``; the sampler installs
-            ``grabkit.stats.PerSampleStats(model, loss_reduction=loss_reduction)`` and
-            ``step()`` without arguments balances its per-example statistics after
-            ``loss.backward()``.
+            ``grabkit.stats.PerSampleStats(model, loss_reduction=loss_reduction)`` (``close()``
+            removes it) and ``step()`` without arguments balances its per-example statistics.
         stats: hook mode with your own statistics object (anything with ``gradient_batch()``).
-        balance_type: the ordering, by grab-sampler's names: ``"mean"`` (default), ``"pair"``,
-            ``"recursive"``, ``"recursive-pair"``, ``"batch"``, ``"ema"``, ``"adamean"``,
-            ``"adaema"``, ``"sign"``, ``"norm"``, ``"rr"``, ``"so"``, ``"swr"``, ``"fixed"``,
-            ``"ntk-fixed"``, ``"ntk-eigen"``, ``"ntk-fixed-eigen"``, ``"flipflop"``, ``"greedy"``.
-        batch_size: the loader's batch size, used by ``GraBBatchSampler``; orderings read batch
-            sizes from ``step()``.
-        probabilistic / prob_balance: self-balancing walk instead of the greedy sign.
+        balance_type: a registered ordering by its grab-sampler name (``grabkit.order.
+            BALANCE_TYPES``: ``"mean"`` (default), ``"pair"``, ``"recursive"``, ...) or a
+            ``BalanceType`` member.
+        ordering: an ``Ordering`` instance instead, e.g. ``PairBalance(len(dataset))``; its own
+            seed and sign rule are used.
+        batch_size: the loader's batch size: lets hook mode check that a backward covered
+            the whole yielded batch, and sets ``skip()``'s default.
+        probabilistic: self-balancing walk instead of the greedy sign.
         prob_balance_c: the walk's constant; ``None`` or ``"auto"`` is scale-aware (see
             ``grabkit.order.balance.SignRule``).
         projection: ``None``, ``"gaussian"``, ``"sparse"``, ``"kronecker"`` or a callable
             (B, d) -> (B, k): random projection applied to dense batches before balancing.
-        projection_dim: k; default the Johnson-Lindenstrauss dimension for ``pi_eps`` (capped
-            at d).
-        random_projection, pi_eps, kron_order: grab-sampler's spelling (``"none"``, ``"jl"``,
-            ``"jl_sparse"``, ``"kron"``) and JL accuracy; ``kron_order`` must be 2.
-        normalize / normalize_grads: balance g_i / ||g_i||.
+        projection_dim, pi_eps, kron_order: k (default: the Johnson-Lindenstrauss dimension
+            for ``pi_eps``, capped at d); ``kron_order`` must be 2.
+        normalize: balance g_i / ||g_i||.
         num_replicas, rank, drop_last, seed: as ``torch.utils.data.DistributedSampler``;
             ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
         random_first_epoch: the first epoch in a random order (else 0..n-1).
-        depth: tree depth of ``"recursive"``.
-        ema_decay: weight of the newest batch mean in ``"ema"``.
-        betas, eps: ``"adaema"`` EMAs and ``"adamean"``/``"adaema"`` epsilon.
-        orders: the permutation of ``"fixed"`` (None: 0..n-1).
-        descending_norm: ``"norm"`` puts large gradients first.
-        ntk_features, ntk_kernel, num_rounds, largest_eig, descending_eig, abs_eig: the NTK
-            family (see ``grabkit.order.orderings.ntk``).
         dtype, device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
+        **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
+            ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
+            ``Ordering.option_names()``; options of other orderings are ignored, as in
+            grab-sampler) and grab-sampler's spellings ``trainable_params``, ``prob_balance``,
+            ``normalize_grads``, ``random_projection`` (``grabkit.order.compat``).
 
     Example (hook mode, gradient accumulation over two micro-batches)::
 
@@ -177,42 +153,28 @@ class GraBSampler(Sampler[int]):
         data_source: Sized,
         params: Mapping[str, torch.Tensor] | Any = None,
         *,
-        trainable_params: Mapping[str, torch.Tensor] | None = None,
         model: torch.nn.Module | None = None,
         stats: Any = None,
-        balance_type: str = "mean",
+        balance_type: str | Any = "mean",
+        ordering: Ordering | None = None,
         batch_size: int = 1,
         probabilistic: bool | None = None,
-        prob_balance: bool | None = None,
         prob_balance_c: float | str | None = None,
         projection: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
         projection_dim: int | None = None,
-        random_projection: str | None = None,
         pi_eps: float = 0.1,
         kron_order: int = 2,
         normalize: bool | None = None,
-        normalize_grads: bool | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         seed: int = 0,
         drop_last: bool = False,
         random_first_epoch: bool = True,
-        depth: int = 5,
-        ema_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        orders: Any = None,
-        descending_norm: bool = True,
-        ntk_features: torch.Tensor | None = None,
-        ntk_kernel: torch.Tensor | None = None,
-        num_rounds: int = 16,
-        largest_eig: bool = False,
-        descending_eig: bool = True,
-        abs_eig: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         record_orders: bool = False,
         loss_reduction: str = "mean",
+        **options: Any,
     ) -> None:
         if not isinstance(data_source, Sized):
             raise TypeError(
@@ -222,86 +184,41 @@ class GraBSampler(Sampler[int]):
         self.n = len(data_source)
         if self.n == 0:
             raise ValueError("GraBSampler got an empty dataset (len 0); there is nothing to order.")
-        if not isinstance(balance_type, str) and hasattr(balance_type, "value"):
-            balance_type = balance_type.value  # an Enum member such as grab-sampler's BalanceType
-        if balance_type not in ORDERINGS:
-            raise ValueError(
-                f"`balance_type` should be one of {sorted(ORDERINGS)}, but got "
-                f"balance_type={balance_type!r}"
-            )
-        self.balance_type = balance_type
-        self.batch_size = _positive_int("batch_size", batch_size)
+        given = {"params": params, "probabilistic": probabilistic, "normalize": normalize}
+        given["projection"] = projection
+        merge_grab_sampler_keywords(given, options)
+        self.batch_size = positive_int("batch_size", batch_size)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
-        self.seed = seed
         self.drop_last = bool(drop_last)
-        self.dtype, self.device = dtype, None if device is None else torch.device(device)
-        self.normalize = bool(
-            _alias("normalize", normalize, "normalize_grads", normalize_grads, False)
+        self.normalize = bool(given["normalize"])
+        self.prepare = BatchPreparer(
+            self.n, seed, given["projection"], projection_dim, pi_eps, kron_order, dtype, device
         )
-        probabilistic = _alias("probabilistic", probabilistic, "prob_balance", prob_balance, False)
-        self.rule = SignRule(bool(probabilistic), prob_balance_c)
-        self._setup_projection(projection, projection_dim, random_projection, pi_eps, kron_order)
-        self._setup_topology(num_replicas, rank)
-        if trainable_params is not None:
-            if params is not None and params is not trainable_params:
-                raise ValueError(
-                    "`params` and its grab-sampler spelling `trainable_params` were both given; "
-                    "pass only one of them."
-                )
-            params = trainable_params
-        self.dim = self._param_dim(params, model)
-        options: dict[str, Any] = {
-            "recursive": {"depth": depth},
-            "ema": {"ema_decay": ema_decay},
-            "adamean": {"eps": eps},
-            "adaema": {"betas": betas, "eps": eps},
-            "fixed": {"orders": orders},
-            "norm": {"descending_norm": descending_norm},
-            "ntk-fixed": {
-                "ntk_features": ntk_features,
-                "ntk_kernel": ntk_kernel,
-                "num_rounds": num_rounds,
-            },
-        }.get(balance_type, {})
-        if balance_type in ("ntk-eigen", "ntk-fixed-eigen"):
-            options = {
-                "ntk_features": ntk_features,
-                "ntk_kernel": ntk_kernel,
-                "largest_eig": largest_eig,
-                "descending_eig": descending_eig,
-                "abs_eig": abs_eig,
-            }
-        self.ordering: Ordering = ORDERINGS[balance_type](
-            self.n, seed=seed, rule=self.rule, random_first_epoch=bool(random_first_epoch),
-            **options,
+        self.projection_kind = given["projection"]
+        self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
+        self.num_replicas, self.rank = self.topology.num_replicas, self.topology.rank
+        self.num_samples, self.total_size = self.topology.num_samples, self.topology.total_size
+        self.dim = self._param_dim(given["params"], model)
+        rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
+        self.ordering: Ordering = build_ordering(
+            ordering, balance_type, self.n, seed=seed, rule=rule,
+            random_first_epoch=bool(random_first_epoch), options=options,
         )  # fmt: skip
-        self.stats = stats
-        self._owns_stats = False
+        self.balance_type, self.rule = self.ordering.name, self.ordering.rule
+        self.seed = self.ordering.seed if ordering is not None else seed
+        self.stats, self._owns_stats = stats, False
         if model is not None and stats is None:
-            if self.ordering.needs_coordinates or self.projection_kind is not None:
-                what = (
-                    f'balance_type="{balance_type}"'
-                    if self.ordering.needs_coordinates
-                    else "a random projection"
-                )
-                raise ValueError(
-                    f"{what} needs dense per-example gradients, but model= selects hook mode, "
-                    "which reads inner products only. Pass the per-example gradients to step() "
-                    "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
-                )
-            from grabkit.stats import PerSampleStats
-
-            self.stats = PerSampleStats(model, loss_reduction=loss_reduction)
-            self._owns_stats = True
+            self.stats, self._owns_stats = self._attach(model, loss_reduction), True
         self.source = None if self.stats is None else HookSource(self.stats)
         self._config = plain_config(
             n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
-            balance_type=balance_type, seed=seed, drop_last=self.drop_last,
+            balance_type=self.balance_type, seed=self.seed, drop_last=self.drop_last,
             probabilistic=self.rule.probabilistic, prob_balance_c=self.rule.c,
             normalize=self.normalize, projection=self.projection_kind,
             projection_dim=projection_dim, pi_eps=pi_eps, batch_size=self.batch_size,
-            random_first_epoch=bool(random_first_epoch), options=options,
+            random_first_epoch=self.ordering.random_first_epoch,
+            options=self.ordering.option_values,
         )  # fmt: skip
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
@@ -315,70 +232,22 @@ class GraBSampler(Sampler[int]):
         self._resume = False
         self._token = 0
 
-    # -- configuration helpers --------------------------------------------------------------
-    def _setup_projection(
-        self,
-        projection: str | Callable[[torch.Tensor], torch.Tensor] | None,
-        projection_dim: int | None,
-        random_projection: str | None,
-        pi_eps: float,
-        kron_order: int,
-    ) -> None:
-        if random_projection is not None:
-            if random_projection not in _GRAB_SAMPLER_PROJECTIONS:
-                raise ValueError(
-                    f"`random_projection` should be one of {list(_GRAB_SAMPLER_PROJECTIONS)}, but "
-                    f"got random_projection={random_projection!r}"
-                )
-            mapped = _GRAB_SAMPLER_PROJECTIONS[random_projection]
-            if projection is not None and mapped is not None and projection != mapped:
-                raise ValueError(
-                    f"`projection={projection!r}` and `random_projection={random_projection!r}` "
-                    "disagree; pass only one of them."
-                )
-            projection = projection if projection is not None else mapped
-        if projection is not None and not callable(projection) and projection not in _PROJECTIONS:
-            raise ValueError(
-                f"`projection` should be None, one of {list(_PROJECTIONS)} or a callable mapping "
-                f"(B, d) to (B, k), but got projection={projection!r}"
+    def _attach(self, model: torch.nn.Module, loss_reduction: str) -> Any:
+        """Hook mode: install ``PerSampleStats`` on ``model`` (inner products only)."""
+        if self.ordering.needs_coordinates or self.projection_kind is not None:
+            what = (
+                f'balance_type="{self.balance_type}"'
+                if self.ordering.needs_coordinates
+                else "a random projection"
             )
-        if kron_order != 2:
             raise ValueError(
-                f"`kron_order` should be 2 (the only supported order), got {kron_order!r}"
+                f"{what} needs dense per-example gradients, but model= selects hook mode, "
+                "which reads inner products only. Pass the per-example gradients to step() "
+                "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
             )
-        if projection_dim is not None:
-            _positive_int("projection_dim", projection_dim)
-        self.projection_kind = projection
-        self.projection_dim = projection_dim
-        self.pi_eps = pi_eps
-        if projection is not None and not callable(projection) and projection_dim is None:
-            jl_dimension(self.n, pi_eps)  # validate pi_eps now
-        self.projection: Callable[[torch.Tensor], torch.Tensor] | None = (
-            projection if callable(projection) else None
-        )
+        from grabkit.stats import PerSampleStats
 
-    def _setup_topology(self, num_replicas: int | None, rank: int | None) -> None:
-        initialised = dist.is_available() and dist.is_initialized()
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if initialised else 1
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        _positive_int("num_replicas", num_replicas)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(
-                f"`rank` should be an integer in [0, {num_replicas - 1}], but got rank={rank!r}"
-            )
-        self.num_replicas, self.rank = num_replicas, rank
-        if self.drop_last and self.n % num_replicas:
-            self.num_samples = self.n // num_replicas
-        else:
-            self.num_samples = math.ceil(self.n / num_replicas)
-        if self.num_samples == 0:
-            raise ValueError(
-                f"drop_last=True with {self.n} examples and num_replicas={num_replicas} leaves no "
-                "example for any rank; use drop_last=False or a larger dataset."
-            )
-        self.total_size = self.num_samples * num_replicas
+        return PerSampleStats(model, loss_reduction=loss_reduction)
 
     @staticmethod
     def _param_dim(params: Any, model: torch.nn.Module | None) -> int | None:
@@ -508,38 +377,6 @@ class GraBSampler(Sampler[int]):
             )
         return self.source.batches()
 
-    def _prepare(self, batch: GradientBatch) -> GradientBatch:
-        """dtype/device, projection; dense batches only (statistics batches pass through)."""
-        if not isinstance(batch, DenseGradientBatch):
-            if self.projection_kind is not None:
-                raise TypeError(
-                    "a random projection needs dense per-example gradients, but step() got a "
-                    f"{type(batch).__name__}; drop projection= or pass the (B, d) gradients."
-                )
-            return batch
-        X = batch.matrix
-        if self.dtype is not None or self.device is not None:
-            X = X.to(device=self.device or X.device, dtype=self.dtype or X.dtype)
-        if self.projection_kind is not None:
-            if self.projection is None:
-                self.projection = self._make_projection(X)
-            X = self.projection(X)
-            if X.ndim != 2 or X.shape[0] != batch.size:
-                raise ValueError(
-                    f"the projection returned shape {tuple(X.shape)} for a batch of {batch.size}; "
-                    "it should return (B, k)."
-                )
-        return DenseGradientBatch(X)
-
-    def _make_projection(self, X: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        from grabkit.order.projection import make_projection
-
-        d = X.shape[1]
-        k = self.projection_dim or min(d, jl_dimension(self.n, self.pi_eps))
-        return make_projection(
-            self.projection_kind, d, k, seed=self.seed, device=X.device, dtype=X.dtype
-        )
-
     def step(self, grads: Any = None, *, indices: Any = None) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
@@ -659,7 +496,7 @@ class GraBSampler(Sampler[int]):
     def _balance(self, batch: GradientBatch, position: int) -> None:
         """Observe one piece whose first row sits at local ``position``."""
         B = int(batch.size)
-        batch = self._prepare(batch)
+        batch = self.prepare(batch)
         if self.num_replicas == 1 and position + B <= min(self.n, self._order.numel()):
             indices = self._order[position : position + B]  # no padding reached
         else:
@@ -789,69 +626,3 @@ class GraBSampler(Sampler[int]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class GraBBatchSampler(Sampler[list[int]]):
-    """The batch-sampler form: yields lists of ``batch_size`` indices of a ``GraBSampler``.
-
-    Use as ``DataLoader(dataset, batch_sampler=GraBBatchSampler(dataset, params, batch_size=32))``.
-    ``drop_last`` drops the last incomplete batch (its examples are then never stepped and keep
-    their place between the front and the back part). Every other keyword goes to
-    ``GraBSampler`` (whose replica-level ``drop_last`` stays False); ``step``, ``set_epoch``,
-    ``update_v`` and the state methods delegate to it (``.sampler``).
-    """
-
-    def __init__(
-        self,
-        data_source: Sized,
-        params: Any = None,
-        *,
-        batch_size: int,
-        drop_last: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        self.sampler = GraBSampler(data_source, params, batch_size=batch_size, **kwargs)
-        self.batch_size = self.sampler.batch_size
-        self.drop_last = bool(drop_last)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batch: list[int] = []
-        for index in self.sampler:
-            batch.append(index)
-            if len(batch) == self.batch_size:
-                yield batch
-                batch = []
-        if batch and not self.drop_last:
-            yield batch
-
-    def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
-
-    def step(self, grads: Any = None, *, indices: Any = None) -> None:
-        self.sampler.step(grads, indices=indices)
-
-    def skip(self, count: int | None = None) -> None:
-        """Skip the current batch (or ``count`` examples): no decision for them this epoch."""
-        self.sampler.skip(count)
-
-    def close(self) -> None:
-        self.sampler.close()
-
-    def __enter__(self) -> GraBBatchSampler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def update_v(self, second_moment: Any) -> None:
-        self.sampler.update_v(second_moment)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampler.load_state_dict(state)

@@ -10,9 +10,10 @@ coordinates themselves set ``needs_coordinates``.
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from grabkit.order.balance import (
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = [
+    "ORDERINGS",
     "PURPOSE_FIRST_EPOCH",
     "PURPOSE_RESHUFFLE",
     "PURPOSE_SHUFFLE_ONCE",
@@ -41,6 +43,7 @@ __all__ = [
     "check_state_keys",
     "cpu_block_rows",
     "random_permutation",
+    "register_ordering",
 ]
 
 # purposes for epoch_generator, so that two random streams never coincide
@@ -69,10 +72,16 @@ def check_state_keys(where: str, state: dict, expected: set[str]) -> None:
 class Ordering(ABC):
     """One example-ordering policy over a dataset of n examples.
 
+    A new ordering is one file: a subclass with a ``name``, its options as keyword-only
+    ``__init__`` arguments with defaults (validated there: they are its declaration, read by
+    ``option_names``), ``observe`` and ``finish_epoch``, and ``@register_ordering`` on the class.
+    ``GraBSampler(ds, balance_type=name, option=...)`` or ``GraBSampler(ds, ordering=instance)``
+    then uses it.
+
     Args:
         n: number of examples.
         seed: all randomness derives from it.
-        rule: the sign rule shared by the balancers.
+        rule: the sign rule shared by the balancers (default: the deterministic rule).
         random_first_epoch: first epoch in a random order (else 0..n-1).
     """
 
@@ -85,12 +94,44 @@ class Ordering(ABC):
     splittable: ClassVar[bool] = False
 
     def __init__(
-        self, n: int, *, seed: int, rule: SignRule, random_first_epoch: bool = True
+        self,
+        n: int,
+        *,
+        seed: int = 0,
+        rule: SignRule | None = None,
+        random_first_epoch: bool = True,
     ) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"`n` should be a positive integer, but got n={n!r}")
         self.n = n
         self.seed = seed
-        self.rule = rule
+        self.rule = SignRule() if rule is None else rule
         self.random_first_epoch = random_first_epoch
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Ordering:
+        instance = super().__new__(cls)
+        declared = cls.option_names()
+        given = {k: v for k, v in kwargs.items() if k in declared}
+        instance._options = {**declared, **given}  # as constructed: saved in the configuration
+        return instance
+
+    @property
+    def option_values(self) -> dict[str, Any]:
+        """This ordering's own options, as constructed (defaults filled in)."""
+        return dict(self._options)
+
+    @classmethod
+    def option_names(cls) -> dict[str, Any]:
+        """This ordering's own options and their defaults, read from the ``__init__`` chain."""
+        found: dict[str, Any] = {}
+        for klass in reversed(cls.__mro__):
+            init = klass.__dict__.get("__init__")
+            if klass is Ordering or init is None or klass is object:
+                continue
+            for p in inspect.signature(init).parameters.values():
+                if p.kind is p.KEYWORD_ONLY and p.name not in _BASE_OPTIONS:
+                    found[p.name] = p.default
+        return found
 
     def initial_order(self, epoch: int) -> torch.Tensor:
         """The order of the first epoch, numbered ``epoch``."""
@@ -121,6 +162,30 @@ class Ordering(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(self.name, state, set())
+
+
+_BASE_OPTIONS = ("seed", "rule", "random_first_epoch")
+
+#: balance_type name -> ordering class; ``register_ordering`` adds to it
+ORDERINGS: dict[str, type[Ordering]] = {}
+
+_O = TypeVar("_O", bound=type[Ordering])
+
+
+def register_ordering(cls: _O) -> _O:
+    """Class decorator: make ``cls`` available as ``GraBSampler(balance_type=cls.name)``."""
+    if not (isinstance(cls, type) and issubclass(cls, Ordering)):
+        raise TypeError(f"register_ordering expects an Ordering subclass, but got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name` (its balance_type)")
+    if ORDERINGS.get(name, cls) is not cls:
+        raise ValueError(
+            f"balance_type {name!r} is already registered by {ORDERINGS[name].__name__}; "
+            "choose another name."
+        )
+    ORDERINGS[name] = cls
+    return cls
 
 
 class FrontBackOrder:

@@ -16,12 +16,14 @@ from grabkit.order.orderings.base import (
     balance_dense_vectors,
     check_state_keys,
     cpu_block_rows,
+    register_ordering,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["PairBalance"]
 
 
+@register_ordering
 class PairBalance(Ordering):
     """Pair balance (Lu et al., 2022; Cooper et al., 2023): visit examples two at a time and
     balance z = g_first - g_second. On +1 the first goes to the front and the second to the back,

@@ -6,7 +6,12 @@ from typing import Any
 
 import torch
 
-from grabkit.order.orderings.base import Ordering, balance_combinations, check_state_keys
+from grabkit.order.orderings.base import (
+    Ordering,
+    balance_combinations,
+    check_state_keys,
+    register_ordering,
+)
 from grabkit.order.orderings.centred import StaleMean
 from grabkit.order.orderings.store import warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
@@ -14,6 +19,7 @@ from grabkit.stats.gradient_batch import GradientBatch
 __all__ = ["RecursiveBalance"]
 
 
+@register_ordering
 class RecursiveBalance(Ordering):
     """Each example walks a binary tree of depth ``depth``: at every node it is balanced against
     that node's running sum and goes left on +1, right on -1. A leaf keeps its +1 examples in visit

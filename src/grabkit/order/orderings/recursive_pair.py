@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import HostProducts, apply_update, fetch_inner_products
-from grabkit.order.orderings.base import Ordering, check_state_keys
+from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["RecursivePairBalance"]
 
 
+@register_ordering
 class RecursivePairBalance(Ordering):
     """Within a batch, consecutive pairs are balanced against the root's running sum; the +1
     member of each pair joins the left group, the other the right group (an odd one out joins the

@@ -7,12 +7,14 @@ from typing import Any
 import torch
 
 from grabkit.order.balance import NON_FINITE_HELP
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["SignBalance"]
 
 
+@register_ordering
 class SignBalance(CentredBalance):
     """One bit per coordinate: herding on sign(g_i - m), m the previous epoch's mean. Robust to a
     few huge coordinates; needs dense per-example gradients."""
