@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.order.reference import ReferenceBalancer
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -397,14 +398,36 @@ def test_hook_mode_orderings_needing_coordinates_say_so(kind):
         sampler.step()
 
 
+def _projected_reference(kw: dict, X: torch.Tensor) -> torch.Tensor:
+    """What the sampler should balance for each option, built independently."""
+    from grabkit.order.configure import jl_dimension
+    from grabkit.order.projection import make_projection
+
+    if kw.get("normalize"):
+        return X / X.norm(dim=1, keepdim=True)
+    if callable(kw.get("projection")):
+        return kw["projection"](X)
+    kind = {"kron": "kronecker"}.get(kw.get("random_projection"), kw.get("projection"))
+    k = kw.get("projection_dim") or min(X.shape[1], jl_dimension(X.shape[0], 0.1))
+    return make_projection(kind, X.shape[1], k, seed=0, dtype=X.dtype)(X)
+
+
 def test_normalize_and_projection_options_run():
-    X = torch.randn(16, 300)
+    X = torch.randn(16, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for kw in ({"normalize": True}, {"projection": "gaussian", "projection_dim": 8},
                {"projection": "sparse", "projection_dim": 8}, {"random_projection": "kron"},
                {"projection": lambda G: G[:, :5]}):  # fmt: skip
         sampler = GraBSampler(range(16), **kw)
-        for _ in range(2):
-            assert sorted(run_epoch(sampler, X, 4)) == list(range(16))
+        reference = ReferenceBalancer("mean")
+        Y = _projected_reference(kw, X)
+        order = list(sampler)
+        for epoch in range(2):
+            expected = reference.epoch(Y, order, [4, 4, 4, 4], epoch)
+            for start in range(0, 16, 4):
+                sampler.step(X[order[start : start + 4]])
+            order = list(sampler)
+            assert sorted(order) == list(range(16))
+            assert order == expected, (kw, epoch)
 
 
 def test_normalize_is_scale_free_per_example():
