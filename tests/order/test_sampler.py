@@ -160,13 +160,13 @@ def _assert_same_state(a, b) -> None:
 @pytest.mark.parametrize("bad_row", [0, 3, 7])
 @pytest.mark.parametrize("block_bytes", [1, 4 << 20])
 def test_a_non_finite_row_anywhere_leaves_the_whole_state_unchanged(
-    balance_type, bad_row, block_bytes, monkeypatch
+    balance_type, bad_row, block_bytes
 ):
-    import grabkit.order.balance as balance_module
+    from grabkit.order.balance import BlockPolicy
 
-    monkeypatch.setattr(balance_module, "CPU_BLOCK_BYTES", block_bytes)
     g = torch.Generator().manual_seed(0)
-    sampler = GraBSampler(range(24), balance_type=balance_type)
+    policy = BlockPolicy(max_bytes=block_bytes)
+    sampler = GraBSampler(range(24), balance_type=balance_type, block_policy=policy)
     list(sampler)
     sampler.step(torch.randn(8, 5, generator=g))  # running sums are no longer zero
     before = copy.deepcopy(sampler.state_dict())  # state_dict() shares the live state
@@ -514,13 +514,12 @@ def test_distributed_misuse_is_explained():
         hooked.step()
 
 
-def test_large_batches_are_balanced_in_blocks_with_the_same_decisions(monkeypatch):
-    import grabkit.order.sampler as sampler_module
+def test_large_batches_are_balanced_in_blocks_with_the_same_decisions():
+    from grabkit.order.balance import BlockPolicy
 
     X = torch.randn(40, 3, dtype=torch.float64)
     whole = GraBSampler(range(40), balance_type="pair")
-    monkeypatch.setattr(sampler_module, "MAX_BLOCK_ROWS", 7)
-    blocked = GraBSampler(range(40), balance_type="pair")
+    blocked = GraBSampler(range(40), balance_type="pair", block_policy=BlockPolicy(observe_rows=7))
     for _ in range(2):
         order = list(whole)
         assert list(blocked) == order

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from grabkit.order.balance import SignRule
+from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.compat import GRAB_SAMPLER_KEYWORDS, GRAB_SAMPLER_PROJECTIONS
 from grabkit.order.orderings import ORDERINGS, Ordering
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
@@ -84,6 +84,7 @@ def build_ordering(
     rule: SignRule,
     random_first_epoch: bool,
     options: Mapping[str, Any],
+    block_policy: BlockPolicy | None = None,
 ) -> Ordering:
     """The sampler's ordering: ``ordering`` itself, or the registered ``balance_type`` built
     with the options it declares."""
@@ -114,7 +115,10 @@ def build_ordering(
         )
     cls = ORDERINGS[balance_type]
     own = {k: v for k, v in options.items() if k in cls.option_names()}
-    return cls(n, seed=seed, rule=rule, random_first_epoch=random_first_epoch, **own)
+    return cls(
+        n, seed=seed, rule=rule, random_first_epoch=random_first_epoch,
+        block_policy=block_policy, **own,
+    )  # fmt: skip
 
 
 def jl_dimension(n: int, eps: float) -> int:

@@ -59,7 +59,7 @@ import torch
 from torch.utils.data import Sampler
 
 from grabkit.order import distributed as collective
-from grabkit.order.balance import NON_FINITE_HELP, SignRule
+from grabkit.order.balance import NON_FINITE_HELP, BlockPolicy, SignRule
 from grabkit.order.configure import (
     BatchPreparer,
     Topology,
@@ -78,12 +78,6 @@ __all__ = ["GraBSampler"]
 _STATE_VERSION = 2
 #: epoch_generator purpose of the distributed padding (distinct from the orderings' purposes)
 _PURPOSE_PADDING = 5
-
-#: dense batches larger than this are balanced in consecutive blocks (same decisions, for the
-#: orderings whose decisions do not depend on how the visit sequence is cut into batches), so the
-#: host transfer of the (B, B) Gram matrix stays small
-MAX_BLOCK_ROWS = 1024
-_PROJECTIONS = ("gaussian", "sparse", "kronecker")
 
 
 def _detached_copy(tree: Any) -> Any:
@@ -129,6 +123,8 @@ class GraBSampler(Sampler[int]):
         dtype, device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
+        block_policy: how dense batches are cut for balancing (``grabkit.order.balance.
+            BlockPolicy``); tuning only, the orders do not depend on it.
         **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
             ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
             ``Ordering.option_names()``; options of other orderings are ignored, as in
@@ -174,6 +170,7 @@ class GraBSampler(Sampler[int]):
         device: torch.device | str | None = None,
         record_orders: bool = False,
         loss_reduction: str = "mean",
+        block_policy: BlockPolicy | None = None,
         **options: Any,
     ) -> None:
         if not isinstance(data_source, Sized):
@@ -203,7 +200,8 @@ class GraBSampler(Sampler[int]):
         rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
         self.ordering: Ordering = build_ordering(
             ordering, balance_type, self.n, seed=seed, rule=rule,
-            random_first_epoch=bool(random_first_epoch), options=options,
+            random_first_epoch=bool(random_first_epoch), block_policy=block_policy,
+            options=options,
         )  # fmt: skip
         self.balance_type, self.rule = self.ordering.name, self.ordering.rule
         self.seed = self.ordering.seed if ordering is not None else seed
@@ -524,13 +522,14 @@ class GraBSampler(Sampler[int]):
         return batch, indices
 
     def _observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        rows = self.ordering.policy.observe_rows
         split = self.ordering.splittable and isinstance(batch, DenseGradientBatch)
-        if not split or batch.size <= MAX_BLOCK_ROWS:
+        if not split or batch.size <= rows:
             self.ordering.observe(batch, indices)
             return
-        for start in range(0, batch.size, MAX_BLOCK_ROWS):
-            block = DenseGradientBatch(batch.matrix[start : start + MAX_BLOCK_ROWS])
-            self.ordering.observe(block, indices[start : start + MAX_BLOCK_ROWS])
+        for start in range(0, batch.size, rows):
+            block = DenseGradientBatch(batch.matrix[start : start + rows])
+            self.ordering.observe(block, indices[start : start + rows])
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import grabkit.order.balance as balance_module
 from grabkit.order.balance import NON_FINITE_HELP, fetch_inner_products
 from grabkit.order.orderings.base import (
     FrontBackOrder,
@@ -15,7 +14,6 @@ from grabkit.order.orderings.base import (
     balance_combinations,
     balance_dense_vectors,
     check_state_keys,
-    cpu_block_rows,
     register_ordering,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
@@ -80,6 +78,7 @@ class PairBalance(Ordering):
                 weights=W,
                 fixed=self.pending.reshape(1, -1) if carried else None,
                 fixed_weights=U if carried else None,
+                policy=self.policy,
             )
         if k:
             for j, eps in enumerate(signs[:, 0].tolist()):
@@ -106,8 +105,8 @@ class PairBalance(Ordering):
         return (
             isinstance(batch, DenseGradientBatch)
             and batch.device.type == "cpu"
-            and balance_module.CPU_BLOCK_ROWS > 0
-            and cpu_block_rows(batch.dim * self.acc.element_size()) >= 4
+            and self.policy.rows > 0
+            and self.policy.block_rows(batch.dim * self.acc.element_size()) >= 4
         )
 
     def _balance_differences(self, X: torch.Tensor, k: int, leftover: bool) -> np.ndarray:
@@ -116,7 +115,9 @@ class PairBalance(Ordering):
         if leftover and not bool(torch.isfinite(X[-1]).all()):
             raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
         shift = 1 if self.pending is not None else 0  # z_j = X[2j - shift] - X[2j + 1 - shift]
-        scratch = torch.empty(cpu_block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype)
+        scratch = torch.empty(
+            self.policy.block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype
+        )
 
         def differences(lo: int, hi: int) -> torch.Tensor:
             out = scratch[: hi - lo]
@@ -128,7 +129,7 @@ class PairBalance(Ordering):
             torch.sub(X[a:b:2], X[a + 1 : b + 1 : 2], out=out[out.shape[0] - (hi - lo) :])
             return out
 
-        return balance_dense_vectors(differences, k, self.acc, self.rule)[:, None]
+        return balance_dense_vectors(differences, k, self.acc, self.rule, self.policy)[:, None]
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)

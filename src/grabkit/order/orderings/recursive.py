@@ -69,6 +69,7 @@ class RecursiveBalance(Ordering):
             fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
             depth=self.depth,
             before_update=lambda total: self.mean.add(total, batch.size),
+            policy=self.policy,
         )
         decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
         for index, leaf, eps in decided:
