@@ -28,9 +28,11 @@ from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 __all__ = [
     "BatchPreparer",
     "Topology",
+    "attach_statistics",
     "build_ordering",
     "jl_dimension",
     "merge_grab_sampler_keywords",
+    "param_dim",
     "positive_int",
 ]
 
@@ -232,3 +234,39 @@ class Topology:
                 "example for any rank; use drop_last=False or a larger dataset."
             )
         return cls(num_replicas, rank, num_samples, num_samples * num_replicas)
+
+
+def param_dim(params: Any, model: torch.nn.Module | None) -> int | None:
+    """d, the total size of ``params`` (or of ``model``'s trainable parameters); None if neither."""
+    if params is None and model is not None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    if params is None:
+        return None
+    values = params.values() if isinstance(params, Mapping) else params
+    try:
+        return sum(int(p.numel()) for p in values)
+    except (TypeError, AttributeError):
+        raise TypeError(
+            "`params` should be a dict of tensors (e.g. dict(model.named_parameters())) or an "
+            f"iterable of tensors, but got {type(params).__name__}"
+        ) from None
+
+
+def attach_statistics(
+    model: torch.nn.Module, loss_reduction: str, ordering: Ordering, projection: Any
+) -> Any:
+    """Hook mode: ``PerSampleStats`` on ``model`` (inner products only, so no coordinates)."""
+    if ordering.needs_coordinates or projection is not None:
+        what = (
+            f'balance_type="{ordering.name}"'
+            if ordering.needs_coordinates
+            else "a random projection"
+        )
+        raise ValueError(
+            f"{what} needs dense per-example gradients, but model= selects hook mode, "
+            "which reads inner products only. Pass the per-example gradients to step() "
+            "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
+        )
+    from grabkit.stats import PerSampleStats
+
+    return PerSampleStats(model, loss_reduction=loss_reduction)

@@ -12,14 +12,38 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from grabkit.order.orderings.base import random_permutation
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
-__all__ = ["check_agreement", "fingerprint", "gather_rows", "process_group_matches"]
+__all__ = [
+    "check_agreement",
+    "fingerprint",
+    "gather_rows",
+    "global_rows",
+    "padded_order",
+    "process_group_matches",
+]
+
+#: epoch_generator purpose of the padding (distinct from the orderings' purposes)
+_PURPOSE_PADDING = 5
+
+
+def padded_order(order: torch.Tensor, total_size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The global order padded to ``total_size`` with examples drawn afresh each epoch (from
+    (seed, epoch), so every rank pads alike), as ``DistributedSampler``'s padding varies with
+    its shuffle; or truncated (``drop_last``)."""
+    extra = total_size - order.numel()
+    if extra > 0:
+        picks = random_permutation(order.numel(), seed, epoch, _PURPOSE_PADDING)
+        repeats = math.ceil(extra / order.numel())
+        order = torch.cat([order, order[picks.repeat(repeats)[:extra]]])
+    return order[:total_size]
 
 
 def process_group_matches(num_replicas: int) -> bool:
@@ -87,3 +111,24 @@ def gather_rows(
     rows = torch.stack(gathered, dim=1).reshape(X.shape[0] * W, X.shape[1])
     global_positions = (positions[:, None] * W + torch.arange(W)[None, :]).reshape(-1)
     return DenseGradientBatch(rows), global_positions
+
+
+def global_rows(
+    batch: GradientBatch, position: int, num_replicas: int, n: int, padded: torch.Tensor
+) -> tuple[GradientBatch, torch.Tensor]:
+    """A step's rows of all ranks without the padding, and their dataset indices.
+
+    Args:
+        position: this rank's local position of the batch's first row.
+        padded: the epoch's (total_size,) padded global order.
+    """
+    positions = torch.arange(position, position + batch.size)
+    if num_replicas > 1:
+        batch, global_positions = gather_rows(batch, positions, position, num_replicas)
+    else:
+        global_positions = positions
+    keep = global_positions < n  # padding repeats examples: not balanced twice
+    indices = padded[global_positions[keep]]
+    if not bool(keep.all()):
+        batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
+    return batch, indices

@@ -50,7 +50,6 @@ them. The state records the configuration, and loading it into a sampler built o
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
@@ -63,32 +62,22 @@ from grabkit.order.balance import NON_FINITE_HELP, BlockPolicy, SignRule
 from grabkit.order.configure import (
     BatchPreparer,
     Topology,
+    attach_statistics,
     build_ordering,
     merge_grab_sampler_keywords,
+    param_dim,
     positive_int,
 )
 from grabkit.order.orderings import Ordering
-from grabkit.order.orderings.base import random_permutation
+from grabkit.order.orderings.base import observe_in_blocks
+from grabkit.order.positions import first_position, skip_count
 from grabkit.order.sources import HookSource, dense_batch, normalized
-from grabkit.order.state import check_config, check_positions, plain_config
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
+from grabkit.order.state import plain_config, read_state
+from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
 
 __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
-#: epoch_generator purpose of the distributed padding (distinct from the orderings' purposes)
-_PURPOSE_PADDING = 5
-
-
-def _detached_copy(tree: Any) -> Any:
-    """A copy of a nest of dicts and lists whose tensors share no memory with the original."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, Mapping):
-        return {k: _detached_copy(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_detached_copy(v) for v in tree]
-    return tree
 
 
 class GraBSampler(Sampler[int]):
@@ -196,7 +185,7 @@ class GraBSampler(Sampler[int]):
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
         self.num_replicas, self.rank = self.topology.num_replicas, self.topology.rank
         self.num_samples, self.total_size = self.topology.num_samples, self.topology.total_size
-        self.dim = self._param_dim(given["params"], model)
+        self.dim = param_dim(given["params"], model)
         rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
         self.ordering: Ordering = build_ordering(
             ordering, balance_type, self.n, seed=seed, rule=rule,
@@ -207,7 +196,10 @@ class GraBSampler(Sampler[int]):
         self.seed = self.ordering.seed if ordering is not None else seed
         self.stats, self._owns_stats = stats, False
         if model is not None and stats is None:
-            self.stats, self._owns_stats = self._attach(model, loss_reduction), True
+            self.stats = attach_statistics(
+                model, loss_reduction, self.ordering, given["projection"]
+            )
+            self._owns_stats = True
         self.source = None if self.stats is None else HookSource(self.stats)
         self._config = plain_config(
             n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
@@ -229,38 +221,6 @@ class GraBSampler(Sampler[int]):
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
-
-    def _attach(self, model: torch.nn.Module, loss_reduction: str) -> Any:
-        """Hook mode: install ``PerSampleStats`` on ``model`` (inner products only)."""
-        if self.ordering.needs_coordinates or self.projection_kind is not None:
-            what = (
-                f'balance_type="{self.balance_type}"'
-                if self.ordering.needs_coordinates
-                else "a random projection"
-            )
-            raise ValueError(
-                f"{what} needs dense per-example gradients, but model= selects hook mode, "
-                "which reads inner products only. Pass the per-example gradients to step() "
-                "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
-            )
-        from grabkit.stats import PerSampleStats
-
-        return PerSampleStats(model, loss_reduction=loss_reduction)
-
-    @staticmethod
-    def _param_dim(params: Any, model: torch.nn.Module | None) -> int | None:
-        if params is None and model is not None:
-            params = [p for p in model.parameters() if p.requires_grad]
-        if params is None:
-            return None
-        values = params.values() if isinstance(params, Mapping) else params
-        try:
-            return sum(int(p.numel()) for p in values)
-        except (TypeError, AttributeError):
-            raise TypeError(
-                "`params` should be a dict of tensors (e.g. dict(model.named_parameters())) or an "
-                f"iterable of tensors, but got {type(params).__name__}"
-            ) from None
 
     # -- epochs ------------------------------------------------------------------------------
     def _begin(self, epoch: int, order: torch.Tensor) -> None:
@@ -307,16 +267,7 @@ class GraBSampler(Sampler[int]):
         self._publish()
 
     def _padded_order(self) -> torch.Tensor:
-        """The global order padded to ``total_size`` with examples drawn afresh each epoch
-        (from (seed, epoch), so every rank pads alike), as DistributedSampler's padding
-        varies with its shuffle; or truncated with ``drop_last``."""
-        order = self._order
-        extra = self.total_size - order.numel()
-        if extra > 0:
-            picks = random_permutation(order.numel(), self.seed, self._epoch, _PURPOSE_PADDING)
-            repeats = math.ceil(extra / order.numel())
-            order = torch.cat([order, order[picks.repeat(repeats)[:extra]]])
-        return order[: self.total_size]
+        return collective.padded_order(self._order, self.total_size, self.seed, self._epoch)
 
     def _local_indices(self) -> torch.Tensor:
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
@@ -396,7 +347,11 @@ class GraBSampler(Sampler[int]):
         """
         pieces = self._pieces(grads)
         B = sum(int(piece.size) for piece in pieces)
-        start = self._start_of(B, indices, hook=grads is None)
+        start = first_position(
+            B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
+            local=self._local_indices if indices is not None else None, indices=indices,
+            hook=grads is None,
+        )  # fmt: skip
         for piece in pieces:
             if self.dim is not None and piece.dim != self.dim:
                 raise ValueError(
@@ -429,67 +384,10 @@ class GraBSampler(Sampler[int]):
         in hook mode, else the next batch.
         """
         kept = self.source.discard() if self.source is not None else 0
-        if count is None:
-            if self.batch_size == 1 and not kept:
-                raise ValueError(
-                    "skip() needs the number of examples to skip, skip(len(batch)): this "
-                    "sampler does not know the loader's batch size (pass batch_size= to it)."
-                )
-            end = self._stepped + max(kept, 1)
-            end = min(math.ceil(end / self.batch_size) * self.batch_size, self.num_samples)
-            count = end - self._stepped
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"`count` should be a non-negative integer, but got count={count!r}")
-        left = self.num_samples - self._stepped
-        if count > left:
-            raise ValueError(
-                f"skip({count}) but epoch {self._epoch} has only {left} examples left to step "
-                "on this rank."
-            )
+        count = skip_count(count, kept, self._stepped, self.num_samples, self.batch_size)
         self._stepped += count
         self._started = True
         self._publish()
-
-    def _start_of(self, B: int, indices: Any, hook: bool) -> int:
-        """The local position where the step's B examples start (>= the stepped count)."""
-        left = self.num_samples - self._stepped
-        if left < B:
-            raise ValueError(
-                f"step() got gradients of {B} examples but epoch {self._epoch} has only {left} "
-                f"of its {self.num_samples} examples left to step on this rank. Call "
-                "iter(sampler) (start the next epoch) before stepping its batches, and pass one "
-                "gradient per example yielded."
-            )
-        if indices is not None:
-            return self._locate(indices, B)
-        end = self._stepped + B
-        mid_batch = end % self.batch_size and end < self.num_samples
-        if hook and B and (end > self._yielded or mid_batch):
-            raise ValueError(
-                f"hook mode: the backward(s) since the last step() covered {B} examples, but "
-                f"positions {self._stepped}..{end - 1} are not a whole number of the "
-                f"{self._yielded - self._stepped} yielded, unstepped examples in batches of "
-                f"{self.batch_size}; run the backward over the whole yielded batch (pass the "
-                "loader's batch_size to the sampler so it can check), or pass indices=."
-            )
-        return self._stepped
-
-    def _locate(self, indices: Any, B: int) -> int:
-        wanted = torch.as_tensor(indices).reshape(-1).to(torch.int64)
-        if wanted.numel() != B:
-            raise ValueError(
-                f"step() got {wanted.numel()} indices for the gradients of {B} examples; pass "
-                "one dataset index per gradient row."
-            )
-        local = self._local_indices()
-        for start in range(self._stepped, self.num_samples - B + 1):
-            if torch.equal(local[start : start + B], wanted):
-                return start
-        raise ValueError(
-            f"step(indices={wanted.tolist()}) : these are not the next examples of epoch "
-            f"{self._epoch} in visit order on this rank (after the {self._stepped} stepped); "
-            "pass the indices exactly as the sampler yielded them, once."
-        )
 
     def _balance(self, batch: GradientBatch, position: int) -> None:
         """Observe one piece whose first row sits at local ``position``."""
@@ -498,38 +396,13 @@ class GraBSampler(Sampler[int]):
         if self.num_replicas == 1 and position + B <= min(self.n, self._order.numel()):
             indices = self._order[position : position + B]  # no padding reached
         else:
-            batch, indices = self._global_batch(batch, position)
+            batch, indices = collective.global_rows(
+                batch, position, self.num_replicas, self.n, self._padded_order()
+            )
         if self.normalize:
             batch = normalized(batch)
         if indices.numel():
-            self._observe(batch, indices)
-
-    def _global_batch(
-        self, batch: GradientBatch, position: int
-    ) -> tuple[GradientBatch, torch.Tensor]:
-        """The rows of all ranks for this step, without padding, and their dataset indices."""
-        positions = torch.arange(position, position + batch.size)
-        if self.num_replicas > 1:
-            batch, global_positions = collective.gather_rows(
-                batch, positions, position, self.num_replicas
-            )
-        else:
-            global_positions = positions
-        keep = global_positions < self.n  # padding repeats examples: not balanced twice
-        indices = self._padded_order()[global_positions[keep]]
-        if not bool(keep.all()):
-            batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
-        return batch, indices
-
-    def _observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
-        rows = self.ordering.policy.observe_rows
-        split = self.ordering.splittable and isinstance(batch, DenseGradientBatch)
-        if not split or batch.size <= rows:
-            self.ordering.observe(batch, indices)
-            return
-        for start in range(0, batch.size, rows):
-            block = DenseGradientBatch(batch.matrix[start : start + rows])
-            self.ordering.observe(block, indices[start : start + rows])
+            observe_in_blocks(self.ordering, batch, indices)
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
@@ -580,21 +453,11 @@ class GraBSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
-        state = _detached_copy(state)
-        check_config("GraBSampler", state, self._config, _STATE_VERSION)
-        live = state["live"]
-        if int(live["epoch"]) != int(state["epoch"]):
-            raise ValueError(
-                f"GraBSampler.load_state_dict: the state's position is in epoch {state['epoch']} "
-                f"but its ordering state moved on to epoch {live['epoch']}: state_dict() shares "
-                "the live ordering state, so save (torch.save) or copy.deepcopy it when you "
-                "take it."
-            )
-        order = live["order"]
-        check_positions(
-            order, self.n, permutation=self.balance_type != "swr",
-            counts=(int(state["yielded"]), int(live["stepped"])), limit=self.num_samples,
+        state = read_state(
+            "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
+            permutation=self.balance_type != "swr",
         )  # fmt: skip
+        live, order = state["live"], state["live"]["order"]
         self.ordering.load_state_dict(dict(live["ordering"]))
         self.rule.load_state_dict(dict(live["rule"]))
         self._epoch = int(state["epoch"])

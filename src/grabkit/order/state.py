@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_config", "check_positions", "plain_config"]
+__all__ = ["check_config", "check_positions", "detached_copy", "plain_config", "read_state"]
 
 
 def _plain(value: Any) -> Any:
@@ -86,3 +86,41 @@ def check_positions(
                 f"load_state_dict: the saved position {count} lies outside [0, {limit}]; the "
                 "state is corrupted."
             )
+
+
+def detached_copy(tree: Any) -> Any:
+    """A copy of a nest of dicts and lists whose tensors share no memory with the original."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, Mapping):
+        return {k: detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [detached_copy(v) for v in tree]
+    return tree
+
+
+def read_state(
+    where: str,
+    state: Mapping[str, Any],
+    config: Mapping[str, Any],
+    version: int,
+    num_samples: int,
+    *,
+    permutation: bool,
+) -> dict[str, Any]:
+    """A private copy of a sampler state, checked: keys, version, configuration, the live part
+    from the same epoch as the position, the order, and the counts."""
+    state = detached_copy(state)
+    check_config(where, state, config, version)
+    live = state["live"]
+    if int(live["epoch"]) != int(state["epoch"]):
+        raise ValueError(
+            f"{where}.load_state_dict: the state's position is in epoch {state['epoch']} but its "
+            f"ordering state moved on to epoch {live['epoch']}: state_dict() shares the live "
+            "ordering state, so save (torch.save) or copy.deepcopy it when you take it."
+        )
+    check_positions(
+        live["order"], int(config["n"]), permutation=permutation,
+        counts=(int(state["yielded"]), int(live["stepped"])), limit=num_samples,
+    )  # fmt: skip
+    return state

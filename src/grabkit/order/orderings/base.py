@@ -25,7 +25,7 @@ from grabkit.order.balance import (
     balance_dense_vectors,
     epoch_generator,
 )
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = [
     "ORDERINGS",
@@ -38,6 +38,7 @@ __all__ = [
     "balance_combinations",
     "balance_dense_vectors",
     "check_state_keys",
+    "observe_in_blocks",
     "random_permutation",
     "register_ordering",
 ]
@@ -186,6 +187,19 @@ def register_ordering(cls: _O) -> _O:
         )
     ORDERINGS[name] = cls
     return cls
+
+
+def observe_in_blocks(ordering: Ordering, batch: GradientBatch, indices: torch.Tensor) -> None:
+    """``ordering.observe``, in blocks of ``policy.observe_rows`` rows for the orderings whose
+    decisions do not depend on the cut (``splittable``), so no (B, B) Gram gets large."""
+    rows = ordering.policy.observe_rows
+    split = ordering.splittable and isinstance(batch, DenseGradientBatch)
+    if not split or batch.size <= rows:
+        ordering.observe(batch, indices)
+        return
+    for start in range(0, batch.size, rows):
+        block = DenseGradientBatch(batch.matrix[start : start + rows])
+        ordering.observe(block, indices[start : start + rows])
 
 
 class FrontBackOrder:
