@@ -13,7 +13,7 @@ the rank layout, each validated with an error that names the keyword.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ __all__ = [
     "Topology",
     "attach_statistics",
     "build_ordering",
+    "dataset_size",
     "jl_dimension",
     "merge_grab_sampler_keywords",
     "param_dim",
@@ -37,6 +38,19 @@ __all__ = [
 ]
 
 _PROJECTIONS = ("gaussian", "sparse", "kronecker")
+
+
+def dataset_size(data_source: Any) -> int:
+    """``len(data_source)``, which must exist and be positive: only map-style datasets reorder."""
+    if not isinstance(data_source, Sized):
+        raise TypeError(
+            "GraBSampler needs a dataset with len(), but got "
+            f"{type(data_source).__name__}; iterable-style datasets cannot be reordered."
+        )
+    n = len(data_source)
+    if n == 0:
+        raise ValueError("GraBSampler got an empty dataset (len 0); there is nothing to order.")
+    return n
 
 
 def positive_int(name: str, value: Any) -> int:

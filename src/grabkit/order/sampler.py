@@ -1,19 +1,8 @@
 """``GraBSampler``: a ``torch.utils.data.Sampler`` whose order is decided by per-example gradients.
 
-Usage (functional per-example gradients, as with grab-sampler)::
-
-    sampler = GraBSampler(dataset, params)          # balance_type="mean" (vanilla GraB)
-    loader = DataLoader(dataset, sampler=sampler, batch_size=16)
-    for epoch in range(epochs):
-        for x, y in loader:
-            grads = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y)  # {name: (B, ...)}
-            sampler.step(grads)                      # balance this batch, in visit order
-            ...                                      # optimiser update
-
-or with hook statistics (no (B, d) tensor is ever built)::
-
-    sampler = GraBSampler(dataset, model=model, batch_size=16)  # installs PerSampleStats
-    ... loss.backward(); sampler.step() ...   # every backward since the last step, in order
+Two ways to feed it: the per-example gradients given to ``step(grads)`` (grab-sampler's way), or
+hook statistics (``model=``: ``step()`` after the backward(s), no (B, d) tensor ever built); see
+the class docstring for both loops.
 
 A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``; or pass the dataset
 indices of each stepped batch, ``sampler.step(grads, indices=idx)``, and skipped examples are
@@ -30,11 +19,9 @@ balancing), as with ``DistributedSampler``.
 
 Distributed use follows ``DistributedSampler``: the epoch's global order is padded with examples
 drawn afresh each epoch from (seed, epoch) (or, with ``drop_last=True``, truncated) to a multiple
-of ``num_replicas``, and
-rank r yields positions r, r + W, r + 2W, ... Every rank calls ``step`` with the gradients of its
-own batch; the ranks all-gather them (dense or projected), so all of them take exactly the
-decisions one process would take on the global batch in global visit order. Padding duplicates
-are not balanced.
+of ``num_replicas``; rank r yields positions r, r + W, ... Every rank steps its own batch and the
+ranks all-gather the gradients, so all of them decide as one process would on the global batch
+in global visit order. Padding duplicates are not balanced.
 
 Resuming. ``state_dict()`` records the position (epoch, yielded count) as a snapshot and shares
 the ordering state (running sums, placements, stepped count) live, as ``model.state_dict()``
@@ -58,12 +45,13 @@ import torch
 from torch.utils.data import Sampler
 
 from grabkit.order import distributed as collective
-from grabkit.order.balance import NON_FINITE_HELP, BlockPolicy, SignRule
+from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.configure import (
     BatchPreparer,
     Topology,
     attach_statistics,
     build_ordering,
+    dataset_size,
     merge_grab_sampler_keywords,
     param_dim,
     positive_int,
@@ -71,7 +59,7 @@ from grabkit.order.configure import (
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
-from grabkit.order.sources import HookSource, dense_batch, normalized
+from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
 from grabkit.order.state import plain_config, read_state
 from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
 
@@ -120,6 +108,13 @@ class GraBSampler(Sampler[int]):
             grab-sampler) and grab-sampler's spellings ``trainable_params``, ``prob_balance``,
             ``normalize_grads``, ``random_projection`` (``grabkit.order.compat``).
 
+    Example (grab-sampler's functional form)::
+
+        sampler = GraBSampler(dataset, params)  # balance_type="mean" (vanilla GraB)
+        for x, y in DataLoader(dataset, sampler=sampler, batch_size=16):
+            sampler.step(vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y))
+            ...  # optimiser update
+
     Example (hook mode, gradient accumulation over two micro-batches)::
 
         with GraBSampler(dataset, model=model, batch_size=32) as sampler:
@@ -162,14 +157,7 @@ class GraBSampler(Sampler[int]):
         block_policy: BlockPolicy | None = None,
         **options: Any,
     ) -> None:
-        if not isinstance(data_source, Sized):
-            raise TypeError(
-                "GraBSampler needs a dataset with len(), but got "
-                f"{type(data_source).__name__}; iterable-style datasets cannot be reordered."
-            )
-        self.n = len(data_source)
-        if self.n == 0:
-            raise ValueError("GraBSampler got an empty dataset (len 0); there is nothing to order.")
+        self.n = dataset_size(data_source)
         given = {"params": params, "probabilistic": probabilistic, "normalize": normalize}
         given["projection"] = projection
         merge_grab_sampler_keywords(given, options)
@@ -314,18 +302,6 @@ class GraBSampler(Sampler[int]):
         return self.num_samples
 
     # -- stepping ----------------------------------------------------------------------------
-    def _pieces(self, grads: Any) -> list[GradientBatch]:
-        """The step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
-        backward since the last step)."""
-        if grads is not None:
-            return [dense_batch(grads)]
-        if self.source is None:
-            raise ValueError(
-                "step() without gradients needs hook statistics: construct the sampler with "
-                "model=... (or stats=...), or pass the per-example gradients to step()."
-            )
-        return self.source.batches()
-
     def step(self, grads: Any = None, *, indices: Any = None) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
@@ -345,25 +321,15 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        pieces = self._pieces(grads)
+        pieces = step_pieces(grads, self.source, self.dim)
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
             local=self._local_indices if indices is not None else None, indices=indices,
             hook=grads is None,
         )  # fmt: skip
-        for piece in pieces:
-            if self.dim is not None and piece.dim != self.dim:
-                raise ValueError(
-                    f"step() got gradients of length {piece.dim} per example, but the params "
-                    f"given to the sampler have {self.dim} numbers in total; pass the "
-                    "per-example gradients of exactly those parameters."
-                )
         if B and self.ordering.uses_gradients:
-            if len(pieces) > 1:  # all micro-batches are checked before any changes state
-                for piece in pieces:
-                    if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
-                        raise ValueError(NON_FINITE_HELP)
+            check_finite(pieces)
             position = start
             for piece in pieces:
                 self._balance(piece, position)
@@ -431,16 +397,9 @@ class GraBSampler(Sampler[int]):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """The position now, plus the sampler's live ordering state; plain data for
-        ``torch.save`` / ``torch.load(weights_only=True)``.
-
-        The position (epoch, yielded count) is a snapshot. The ordering state (running sums,
-        placements, the stepped count) is shared, not copied: every dict returned shows the
-        latest ``step()``. So ``StatefulDataLoader``, which takes a state per dispatched batch
-        ahead of training, pays nothing in the model size, and a checkpoint keeps the
-        decisions of the examples stepped after its position was taken. Save the dict when
-        you take it (or ``copy.deepcopy`` it) to freeze it.
-        """
+        """The position now (a snapshot) and the live ordering state (shared, not copied: it
+        shows the latest ``step()``; see "Resuming" above). Plain data for ``torch.save`` and
+        ``torch.load(weights_only=True)``; save it (or ``copy.deepcopy`` it) to freeze it."""
         return {
             "version": _STATE_VERSION,
             "config": dict(self._config),

@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 
+from grabkit.order.balance import NON_FINITE_HELP
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
-__all__ = ["HookSource", "NormalizedBatch", "dense_batch", "normalized"]
+__all__ = [
+    "HookSource",
+    "NormalizedBatch",
+    "check_finite",
+    "dense_batch",
+    "normalized",
+    "step_pieces",
+]
 
 
 class HookSource:
@@ -74,6 +82,37 @@ class HookSource:
         if self.tracks_backwards and self.capture in self.stats.step_listeners:
             self.stats.step_listeners.remove(self.capture)
         self.pending = []
+
+
+def step_pieces(grads: Any, source: HookSource | None, dim: int | None) -> list[GradientBatch]:
+    """A step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
+    backward since the last step), each checked to be ``dim`` numbers long (when known)."""
+    if grads is not None:
+        pieces = [dense_batch(grads)]
+    elif source is None:
+        raise ValueError(
+            "step() without gradients needs hook statistics: construct the sampler with "
+            "model=... (or stats=...), or pass the per-example gradients to step()."
+        )
+    else:
+        pieces = source.batches()
+    for piece in pieces:
+        if dim is not None and piece.dim != dim:
+            raise ValueError(
+                f"step() got gradients of length {piece.dim} per example, but the params "
+                f"given to the sampler have {dim} numbers in total; pass the per-example "
+                "gradients of exactly those parameters."
+            )
+    return pieces
+
+
+def check_finite(pieces: list[GradientBatch]) -> None:
+    """Reject NaN / Inf in any of several micro-batches before the first changes any state (one
+    piece is checked by the balancing itself, at no extra cost)."""
+    if len(pieces) > 1:
+        for piece in pieces:
+            if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
+                raise ValueError(NON_FINITE_HELP)
 
 
 def dense_batch(grads: Any) -> GradientBatch:
