@@ -32,9 +32,9 @@ def first_position(
     Args:
         local: the rank's (num_samples,) dataset indices in visit order, when ``indices`` (the
             B dataset indices the caller says the gradients belong to) are given.
-        hook: hook mode without indices: the B examples must end a yielded batch of
-            ``batch_size``, or the epoch (a backward over part of a batch would otherwise shift
-            every later attribution).
+        hook: hook mode without indices: the B examples must end a batch of ``batch_size``
+            (or the epoch) and, once the epoch was iterated, lie among the yielded examples (a
+            backward over part of a batch would otherwise shift every later attribution).
     """
     left = num_samples - stepped
     if left < B:
@@ -48,7 +48,7 @@ def first_position(
         return _locate(local(), indices, B, stepped, num_samples, epoch)
     end = stepped + B
     mid_batch = end % batch_size and end < num_samples
-    if hook and B and (end > yielded or mid_batch):
+    if hook and B and ((yielded and end > yielded) or mid_batch):  # yielded 0: not iterated
         raise ValueError(
             f"hook mode: the backward(s) since the last step() covered {B} examples, but "
             f"positions {stepped}..{end - 1} are not a whole number of the "
