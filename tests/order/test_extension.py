@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from grabkit import GraBSampler
@@ -59,3 +60,13 @@ def test_an_ordering_instance_is_accepted():
         for s in (by_name, by_instance):
             s.step(X[order])
     assert by_instance.balance_type == "pair"
+
+
+def test_sampler_settings_an_instance_would_ignore_are_refused():
+    for kwargs in ({"seed": 3}, {"prob_balance": True}, {"depth": 2}, {"balance_type": "mean2"}):
+        with pytest.raises(ValueError, match="instance's own configuration"):
+            GraBSampler(range(6), ordering=PairBalance(6), **kwargs)
+    with pytest.raises(ValueError, match="built for n=5"):
+        GraBSampler(range(6), ordering=PairBalance(5))
+    sampler = GraBSampler(range(6), ordering=PairBalance(6, seed=3))
+    assert sampler.seed == 3 and sampler.state_dict()["config"]["seed"] == 3

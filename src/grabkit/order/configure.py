@@ -101,9 +101,15 @@ def build_ordering(
     random_first_epoch: bool,
     options: Mapping[str, Any],
     block_policy: BlockPolicy | None = None,
+    explicit: Mapping[str, Any] | None = None,
 ) -> Ordering:
     """The sampler's ordering: ``ordering`` itself, or the registered ``balance_type`` built
-    with the options it declares."""
+    with the options it declares.
+
+    ``explicit`` holds the sampler keywords given other than by default (None when not): with
+    an instance they would be silently ignored, so they raise (the instance's own seed, rule
+    and options apply).
+    """
     known = {name for cls in ORDERINGS.values() for name in cls.option_names()}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -112,15 +118,7 @@ def build_ordering(
             f"nor an option of any registered ordering ({sorted(known)})."
         )
     if ordering is not None:
-        if not isinstance(ordering, Ordering):
-            raise TypeError(
-                f"`ordering` should be an Ordering instance (e.g. PairBalance(len(dataset))), "
-                f"but got {type(ordering).__name__}"
-            )
-        if ordering.n != n:
-            raise ValueError(
-                f"`ordering` was built for n={ordering.n} examples but the dataset has {n}"
-            )
+        _check_instance(ordering, n, {**(explicit or {}), **options, "block_policy": block_policy})
         return ordering
     if not isinstance(balance_type, str) and hasattr(balance_type, "value"):
         balance_type = balance_type.value  # an Enum member such as BalanceType.PAIR_BALANCE
@@ -135,6 +133,24 @@ def build_ordering(
         n, seed=seed, rule=rule, random_first_epoch=random_first_epoch,
         block_policy=block_policy, **own,
     )  # fmt: skip
+
+
+def _check_instance(ordering: Ordering, n: int, ignored: Mapping[str, Any]) -> None:
+    if not isinstance(ordering, Ordering):
+        raise TypeError(
+            f"`ordering` should be an Ordering instance (e.g. PairBalance(len(dataset))), "
+            f"but got {type(ordering).__name__}"
+        )
+    given = sorted(k for k, v in ignored.items() if v is not None)
+    if given:
+        raise ValueError(
+            f"GraBSampler(ordering=...) takes the instance's own configuration, so {given} "
+            "would be ignored; pass them to the ordering's constructor instead."
+        )
+    if ordering.n != n:
+        raise ValueError(
+            f"`ordering` was built for n={ordering.n} examples but the dataset has {n}"
+        )
 
 
 def jl_dimension(n: int, eps: float) -> int:

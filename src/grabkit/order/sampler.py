@@ -166,35 +166,37 @@ class GraBSampler(Sampler[int]):
             raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
         self.drop_last = bool(drop_last)
         self.normalize = bool(given["normalize"])
-        self.prepare = BatchPreparer(
-            self.n, seed, given["projection"], projection_dim, pi_eps, kron_order, dtype, device
-        )
-        self.projection_kind = given["projection"]
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
         self.num_replicas, self.rank = self.topology.num_replicas, self.topology.rank
         self.num_samples, self.total_size = self.topology.num_samples, self.topology.total_size
         self.dim = param_dim(given["params"], model)
         rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
+        explicit = {"probabilistic": given["probabilistic"], "prob_balance_c": prob_balance_c}
+        explicit.update(seed=seed or None, random_first_epoch=None if random_first_epoch else 0)
+        explicit["balance_type"] = None if balance_type == "mean" else balance_type
         self.ordering: Ordering = build_ordering(
-            ordering, balance_type, self.n, seed=seed, rule=rule,
-            random_first_epoch=bool(random_first_epoch), block_policy=block_policy,
-            options=options,
+            ordering, balance_type, self.n, seed=seed, rule=rule, explicit=explicit,
+            random_first_epoch=bool(random_first_epoch), block_policy=block_policy, options=options,
         )  # fmt: skip
         self.balance_type, self.rule = self.ordering.name, self.ordering.rule
-        self.seed = self.ordering.seed if ordering is not None else seed
-        self.stats, self._owns_stats = stats, False
-        if model is not None and stats is None:
+        self.seed = self.ordering.seed
+        self.prepare = BatchPreparer(
+            self.n, self.seed, given["projection"], projection_dim, pi_eps, kron_order, dtype,
+            device,
+        )  # fmt: skip
+        self.projection_kind = given["projection"]
+        self.stats, self._owns_stats = stats, model is not None and stats is None
+        if self._owns_stats:
             self.stats = attach_statistics(
-                model, loss_reduction, self.ordering, given["projection"]
+                model, loss_reduction, self.ordering, self.projection_kind
             )
-            self._owns_stats = True
         self.source = None if self.stats is None else HookSource(self.stats)
         self._config = plain_config(
             n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
             balance_type=self.balance_type, seed=self.seed, drop_last=self.drop_last,
             probabilistic=self.rule.probabilistic, prob_balance_c=self.rule.c,
             normalize=self.normalize, projection=self.projection_kind,
-            projection_dim=projection_dim, pi_eps=pi_eps, batch_size=self.batch_size,
+            projection_dim=projection_dim, pi_eps=pi_eps,
             random_first_epoch=self.ordering.random_first_epoch,
             options=self.ordering.option_values,
         )  # fmt: skip
@@ -343,11 +345,9 @@ class GraBSampler(Sampler[int]):
     def skip(self, count: int | None = None) -> None:
         """Give the next ``count`` unstepped examples no decision this epoch (a skipped batch).
 
-        They keep their place between the front and the back part, like examples of an
-        abandoned epoch, and the next ``step()`` balances the examples after them. ``count``
-        defaults to the rest of the current batch of ``batch_size`` (the sampler's, or
-        ``GraBBatchSampler``'s): the batch the backwards since the last ``step()`` came from
-        in hook mode, else the next batch.
+        They keep their place between the front and the back part; the next ``step()`` balances
+        the examples after them. ``count`` defaults to the rest of the current batch of
+        ``batch_size`` (hook mode: the batch of the backwards since the last ``step()``).
         """
         kept = self.source.discard() if self.source is not None else 0
         count = skip_count(count, kept, self._stepped, self.num_samples, self.batch_size)
