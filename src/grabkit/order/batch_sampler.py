@@ -19,8 +19,10 @@ class GraBBatchSampler(Sampler[list[int]]):
     Use as ``DataLoader(dataset, batch_sampler=GraBBatchSampler(dataset, params, batch_size=32))``.
     ``drop_last`` drops the last incomplete batch (its examples are then never stepped and keep
     their place between the front and the back part). Every other keyword goes to
-    ``GraBSampler`` (whose replica-level ``drop_last`` stays False); ``step``, ``set_epoch``,
-    ``update_v`` and the state methods delegate to it (``.sampler``).
+    ``GraBSampler`` (whose replica-level ``drop_last`` stays False); ``step``, ``skip`` (default:
+    the current batch), ``set_epoch``, ``update_v``, ``close`` and the state methods delegate to
+    it (``.sampler``). Knowing the batch size, hook mode checks that each ``step()`` covers
+    whole yielded batches.
     """
 
     def __init__(
