@@ -4,7 +4,9 @@ resume at an epoch's end, sign balancing on NaN, checked states, distributed agr
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -321,3 +323,17 @@ def test_padding_duplicate_varies_by_epoch():
         sampler.set_epoch(epoch)
         extras.add(list(sampler)[-1])  # rank 1's last position is the padding
     assert len(extras) > 1
+
+
+def test_hook_mode_keeps_no_consumed_statistics_alive():
+    model = _model()
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 2, (4,))
+    with GraBBatchSampler(range(8), model=model, batch_size=4) as sampler:
+        batch = next(iter(sampler))
+        F.cross_entropy(model(x), y).backward()
+        ref = weakref.ref(sampler.sampler.stats.statistics())
+        sampler.step()
+        assert batch and ref() is not None
+        model(x)  # the next step's first forward: the engine drops the consumed statistics
+        gc.collect()
+        assert ref() is None  # nothing in the sampler holds them (activations freed)

@@ -9,7 +9,8 @@ statistics (sketches, another engine) plugs in here by offering ``batches()``, `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,7 +41,9 @@ class HookSource:
     def __init__(self, stats: Any) -> None:
         self.stats = stats
         self.pending: list[GradientBatch] = []
-        self._taken: Any = None  # the engine's statistics object last kept (or consumed)
+        # the engine's statistics object last kept (or consumed), weakly: holding it would keep
+        # a consumed step's activations alive through the next forward and backward
+        self._taken: Callable[[], Any] = lambda: None
         self.tracks_backwards = hasattr(stats, "step_listeners") and hasattr(stats, "statistics")
         if self.tracks_backwards:
             stats.step_listeners.append(self.capture)
@@ -50,8 +53,8 @@ class HookSource:
         if not self.stats.backward_seen:
             return
         current = self.stats.statistics()
-        if current is not self._taken:
-            self._taken = current
+        if current is not self._taken():
+            self._taken = weakref.ref(current)
             self.pending.append(self.stats.gradient_batch())
 
     def batches(self) -> list[GradientBatch]:
