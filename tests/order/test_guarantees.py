@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import warnings
 import weakref
 
 import pytest
@@ -337,3 +338,15 @@ def test_hook_mode_keeps_no_consumed_statistics_alive():
         model(x)  # the next step's first forward: the engine drops the consumed statistics
         gc.collect()
         assert ref() is None  # nothing in the sampler holds them (activations freed)
+
+
+def test_an_epoch_with_no_step_at_all_warns():
+    sampler = GraBSampler(range(6), balance_type="mean")
+    list(sampler)
+    with pytest.warns(UserWarning, match="no step"):
+        list(sampler)  # GraB never applied in epoch 0
+    quiet = GraBSampler(range(6), balance_type="rr")  # orders without gradients: no warning
+    list(quiet)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(quiet)
