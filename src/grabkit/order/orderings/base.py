@@ -202,6 +202,32 @@ def observe_in_blocks(ordering: Ordering, batch: GradientBatch, indices: torch.T
         ordering.observe(block, indices[start : start + rows])
 
 
+class _IndexTensor:
+    """An int64 tensor copy of a growing list of indices, extended by what was appended since
+    the last call: the sampler publishes its state after every step, so this keeps that O(batch)
+    instead of O(n). The views it returns share one buffer (reused after a reset)."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.done = 0
+
+    def reset(self) -> None:
+        self.done = 0
+
+    def view(self, items: list[int]) -> torch.Tensor:
+        count = len(items)
+        if count < self.done:  # the list was replaced or cleared behind our back
+            self.done = 0
+        if self.buffer.numel() < count:
+            grown = torch.empty(max(count, 2 * self.buffer.numel()), dtype=torch.int64)
+            grown[: self.done] = self.buffer[: self.done]
+            self.buffer = grown
+        if count > self.done:
+            self.buffer[self.done : count] = torch.tensor(items[self.done :], dtype=torch.int64)
+        self.done = count
+        return self.buffer[:count]
+
+
 class FrontBackOrder:
     """The GraB placement: +1 examples to the front in visit order, -1 examples to the back in
     reverse visit order, unobserved examples in between in their previous relative order."""
@@ -209,10 +235,13 @@ class FrontBackOrder:
     def __init__(self) -> None:
         self.front: list[int] = []
         self.back: list[int] = []
+        self._front_tensor, self._back_tensor = _IndexTensor(), _IndexTensor()
 
     def clear(self) -> None:
         self.front.clear()
         self.back.clear()
+        self._front_tensor.reset()
+        self._back_tensor.reset()
 
     def place(self, indices: list[int], signs: np.ndarray) -> None:
         for index, eps in zip(indices, signs.tolist(), strict=True):
@@ -225,10 +254,12 @@ class FrontBackOrder:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "front": torch.tensor(self.front, dtype=torch.int64),
-            "back": torch.tensor(self.back, dtype=torch.int64),
+            "front": self._front_tensor.view(self.front),
+            "back": self._back_tensor.view(self.back),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.front = [int(i) for i in state["front"]]
         self.back = [int(i) for i in state["back"]]
+        self._front_tensor.reset()
+        self._back_tensor.reset()
