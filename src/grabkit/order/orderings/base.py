@@ -34,6 +34,7 @@ __all__ = [
     "PURPOSE_SHUFFLE_ONCE",
     "PURPOSE_WITH_REPLACEMENT",
     "FrontBackOrder",
+    "IndexTensor",
     "Ordering",
     "balance_combinations",
     "balance_dense_vectors",
@@ -202,7 +203,7 @@ def observe_in_blocks(ordering: Ordering, batch: GradientBatch, indices: torch.T
         ordering.observe(block, indices[start : start + rows])
 
 
-class _IndexTensor:
+class IndexTensor:
     """An int64 tensor copy of a growing list of indices, extended by what was appended since
     the last call: the sampler publishes its state after every step, so this keeps that O(batch)
     instead of O(n). The views it returns share one buffer (reused after a reset)."""
@@ -235,7 +236,7 @@ class FrontBackOrder:
     def __init__(self) -> None:
         self.front: list[int] = []
         self.back: list[int] = []
-        self._front_tensor, self._back_tensor = _IndexTensor(), _IndexTensor()
+        self._front_tensor, self._back_tensor = IndexTensor(), IndexTensor()
 
     def clear(self) -> None:
         self.front.clear()
