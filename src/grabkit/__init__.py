@@ -24,6 +24,9 @@ _EXPORTS: dict[str, str] = {
     # ordering
     "GraBSampler": "grabkit.order",
     "GraBBatchSampler": "grabkit.order",
+    "BalanceType": "grabkit.order",
+    "Ordering": "grabkit.order",
+    "register_ordering": "grabkit.order",
     "herding_bound": "grabkit.order",
     "StreamingHerdingBound": "grabkit.order",
     "make_projection": "grabkit.order",

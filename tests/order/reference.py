@@ -31,7 +31,7 @@ class RefRule:
     def sign(self, s: torch.Tensor, z: torch.Tensor) -> float:
         v = float(s @ z)
         if not self.probabilistic:
-            return 1.0 if v <= 0 else -1.0
+            return 1.0 if v < 0 else -1.0
         if self.c is None:
             self.largest = max(self.largest, abs(v))
             c = self.largest

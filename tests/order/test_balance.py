@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 from tests.order.reference import ReferenceBalancer
 
 import grabkit.order.balance as balance_module
-import grabkit.order.orderings.base as base_module
 from grabkit.order import GraBSampler
-from grabkit.order.balance import SignRule, run_recursion
+from grabkit.order.balance import BlockPolicy, SignRule, run_recursion
 
 BALANCERS = ["mean", "pair", "recursive", "recursive-pair", "batch", "ema", "adamean", "adaema",
              "sign"]  # fmt: skip
@@ -22,12 +21,14 @@ SIZES = [[5, 3, 7, 1, 7], [4, 4, 4, 4, 4, 3], [6, 2, 9]]
 N, D = 23, 6
 
 
-def run_against_reference(kind: str, probabilistic: bool, c, seed: int = 3) -> None:
+def run_against_reference(
+    kind: str, probabilistic: bool, c, seed: int = 3, policy: BlockPolicy | None = None
+) -> None:
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(N, D, generator=g, dtype=torch.float64) + 0.3
     sampler = GraBSampler(
         range(N), balance_type=kind, prob_balance=probabilistic, prob_balance_c=c,
-        seed=seed, depth=2,
+        seed=seed, depth=2, block_policy=policy,
     )  # fmt: skip
     ref = ReferenceBalancer(kind, probabilistic=probabilistic, c=c, seed=seed, depth=2)
     if kind == "adamean":
@@ -46,26 +47,25 @@ def run_against_reference(kind: str, probabilistic: bool, c, seed: int = 3) -> N
 
 
 @pytest.fixture(params=["cpu-blocks", "cpu-3-row-blocks", "cpu-1-row-blocks", "one-transfer"])
-def balancing_path(request, monkeypatch):
+def balancing_path(request):
     """Run a test through every CPU block shape and the one-transfer (device) path."""
-    if request.param == "one-transfer":
-        monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 0)
-    elif request.param == "cpu-3-row-blocks":
-        monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 3)
-    elif request.param == "cpu-1-row-blocks":  # what long gradients get: one row per block
-        monkeypatch.setattr(balance_module, "CPU_BLOCK_BYTES", 1)
-    return request.param
+    return {
+        "cpu-blocks": BlockPolicy(),
+        "one-transfer": BlockPolicy(rows=0),
+        "cpu-3-row-blocks": BlockPolicy(rows=3),
+        "cpu-1-row-blocks": BlockPolicy(max_bytes=1),  # what long gradients get: one row a block
+    }[request.param]
 
 
 @pytest.mark.parametrize("kind", BALANCERS)
 def test_deterministic_decisions_equal_sequential_loop(kind, balancing_path):
-    run_against_reference(kind, probabilistic=False, c=None)
+    run_against_reference(kind, probabilistic=False, c=None, policy=balancing_path)
 
 
 @pytest.mark.parametrize("kind", BALANCERS)
 @pytest.mark.parametrize("c", [None, 0.5])
 def test_probabilistic_decisions_equal_sequential_loop(kind, c, balancing_path):
-    run_against_reference(kind, probabilistic=True, c=c)
+    run_against_reference(kind, probabilistic=True, c=c, policy=balancing_path)
 
 
 def test_run_recursion_matches_explicit_tree_walk():
@@ -77,7 +77,7 @@ def test_run_recursion_matches_explicit_tree_walk():
     for i, z in enumerate(Z):
         node = 0
         for level in range(3):
-            eps = 1.0 if sums[node] @ z <= 0 else -1.0
+            eps = 1.0 if sums[node] @ z < 0 else -1.0
             assert signs[i, level] == eps
             sums[node] += eps * z
             if level < 2:
@@ -89,22 +89,22 @@ def test_run_recursion_matches_explicit_tree_walk():
 @pytest.mark.parametrize("kind", ["mean", "pair", "recursive", "recursive-pair", "batch", "ema"])
 def test_one_host_transfer_per_batch(kind, monkeypatch):
     """Each step moves the batch's inner products to the host once (not once per example)."""
-    monkeypatch.setattr(balance_module, "CPU_BLOCK_ROWS", 0)  # as for device batches
     calls = []
-    real = base_module.fetch_inner_products
+    real = balance_module.fetch_inner_products
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(base_module, "fetch_inner_products", counting)
+    monkeypatch.setattr(balance_module, "fetch_inner_products", counting)
     import grabkit.order.orderings.pair as pair_module
     import grabkit.order.orderings.recursive_pair as rp_module
 
     monkeypatch.setattr(pair_module, "fetch_inner_products", counting)
     monkeypatch.setattr(rp_module, "fetch_inner_products", counting)
     X = torch.randn(32, 10)
-    sampler = GraBSampler(range(32), balance_type=kind)
+    one_transfer = BlockPolicy(rows=0)  # as for device batches
+    sampler = GraBSampler(range(32), balance_type=kind, block_policy=one_transfer)
     order = list(sampler)
     for start in range(0, 32, 8):
         sampler.step(X[order[start : start + 8]])

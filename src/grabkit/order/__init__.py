@@ -8,18 +8,23 @@ themselves live in ``grabkit.order.orderings``, the batched sign recursion in
 
 from __future__ import annotations
 
+from grabkit.order.batch_sampler import GraBBatchSampler
+from grabkit.order.compat import BalanceType
 from grabkit.order.herding import StreamingHerdingBound, herding_bound
-from grabkit.order.orderings import ORDERINGS
+from grabkit.order.orderings import ORDERINGS, Ordering, register_ordering
 from grabkit.order.projection import make_projection
-from grabkit.order.sampler import GraBBatchSampler, GraBSampler
+from grabkit.order.sampler import GraBSampler
 
 __all__ = [
     "BALANCE_TYPES",
+    "BalanceType",
     "GraBBatchSampler",
     "GraBSampler",
+    "Ordering",
     "StreamingHerdingBound",
     "herding_bound",
     "make_projection",
+    "register_ordering",
 ]
 
 #: every accepted ``balance_type``

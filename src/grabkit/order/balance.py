@@ -2,7 +2,9 @@
 
 Herding decides one sign per vector: with s the running signed sum and z the next vector,
 
-* deterministic rule: eps = +1 if <s, z> <= 0 else -1  (the greedy choice ||s + eps z|| minimal);
+* deterministic rule: eps = +1 if <s, z> < 0 else -1  (the greedy choice ||s + eps z|| minimal;
+  a tie, such as the first vector of an epoch, goes to -1 as in grab-sampler, whose orders
+  grabkit reproduces exactly);
 * probabilistic rule (the self-balancing walk): eps = +1 with probability 1/2 - <s, z> / (2c).
 
 Done naively that is one device round trip per example. Here a batch costs one: for a batch of
@@ -20,9 +22,9 @@ is exactly what a sequential loop computes, so the decisions are those of the se
 
 On the CPU there is no host synchronisation to save, and the B x B Gram matrix costs B/2 times
 the work of the sequential loop; dense CPU batches therefore run the same algebra on blocks of a
-few rows (at most ``CPU_BLOCK_ROWS`` rows and about ``CPU_BLOCK_BYTES`` of X), the running sums
-moving between blocks: the same decisions for a fraction of the arithmetic, each block read from
-memory once (``grabkit.order.orderings.base.balance_combinations``).
+few rows (``BlockPolicy``: at most ``rows`` rows and about ``max_bytes`` of X, an explicit
+argument), the running sums moving between blocks: the same decisions for a fraction of the
+arithmetic, each block read from memory once (``balance_combinations``, below).
 
 Several accumulators are supported at once (the nodes of a recursive-balance tree): a decision
 at node j updates only s_j, and with ``depth > 0`` every vector walks from the root to a leaf,
@@ -32,19 +34,22 @@ going to the left child on +1 and to the right child on -1.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = [
-    "CPU_BLOCK_BYTES",
-    "CPU_BLOCK_ROWS",
+    "DEFAULT_POLICY",
+    "BlockPolicy",
     "HostProducts",
     "SignRule",
     "apply_update",
+    "balance_combinations",
+    "balance_dense_vectors",
     "epoch_generator",
     "fetch_inner_products",
     "run_recursion",
@@ -53,21 +58,43 @@ __all__ = [
 #: the walk's uniforms are drawn from the generator this many at a time
 UNIFORM_BLOCK = 256
 
-#: dense CPU batches are balanced at most this many rows of X at a time; 0 sends them through
-#: the one-transfer path like device batches
-CPU_BLOCK_ROWS = 16
 
-#: ... and at most about this many bytes of X at a time (at least one row): a block, the running
-#: sums and the fixed vectors then stay in a typical last-level cache while the block is used. For
-#: long gradients this means one vector per block, which needs no Gram matrix at all (a Gram of
-#: a few rows with a long inner dimension runs far below the arithmetic peak)
-CPU_BLOCK_BYTES = 4 << 20
+@dataclass(frozen=True)
+class BlockPolicy:
+    """How dense CPU batches are cut into blocks: tuning only, the decisions never change.
+
+    Attributes:
+        rows: at most this many rows of X per block; 0 sends dense CPU batches through the
+            one-transfer path like device batches.
+        max_bytes: ... and at most about this many bytes of X per block (at least one row): a
+            block, the running sums and the fixed vectors then stay in a typical last-level
+            cache while the block is used. For long gradients this means one vector per block,
+            which needs no Gram matrix at all (a Gram of a few rows with a long inner dimension
+            runs far below the arithmetic peak).
+        observe_rows: the sampler hands an ordering at most this many rows at a time, for the
+            orderings whose decisions do not depend on how a visit sequence is cut, so the
+            host transfer of a (B, B) Gram matrix stays small.
+    """
+
+    rows: int = 16
+    max_bytes: int = 4 << 20
+    observe_rows: int = 1024
+
+    def block_rows(self, row_bytes: int) -> int:
+        """How many vectors of ``row_bytes`` bytes a dense CPU block takes (at least one)."""
+        return max(1, min(self.rows, self.max_bytes // row_bytes))
+
+
+DEFAULT_POLICY = BlockPolicy()
 
 NON_FINITE_HELP = (
     "step() received per-example gradients containing NaN or Inf, so no balancing decision can "
-    "be made for this batch. Fix the source of the non-finite values (lower the learning rate, "
-    "clip gradients, check the loss for log(0) or division by zero), or skip this batch by not "
-    "calling step() for it: its examples are then treated as not visited."
+    "be made for this batch (nothing changed). Fix the source of the non-finite values (lower "
+    "the learning rate, clip gradients, check the loss for log(0) or division by zero), or skip "
+    "the batch: call sampler.skip(len(batch)) (in hook mode or on a GraBBatchSampler, "
+    "sampler.skip()), or pass the dataset indices of the next batch you step, "
+    "step(grads, indices=idx). Just leaving out step() would give the next batch's gradients to "
+    "the skipped examples."
 )
 
 
@@ -124,7 +151,7 @@ class SignRule:
     def decide(self, value: float, uniform: float | None) -> float:
         """The sign (+1.0 / -1.0) for a vector z with <s, z> = ``value``."""
         if not self.probabilistic:
-            return 1.0 if value <= 0.0 else -1.0
+            return 1.0 if value < 0.0 else -1.0  # grab-sampler's convention: ties -> -1
         if self.c is None:
             self.largest_seen = max(self.largest_seen, abs(value))
             c = self.largest_seen
@@ -331,3 +358,284 @@ def apply_update(
             accumulators.device, accumulators.dtype
         )
         accumulators.addmm_(fw, fixed.to(accumulators.dtype).reshape(fw.shape[1], -1))
+
+
+def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
+    return (
+        isinstance(batch, DenseGradientBatch)
+        and batch.device.type == "cpu"
+        and accumulators.device.type == "cpu"
+        and accumulators.dtype == batch.dtype
+    )
+
+
+def balance_combinations(
+    batch: GradientBatch,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    *,
+    weights: np.ndarray | None = None,
+    fixed: torch.Tensor | None = None,
+    fixed_weights: np.ndarray | None = None,
+    depth: int = 0,
+    sequential: bool = True,
+    before_update: Callable[[torch.Tensor], None] | None = None,
+    policy: BlockPolicy = DEFAULT_POLICY,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
+
+    Device batches and hook statistics: one host transfer for the whole batch. Dense CPU
+    batches have no transfer to save, and there the (B, B) Gram matrix would cost B/2 times the
+    sequential loop's arithmetic, so their vectors are taken a few rows at a time
+    (``policy.block_rows``: many for short gradients, one for long ones), each block reading only
+    its own rows of X and seeing the sums left by the blocks before it: the same decisions for a
+    fraction of the work.
+
+    Args:
+        batch: B per-example gradients x_i.
+        accumulators: (r, d) running signed sums, updated in place (r = 1, or a heap-ordered tree
+            of 2^(depth+1) - 1 nodes).
+        weights: W (k, B); None means the identity (z_i = x_i - ...). Each row's nonzeros must
+            lie at or after those of the row before (true of every balancer here).
+        fixed: (f, d) fixed vectors v_f (a centre, a carried-over example), with U (k, f) in
+            ``fixed_weights``.
+        depth: tree depth of ``run_recursion`` (0: flat).
+        sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
+        before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
+            that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
+            the batch's rows (formed while each block is in cache on the dense CPU path).
+        policy: the dense CPU block shape (``BlockPolicy``); ``rows=0`` takes the one-transfer
+            path as device batches do. The decisions do not depend on it.
+    Returns:
+        signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
+    """
+    W = np.eye(batch.size) if weights is None else weights
+    U = np.zeros((W.shape[0], 0 if fixed is None else fixed.shape[0]))
+    if fixed_weights is not None:
+        U = fixed_weights
+    if not (sequential and policy.rows > 0 and _dense_on_cpu(batch, accumulators)):
+        if isinstance(batch, DenseGradientBatch):  # one pass over X for all the vectors
+            products = fetch_inner_products(
+                batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
+            )
+        else:  # hook statistics read each vector apart: stacking them would only copy
+            products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
+        if before_update is not None:
+            before_update(batch.total())
+        return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
+    X = batch.matrix
+    return _DenseCpuBalance(
+        lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
+        before_update, policy,
+    ).run()  # fmt: skip
+
+
+def balance_dense_vectors(
+    vectors: Callable[[int, int], torch.Tensor],
+    count: int,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    policy: BlockPolicy = DEFAULT_POLICY,
+) -> np.ndarray:
+    """Balance ``count`` vectors made block by block against one running sum, on the CPU.
+
+    Args:
+        vectors: ``vectors(lo, hi)`` returns z_lo .. z_(hi-1) as a (hi - lo, d) CPU tensor of the
+            accumulators' dtype, valid until the next call (it may reuse one scratch buffer).
+            Blocks hold ``policy.block_rows(row bytes)`` vectors, so a scratch buffer of that many
+            rows is enough; vectors formed one block at a time stay in cache while they are used.
+        accumulators: (1, d) running signed sum, updated in place once all blocks were finite.
+    Returns:
+        signs (count,).
+    """
+    shape = (count, accumulators.shape[1])
+    zero = np.zeros((count, 0))
+    balancer = _DenseCpuBalance(
+        vectors, shape, accumulators, rule, None, None, zero, 0, None, policy
+    )
+    signs, _ = balancer.run()
+    return signs[:, 0]
+
+
+def _vector_blocks(W: np.ndarray, max_rows: int) -> list[tuple[int, int, int, int]]:
+    """Cut the balance vectors (rows of W) into consecutive blocks spanning <= max_rows rows of X.
+
+    Returns (k0, k1, lo, hi) per block: vectors k0..k1-1 read only rows lo..hi-1 of X. A vector
+    whose own span exceeds ``max_rows`` gets a block to itself; a vector with no nonzero weight
+    joins the block being built.
+    """
+    nonzero = W != 0
+    has_any = nonzero.any(axis=1)
+    first = np.where(has_any, nonzero.argmax(axis=1), -1).tolist()
+    last = np.where(has_any, W.shape[1] - 1 - nonzero[:, ::-1].argmax(axis=1), -1).tolist()
+    blocks: list[tuple[int, int, int, int]] = []
+    k0, lo, hi = 0, -1, -1
+    for k in range(W.shape[0]):
+        if first[k] < 0:
+            continue
+        if lo >= 0 and last[k] + 1 - lo > max_rows:
+            blocks.append((k0, k, lo, hi))
+            k0, lo = k, -1
+        lo = first[k] if lo < 0 else min(lo, first[k])
+        hi = max(hi, last[k] + 1)
+    if W.shape[0] > k0:
+        blocks.append((k0, W.shape[0], max(lo, 0), max(hi, 0)))
+    return blocks
+
+
+class _DenseCpuBalance:
+    """``balance_combinations`` for a dense (B, d) CPU matrix X, a few rows of X at a time.
+
+    ``rows(lo, hi)`` returns X[lo:hi] (or vectors formed on demand, ``balance_dense_vectors``);
+    ``shape`` is (B, d).
+
+    The running sums and fixed vectors live in one (r + f, d) scratch matrix V, so each block of
+    rows X_b costs one product X_b V^T (read from memory once), its small Gram X_b X_b^T and one
+    in-place update of the sums, all three while X_b is still in cache. The fixed vectors' share
+    of the sums (s_j = s'_j + sum_f D[j, f] v_f) is added once per batch, not once per block: the
+    blocks only add rows of X to s', <x_i, s_j> = <x_i, s'_j> + D <x_i, v_f> comes from the same
+    product, and <v_f, s_j> is carried on the host (it changes by known combinations of
+    <x_i, v_f> and <v_f, v_g>). Blocks hold at most ``policy.rows`` rows and about
+    ``policy.max_bytes`` of X: few Python calls for short gradients, no Gram-dominated
+    arithmetic for long ones. ``weights=None`` (z_i = x_i - ...) skips every product with W.
+    The accumulators and the rule change only once every block was found finite.
+    """
+
+    def __init__(
+        self,
+        rows: Callable[[int, int], torch.Tensor],
+        shape: tuple[int, int],
+        accumulators: torch.Tensor,
+        rule: SignRule,
+        weights: np.ndarray | None,
+        fixed: torch.Tensor | None,
+        U: np.ndarray,
+        depth: int,
+        before_update: Callable[[torch.Tensor], None] | None,
+        policy: BlockPolicy,
+    ) -> None:
+        self.rows, self.accumulators, self.rule = rows, accumulators, rule
+        self.weights, self.U, self.depth, self.before_update = weights, U, depth, before_update
+        self.r, self.f = accumulators.shape[0], U.shape[1]
+        self.B, d = shape
+        self.dtype = accumulators.dtype
+        max_rows = policy.block_rows(max(d * accumulators.element_size(), 1))
+        if weights is None:
+            self.blocks = [
+                (k0, min(k0 + max_rows, self.B)) * 2 for k0 in range(0, self.B, max_rows)
+            ]
+        else:
+            self.blocks = _vector_blocks(weights, max_rows)
+        # scratch rows: [batch total (when asked for); running sums; fixed vectors]
+        self.t = 0 if before_update is None else 1
+        self.scratch = torch.empty(self.t + self.r + self.f, d, dtype=self.dtype)
+        self.scratch[: self.t].zero_()
+        self.scratch[self.t :].copy_(_stack(accumulators, fixed))
+        self.V = self.scratch[self.t :]  # what the rows meet
+        self.updated = self.scratch[: self.t + self.r]  # what they change
+        self.summed = np.zeros(self.B, dtype=bool)  # rows already in the total
+        # the fixed vectors' share of each sum is added once at the end: sums hold s - deferred F
+        self.deferred = np.zeros((self.r, self.f))
+        self.fs = self.ff = np.zeros((0, 0))
+
+    def run(self) -> tuple[np.ndarray, np.ndarray]:
+        self._check_unused_rows()
+        if self.f:
+            ff = (self.V[self.r :] @ self.V.T).double().numpy()  # (f, r + f)
+            if not np.isfinite(ff).all():
+                raise ValueError(NON_FINITE_HELP)
+            self.fs, self.ff = ff[:, : self.r].copy(), ff[:, self.r :]  # <v_f, s_j>, <v_f, v_g>
+        saved_rule = self.rule.state_dict() if self.rule.probabilistic else None
+        signs, leaves = [], []
+        try:
+            for block in self.blocks:
+                s, leaf = self._block(*block)
+                signs.append(s)
+                leaves.append(leaf)
+        except ValueError:
+            if saved_rule is not None:
+                self.rule.load_state_dict(saved_rule)
+            raise
+        self._commit()
+        return np.concatenate(signs), np.concatenate(leaves)
+
+    def _check_unused_rows(self) -> None:
+        if self.weights is None:
+            return
+        unused = np.flatnonzero(np.abs(self.weights).sum(axis=0) == 0)  # e.g. an odd one out
+        if unused.size and not all(bool(torch.isfinite(self.rows(i, i + 1)).all()) for i in unused):
+            raise ValueError(NON_FINITE_HELP)
+
+    def _block(self, k0: int, k1: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        r, f = self.r, self.f
+        Xb = self.rows(lo, hi)
+        xv = (self.V @ Xb.T).double().numpy().T  # (b, r + f): <x_i, s_j>, <x_i, v_f>
+        # one vector needs no Gram: a NaN or Inf in x_i already shows in <x_i, s_j>
+        gram = (Xb @ Xb.T).double().numpy() if k1 - k0 > 1 else np.zeros((hi - lo,) * 2)
+        if not (np.isfinite(xv).all() and np.isfinite(gram).all()):
+            raise ValueError(NON_FINITE_HELP)
+        Wb = None if self.weights is None else self.weights[k0:k1, lo:hi]
+        xs = xv[:, :r] + xv[:, r:] @ self.deferred.T if f else xv[:, :r]  # <x_i, s_j>
+        values = xs if Wb is None else Wb @ xs  # (k, r): <s_j, z_k>
+        kernel = gram if Wb is None else Wb @ gram @ Wb.T  # (k, k): <z_k, z_l>
+        if f:
+            Ub = self.U[k0:k1]
+            xf = xv[:, r:]
+            wxf_u = (xf if Wb is None else Wb @ xf) @ Ub.T
+            values = values - Ub @ self.fs
+            kernel = kernel - wxf_u - wxf_u.T + Ub @ self.ff @ Ub.T
+        uniforms = self.rule.uniforms((k1 - k0) * (self.depth + 1))
+        s, leaf, coef = run_recursion(
+            values, kernel, self.rule, depth=self.depth, uniforms=uniforms
+        )
+        x_coef = coef if Wb is None else coef @ Wb  # (r, b): the change of each s_j
+        change = x_coef
+        if self.t:  # the total takes each row once, when a block first covers it
+            fresh = ~self.summed[lo:hi]
+            self.summed[lo:hi] = True
+            change = np.concatenate([fresh[None, :].astype(np.float64), x_coef])
+        self.updated.addmm_(torch.from_numpy(change).to(self.dtype), Xb)
+        if f:
+            f_coef = -(coef @ Ub)  # (r, f)
+            self.deferred += f_coef
+            self.fs += (x_coef @ xf + f_coef @ self.ff).T
+        return s, leaf
+
+    def _commit(self) -> None:
+        if self.t:
+            for i in np.flatnonzero(~self.summed).tolist():  # rows no vector used
+                self.scratch[0] += self.rows(i, i + 1)[0]
+            self.before_update(self.scratch[0])
+        sums = self.V[: self.r]
+        if self.f:
+            sums.addmm_(torch.from_numpy(self.deferred).to(self.dtype), self.V[self.r :])
+        self.accumulators.copy_(sums)
+
+
+def _stack(accumulators: torch.Tensor, fixed: torch.Tensor | None) -> torch.Tensor:
+    return accumulators if fixed is None else torch.cat([accumulators, fixed.to(accumulators)])
+
+
+def _decide_and_update(
+    batch: GradientBatch,
+    products: HostProducts,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    W: np.ndarray,
+    fixed: torch.Tensor | None,
+    U: np.ndarray,
+    depth: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The host half of a balancing step: products -> signs, then one update of the sums."""
+    r = accumulators.shape[0]
+    xs, xf = products.xv[:, :r], products.xv[:, r:]
+    fs, ff = products.fv[:, :r], products.fv[:, r:]
+    values = W @ xs - U @ fs  # (k, r): <s_j, z_k>
+    kernel = None
+    if products.gram is not None:
+        wxf_u = W @ xf @ U.T
+        kernel = W @ products.gram @ W.T - wxf_u - wxf_u.T + U @ ff @ U.T  # (k, k): <z_k, z_l>
+    uniforms = rule.uniforms(W.shape[0] * (depth + 1))
+    signs, leaves, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
+    apply_update(accumulators, batch, (coef @ W).T, fixed, -(coef @ U) if U.shape[1] else None)
+    return signs, leaves

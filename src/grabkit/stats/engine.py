@@ -11,7 +11,9 @@ dots, Gram matrices and weighted sums are computed on read, layer by layer, from
 The first forward pass (with grad enabled) after a backward starts a new step and drops the
 previous step's references, so the statistics always describe the latest backward's batch
 (with gradient accumulation over micro-batches: the latest micro-batch). Forward passes under
-``torch.no_grad()`` or inside ``torch.func`` transforms are ignored.
+``torch.no_grad()`` or inside ``torch.func`` transforms are ignored. Callables in
+``step_listeners`` run just before that drop, so a consumer can keep each micro-batch's
+statistics (``grabkit.order`` does, to balance every micro-batch of an accumulated step).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -124,6 +126,9 @@ class PerSampleStats:
         self._layers = self._find_layers(model, names, self.torch_func_fallback)
         self._handles: list[Any] = []
         self._warned: set[nn.Module] = set()
+        #: called (no arguments) after a backward, before the next step's first forward drops
+        #: that backward's statistics; ``statistics()`` still reads them inside the call
+        self.step_listeners: list[Callable[[], None]] = []
         self._new_step()
         self._attach(model)
 
@@ -231,6 +236,8 @@ class PerSampleStats:
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
         if self._backward_seen:
+            for listener in list(self.step_listeners):
+                listener()
             self._new_step()
         if layer.rule.training_mode_warning and module.training and module not in self._warned:
             self._warned.add(module)
@@ -258,6 +265,11 @@ class PerSampleStats:
         self._statistics = None
 
     # -- reading -----------------------------------------------------------------------------
+    @property
+    def backward_seen(self) -> bool:
+        """Whether a backward ran since this step's first forward (statistics can be read)."""
+        return self._backward_seen
+
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, dense_rows
 from grabkit.order.orderings.ema import VectorEMA, check_rate
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
@@ -13,6 +14,7 @@ from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 __all__ = ["AdaEMABalance"]
 
 
+@register_ordering
 class AdaEMABalance(CentredBalance):
     """m_t, v_t: bias-corrected EMAs of the batch mean and of its square (``betas``, as in Adam),
     both including the current batch. Per-coordinate scaling needs dense per-example gradients."""

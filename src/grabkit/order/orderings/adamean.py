@@ -6,12 +6,14 @@ from typing import Any
 
 import torch
 
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["AdaMeanBalance"]
 
 
+@register_ordering
 class AdaMeanBalance(CentredBalance):
     """Balance (g_i - m) / v: m the previous epoch's mean, v = sqrt(second moment) + eps.
 

@@ -14,11 +14,13 @@ from grabkit.order.orderings.base import (
     PURPOSE_WITH_REPLACEMENT,
     Ordering,
     random_permutation,
+    register_ordering,
 )
 
 __all__ = ["FixedOrdering", "RandomReshuffling", "SampleWithReplacement", "ShuffleOnce"]
 
 
+@register_ordering
 class RandomReshuffling(Ordering):
     """``rr``: a fresh uniformly random permutation every epoch, from (seed, epoch)."""
 
@@ -35,6 +37,7 @@ class RandomReshuffling(Ordering):
         return self.initial_order(next_epoch)
 
 
+@register_ordering
 class ShuffleOnce(Ordering):
     """``so``: one random permutation (from the seed), used for every epoch."""
 
@@ -48,6 +51,7 @@ class ShuffleOnce(Ordering):
         return order
 
 
+@register_ordering
 class SampleWithReplacement(Ordering):
     """``swr``: n indices drawn uniformly with replacement each epoch (not a permutation)."""
 
@@ -65,6 +69,7 @@ class SampleWithReplacement(Ordering):
         return self.initial_order(next_epoch)
 
 
+@register_ordering
 class FixedOrdering(Ordering):
     """``fixed``: the given ``orders`` (a permutation of 0..n-1) every epoch; 0..n-1 if None."""
 

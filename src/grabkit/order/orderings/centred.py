@@ -110,6 +110,7 @@ class CentredBalance(Ordering):
             before_update=lambda total: self.record(
                 total if vectors is batch else batch.total(), batch.size
             ),
+            policy=self.policy,
         )
         self.placement.place(indices.tolist(), signs[:, 0])
 

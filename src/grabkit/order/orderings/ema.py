@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance
 from grabkit.stats.gradient_batch import GradientBatch
 
@@ -46,6 +47,7 @@ def check_rate(name: str, value: float) -> float:
     return float(value)
 
 
+@register_ordering
 class EMABalance(CentredBalance):
     """Balance g_i - m_t, m_t the EMA of batch means including the current batch.
 

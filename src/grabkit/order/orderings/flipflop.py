@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from grabkit.order.orderings.base import PURPOSE_RESHUFFLE, Ordering, random_permutation
+from grabkit.order.orderings.base import (
+    PURPOSE_RESHUFFLE,
+    Ordering,
+    random_permutation,
+    register_ordering,
+)
 
 __all__ = ["FlipFlop"]
 
 
+@register_ordering
 class FlipFlop(Ordering):
     """Even epochs draw a fresh random permutation from (seed, epoch); odd epochs replay the
     previous epoch's order backwards (Rajput et al., 2022; a baseline of the GraB paper)."""

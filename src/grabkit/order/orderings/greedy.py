@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from grabkit.order.orderings.base import Ordering, check_state_keys
+from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
 from grabkit.order.orderings.store import ExampleGradientStore
 from grabkit.stats.gradient_batch import GradientBatch
 
@@ -39,6 +39,7 @@ def greedy_herding_order(vectors: torch.Tensor) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.int64)
 
 
+@register_ordering
 class GreedyHerding(Ordering):
     """Keep every example's gradient of this epoch (n x d, warned about when large) and build the
     next order greedily from them, centred by their mean. Examples not observed follow at the

@@ -6,12 +6,14 @@ from typing import Any
 
 import torch
 
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, StaleMean
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["MeanBalance"]
 
 
+@register_ordering
 class MeanBalance(CentredBalance):
     """Online GraB with a stale mean (Lu et al., 2022, Algorithm 4).
 

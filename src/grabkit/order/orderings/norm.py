@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import NON_FINITE_HELP
-from grabkit.order.orderings.base import Ordering, check_state_keys
+from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["OrderByNorm"]
 
 
+@register_ordering
 class OrderByNorm(Ordering):
     """Sort the examples observed this epoch by gradient norm, largest first
     (``descending_norm=True``, grab-sampler's default) or smallest first; examples not observed

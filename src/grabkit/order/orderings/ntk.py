@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import SignRule, run_recursion
-from grabkit.order.orderings.base import FrontBackOrder, Ordering, check_state_keys
+from grabkit.order.orderings.base import (
+    FrontBackOrder,
+    Ordering,
+    check_state_keys,
+    register_ordering,
+)
 from grabkit.order.orderings.store import ExampleGradientStore, warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
 
@@ -110,6 +115,7 @@ class _PrecomputedOrder(Ordering):
         return self.order.clone()
 
 
+@register_ordering
 class NTKFixedBalance(_PrecomputedOrder):
     """``ntk-fixed``: one order from balancing the kernel's rows, used every epoch."""
 
@@ -131,6 +137,7 @@ class NTKFixedBalance(_PrecomputedOrder):
         self.order = balance_kernel_rows(K, _check_rounds(num_rounds))
 
 
+@register_ordering
 class NTKFixedEigen(_PrecomputedOrder):
     """``ntk-fixed-eigen``: sort by the eigenvector of the smallest (``largest_eig=False``)
     eigenvalue, descending (``descending_eig=True``), optionally of its absolute values."""
@@ -157,6 +164,7 @@ class NTKFixedEigen(_PrecomputedOrder):
         )
 
 
+@register_ordering
 class NTKEigen(Ordering):
     """``ntk-eigen``: like ``ntk-fixed-eigen``, with K rebuilt every epoch from the gradients
     observed in it (kept densely: n x d, warned about when large). The first epoch uses

@@ -7,7 +7,6 @@ from typing import Any
 import numpy as np
 import torch
 
-import grabkit.order.balance as balance_module
 from grabkit.order.balance import NON_FINITE_HELP, fetch_inner_products
 from grabkit.order.orderings.base import (
     FrontBackOrder,
@@ -15,13 +14,14 @@ from grabkit.order.orderings.base import (
     balance_combinations,
     balance_dense_vectors,
     check_state_keys,
-    cpu_block_rows,
+    register_ordering,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["PairBalance"]
 
 
+@register_ordering
 class PairBalance(Ordering):
     """Pair balance (Lu et al., 2022; Cooper et al., 2023): visit examples two at a time and
     balance z = g_first - g_second. On +1 the first goes to the front and the second to the back,
@@ -52,49 +52,60 @@ class PairBalance(Ordering):
     def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         if self.acc is None:
             self.acc = torch.zeros(1, batch.dim, dtype=batch.dtype, device=batch.device)
-        carried = self.pending is not None
-        items = ([self.pending_index] if carried else []) + indices.tolist()
+        items = ([self.pending_index] if self.pending is not None else []) + indices.tolist()
         k = len(items) // 2
         leftover = len(items) % 2 == 1
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
         elif self._differences_pay(batch):
-            signs = self._balance_differences(batch.matrix, k, leftover)
+            self._place(items, self._balance_differences(batch.matrix, k, leftover))
         else:
-            rows = list(range(-1 if carried else 0, batch.size))  # -1: the carried vector
-            W = np.zeros((k, batch.size))
-            U = np.zeros((k, 1))
-            for j in range(k):
-                first, second = rows[2 * j], rows[2 * j + 1]
-                if first == -1:
-                    U[j, 0] = -1.0  # z = -U v: +pending
-                else:
-                    W[j, first] = 1.0
-                W[j, second] = -1.0
-            signs, _ = balance_combinations(
-                batch,
-                self.acc,
-                self.rule,
-                weights=W,
-                fixed=self.pending.reshape(1, -1) if carried else None,
-                fixed_weights=U if carried else None,
-            )
-        if k:
-            for j, eps in enumerate(signs[:, 0].tolist()):
-                first, second = items[2 * j], items[2 * j + 1]
-                plus, minus = (first, second) if eps > 0 else (second, first)
-                self.placement.front.append(plus)
-                self.placement.back.append(minus)
-        if leftover and isinstance(batch, DenseGradientBatch):
+            self._place(items, self._balance_combinations(batch, k))
+        self._keep_leftover(batch, items[-1] if leftover else None)
+
+    def _balance_combinations(self, batch: GradientBatch, k: int) -> np.ndarray:
+        """Signs of the k pairs as combinations W x - U v (v: the carried example)."""
+        carried = self.pending is not None
+        rows = list(range(-1 if carried else 0, batch.size))  # -1: the carried vector
+        W = np.zeros((k, batch.size))
+        U = np.zeros((k, 1))
+        for j in range(k):
+            first, second = rows[2 * j], rows[2 * j + 1]
+            if first == -1:
+                U[j, 0] = -1.0  # z = -U v: +pending
+            else:
+                W[j, first] = 1.0
+            W[j, second] = -1.0
+        signs, _ = balance_combinations(
+            batch,
+            self.acc,
+            self.rule,
+            weights=W,
+            fixed=self.pending.reshape(1, -1) if carried else None,
+            fixed_weights=U if carried else None,
+            policy=self.policy,
+        )
+        return signs
+
+    def _place(self, items: list[int], signs: np.ndarray) -> None:
+        for j, eps in enumerate(signs[:, 0].tolist()):
+            first, second = items[2 * j], items[2 * j + 1]
+            plus, minus = (first, second) if eps > 0 else (second, first)
+            self.placement.front.append(plus)
+            self.placement.back.append(minus)
+
+    def _keep_leftover(self, batch: GradientBatch, index: int | None) -> None:
+        """Keep the batch's last example waiting for a partner (``index`` None: none waits)."""
+        if index is None:
+            self.pending, self.pending_index = None, -1
+            return
+        if isinstance(batch, DenseGradientBatch):
             self.pending = batch.matrix[-1].to(self.acc.dtype, copy=True)
-            self.pending_index = items[-1]
-        elif leftover:
+        else:
             one_hot = torch.zeros(batch.size, 1, dtype=batch.dtype, device=batch.device)
             one_hot[-1] = 1.0
             self.pending = batch.weighted_sum(one_hot).reshape(-1).to(self.acc.dtype)
-            self.pending_index = items[-1]
-        else:
-            self.pending, self.pending_index = None, -1
+        self.pending_index = index
 
     def _differences_pay(self, batch: GradientBatch) -> bool:
         """Whether to balance the differences of a dense CPU batch, formed one cache-sized block
@@ -104,8 +115,8 @@ class PairBalance(Ordering):
         return (
             isinstance(batch, DenseGradientBatch)
             and batch.device.type == "cpu"
-            and balance_module.CPU_BLOCK_ROWS > 0
-            and cpu_block_rows(batch.dim * self.acc.element_size()) >= 4
+            and self.policy.rows > 0
+            and self.policy.block_rows(batch.dim * self.acc.element_size()) >= 4
         )
 
     def _balance_differences(self, X: torch.Tensor, k: int, leftover: bool) -> np.ndarray:
@@ -114,7 +125,9 @@ class PairBalance(Ordering):
         if leftover and not bool(torch.isfinite(X[-1]).all()):
             raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
         shift = 1 if self.pending is not None else 0  # z_j = X[2j - shift] - X[2j + 1 - shift]
-        scratch = torch.empty(cpu_block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype)
+        scratch = torch.empty(
+            self.policy.block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype
+        )
 
         def differences(lo: int, hi: int) -> torch.Tensor:
             out = scratch[: hi - lo]
@@ -126,7 +139,7 @@ class PairBalance(Ordering):
             torch.sub(X[a:b:2], X[a + 1 : b + 1 : 2], out=out[out.shape[0] - (hi - lo) :])
             return out
 
-        return balance_dense_vectors(differences, k, self.acc, self.rule)[:, None]
+        return balance_dense_vectors(differences, k, self.acc, self.rule, self.policy)[:, None]
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)

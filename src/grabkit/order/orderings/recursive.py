@@ -6,7 +6,13 @@ from typing import Any
 
 import torch
 
-from grabkit.order.orderings.base import Ordering, balance_combinations, check_state_keys
+from grabkit.order.orderings.base import (
+    IndexTensor,
+    Ordering,
+    balance_combinations,
+    check_state_keys,
+    register_ordering,
+)
 from grabkit.order.orderings.centred import StaleMean
 from grabkit.order.orderings.store import warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
@@ -14,6 +20,7 @@ from grabkit.stats.gradient_batch import GradientBatch
 __all__ = ["RecursiveBalance"]
 
 
+@register_ordering
 class RecursiveBalance(Ordering):
     """Each example walks a binary tree of depth ``depth``: at every node it is balanced against
     that node's running sum and goes left on +1, right on -1. A leaf keeps its +1 examples in visit
@@ -36,10 +43,12 @@ class RecursiveBalance(Ordering):
         self.mean = StaleMean()
         self.leaf_front: dict[int, list[int]] = {}
         self.leaf_back: dict[int, list[int]] = {}
+        self._tensors: dict[tuple[str, int], IndexTensor] = {}
 
     def start_epoch(self, epoch: int) -> None:
         self.mean.roll()
         self.leaf_front, self.leaf_back = {}, {}
+        self._tensors = {}
         if self.acc is not None:
             self.acc.zero_()
 
@@ -63,6 +72,7 @@ class RecursiveBalance(Ordering):
             fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
             depth=self.depth,
             before_update=lambda total: self.mean.add(total, batch.size),
+            policy=self.policy,
         )
         decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
         for index, leaf, eps in decided:
@@ -82,17 +92,18 @@ class RecursiveBalance(Ordering):
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(halves[0] + middle + halves[1], dtype=torch.int64)
 
+    def _view(self, side: str, leaf: int) -> torch.Tensor:
+        """The leaf's list as a tensor, extended incrementally (published after every step)."""
+        items = (self.leaf_front if side == "front" else self.leaf_back).setdefault(leaf, [])
+        return self._tensors.setdefault((side, leaf), IndexTensor()).view(items)
+
     def state_dict(self) -> dict[str, Any]:
         leaves = sorted(set(self.leaf_front) | set(self.leaf_back))
         return {
             "acc": self.acc,
             "mean": self.mean.state_dict(),
-            "leaf_front": {
-                str(k): torch.tensor(self.leaf_front.get(k, []), dtype=torch.int64) for k in leaves
-            },
-            "leaf_back": {
-                str(k): torch.tensor(self.leaf_back.get(k, []), dtype=torch.int64) for k in leaves
-            },
+            "leaf_front": {str(k): self._view("front", k) for k in leaves},
+            "leaf_back": {str(k): self._view("back", k) for k in leaves},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -101,3 +112,4 @@ class RecursiveBalance(Ordering):
         self.mean.load_state_dict(state["mean"])
         self.leaf_front = {int(k): [int(i) for i in v] for k, v in state["leaf_front"].items()}
         self.leaf_back = {int(k): [int(i) for i in v] for k, v in state["leaf_back"].items()}
+        self._tensors = {}

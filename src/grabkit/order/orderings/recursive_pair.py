@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import HostProducts, apply_update, fetch_inner_products
-from grabkit.order.orderings.base import Ordering, check_state_keys
+from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["RecursivePairBalance"]
 
 
+@register_ordering
 class RecursivePairBalance(Ordering):
     """Within a batch, consecutive pairs are balanced against the root's running sum; the +1
     member of each pair joins the left group, the other the right group (an odd one out joins the
@@ -33,9 +34,11 @@ class RecursivePairBalance(Ordering):
         super().__init__(n, **kwargs)
         self.acc: torch.Tensor | None = None  # (num_nodes, d)
         self.batch_orders: list[list[int]] = []
+        self._converted: list[torch.Tensor] = []
 
     def start_epoch(self, epoch: int) -> None:
         self.batch_orders = []
+        self._converted = []
         if self.acc is not None:
             self.acc.zero_()
 
@@ -102,13 +105,23 @@ class RecursivePairBalance(Ordering):
         half = len(read) // 2
         return torch.tensor(read[:half] + middle + read[half:], dtype=torch.int64)
 
+    def _batch_tensors(self) -> list[torch.Tensor]:
+        """The batch orders as tensors, converting only the batches added since the last call
+        (the state is published after every step)."""
+        if len(self._converted) > len(self.batch_orders):
+            self._converted = []
+        for b in self.batch_orders[len(self._converted) :]:
+            self._converted.append(torch.tensor(b, dtype=torch.int64))
+        return list(self._converted)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "acc": self.acc,
-            "batch_orders": [torch.tensor(b, dtype=torch.int64) for b in self.batch_orders],
+            "batch_orders": self._batch_tensors(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(self.name, state, {"acc", "batch_orders"})
         self.acc = state["acc"]
         self.batch_orders = [[int(i) for i in b] for b in state["batch_orders"]]
+        self._converted = []

@@ -6,12 +6,15 @@ from typing import Any
 
 import torch
 
+from grabkit.order.balance import NON_FINITE_HELP
+from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["SignBalance"]
 
 
+@register_ordering
 class SignBalance(CentredBalance):
     """One bit per coordinate: herding on sign(g_i - m), m the previous epoch's mean. Robust to a
     few huge coordinates; needs dense per-example gradients."""
@@ -30,6 +33,8 @@ class SignBalance(CentredBalance):
 
     def transform(self, batch: GradientBatch) -> GradientBatch:
         X = dense_rows(batch, self.name)
+        if not bool(torch.isfinite(X).all()):  # sign() maps Inf to +-1: check before (host sync)
+            raise ValueError(NON_FINITE_HELP)
         return DenseGradientBatch(X.sub(self.mean.current(X[0])).sign())
 
     def record(self, total: torch.Tensor, count: int) -> None:

@@ -1,0 +1,81 @@
+"""``GraBBatchSampler``: ``GraBSampler`` in batch-sampler form (lists of indices)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
+
+from torch.utils.data import Sampler
+
+from grabkit.order.sampler import GraBSampler
+
+__all__ = ["GraBBatchSampler"]
+
+
+class GraBBatchSampler(Sampler[list[int]]):
+    """The batch-sampler form: yields lists of ``batch_size`` indices of a ``GraBSampler``.
+
+    Use as ``DataLoader(dataset, batch_sampler=GraBBatchSampler(dataset, params, batch_size=32))``.
+    ``drop_last`` drops the last incomplete batch (its examples are then never stepped and keep
+    their place between the front and the back part). Every other keyword goes to
+    ``GraBSampler`` (whose replica-level ``drop_last`` stays False); ``step``, ``skip`` (default:
+    the current batch), ``set_epoch``, ``update_v``, ``close`` and the state methods delegate to
+    it (``.sampler``). Knowing the batch size, hook mode checks that each ``step()`` covers
+    whole yielded batches.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        params: Any = None,
+        *,
+        batch_size: int,
+        drop_last: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.sampler = GraBSampler(data_source, params, batch_size=batch_size, **kwargs)
+        self.batch_size = self.sampler.batch_size
+        self.drop_last = bool(drop_last)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        if batch and not self.drop_last:
+            yield batch
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def step(self, grads: Any = None, *, indices: Any = None) -> None:
+        self.sampler.step(grads, indices=indices)
+
+    def skip(self, count: int | None = None) -> None:
+        """Skip the current batch (or ``count`` examples): no decision for them this epoch."""
+        self.sampler.skip(count)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def __enter__(self) -> GraBBatchSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def update_v(self, second_moment: Any) -> None:
+        self.sampler.update_v(second_moment)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)

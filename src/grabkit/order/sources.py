@@ -1,0 +1,175 @@
+"""Where the per-example statistics of a step come from, and the normalised view of a batch.
+
+``GraBSampler.step(grads)`` turns what it is given into a list of ``GradientBatch`` pieces, in
+visit order, with ``batches_from``: one dense piece for gradients passed in, or, in hook mode,
+one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A new source of
+statistics (sketches, another engine) plugs in here by offering ``batches()``, ``clear()``,
+``discard()`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from grabkit.order.balance import NON_FINITE_HELP
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
+
+__all__ = [
+    "HookSource",
+    "NormalizedBatch",
+    "check_finite",
+    "dense_batch",
+    "normalized",
+    "step_pieces",
+]
+
+
+class HookSource:
+    """The statistics of every backward since the last ``step()``, from a statistics object.
+
+    With ``grabkit.stats.PerSampleStats`` (it has ``step_listeners``) each backward's statistics
+    are kept when the next forward would drop them, so a step after several backwards (gradient
+    accumulation) balances every micro-batch, in order; the kept statistics hold that
+    micro-batch's layer inputs and output gradients until ``step()``. Other objects with
+    ``gradient_batch()`` give one piece per step, read at ``step()``.
+    """
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.pending: list[GradientBatch] = []
+        # the engine's statistics object last kept (or consumed), weakly: holding it would keep
+        # a consumed step's activations alive through the next forward and backward
+        self._taken: Callable[[], Any] = lambda: None
+        self.tracks_backwards = hasattr(stats, "step_listeners") and hasattr(stats, "statistics")
+        if self.tracks_backwards:
+            stats.step_listeners.append(self.capture)
+
+    def capture(self) -> None:
+        """Keep the statistics of the backward that just ran, once."""
+        if not self.stats.backward_seen:
+            return
+        current = self.stats.statistics()
+        if current is not self._taken():
+            self._taken = weakref.ref(current)
+            self.pending.append(self.stats.gradient_batch())
+
+    def batches(self) -> list[GradientBatch]:
+        """The pieces of this step, in visit order (not consumed until ``clear()``)."""
+        if not self.tracks_backwards:
+            return [self.stats.gradient_batch()]
+        self.capture()
+        if not self.pending:
+            raise ValueError(
+                "step() found no loss.backward() since the last step(): hook mode balances the "
+                "examples of the backwards run since then, and stepping twice would balance "
+                "one batch twice. Call step() once per optimiser step, after the backward(s)."
+            )
+        return list(self.pending)
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def discard(self) -> int:
+        """Drop what was kept (and the current backward); return how many examples that was."""
+        if self.tracks_backwards:
+            self.capture()
+        count = sum(int(b.size) for b in self.pending)
+        self.pending = []
+        return count
+
+    def close(self) -> None:
+        if self.tracks_backwards and self.capture in self.stats.step_listeners:
+            self.stats.step_listeners.remove(self.capture)
+        self.pending = []
+
+
+def step_pieces(grads: Any, source: HookSource | None, dim: int | None) -> list[GradientBatch]:
+    """A step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
+    backward since the last step), each checked to be ``dim`` numbers long (when known)."""
+    if grads is not None:
+        pieces = [dense_batch(grads)]
+    elif source is None:
+        raise ValueError(
+            "step() without gradients needs hook statistics: construct the sampler with "
+            "model=... (or stats=...), or pass the per-example gradients to step()."
+        )
+    else:
+        pieces = source.batches()
+    for piece in pieces:
+        if dim is not None and piece.dim != dim:
+            raise ValueError(
+                f"step() got gradients of length {piece.dim} per example, but the params "
+                f"given to the sampler have {dim} numbers in total; pass the per-example "
+                "gradients of exactly those parameters."
+            )
+    return pieces
+
+
+def check_finite(pieces: list[GradientBatch]) -> None:
+    """Reject NaN / Inf in any of several micro-batches before the first changes any state (one
+    piece is checked by the balancing itself, at no extra cost)."""
+    if len(pieces) > 1:
+        for piece in pieces:
+            if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
+                raise ValueError(NON_FINITE_HELP)
+
+
+def dense_batch(grads: Any) -> GradientBatch:
+    """The per-example gradients given to ``step()`` as one ``GradientBatch``."""
+    if isinstance(grads, Mapping):
+        if not grads:
+            raise ValueError("step() got an empty dict of per-example gradients")
+        return DenseGradientBatch(named_to_flat({k: v.detach() for k, v in grads.items()}, 1))
+    if isinstance(grads, torch.Tensor):
+        if grads.ndim < 2:
+            raise ValueError(
+                "step() expects per-example gradients with a leading batch dimension, (B, d) "
+                f"or (B, ...), but got a tensor of shape {tuple(grads.shape)}"
+            )
+        return DenseGradientBatch(grads.detach().flatten(1))
+    if isinstance(grads, GradientBatch):
+        return grads
+    raise TypeError(
+        "step() expects a dict of (B, ...) per-example gradients, a (B, d) tensor, a "
+        f"GradientBatch, or nothing in hook mode, but got {type(grads).__name__}"
+    )
+
+
+def normalized(batch: GradientBatch) -> GradientBatch:
+    """g_i / ||g_i|| for every example (zero rows stay zero)."""
+    if isinstance(batch, DenseGradientBatch):
+        norms = torch.linalg.vector_norm(batch.matrix, dim=1, keepdim=True)
+        return DenseGradientBatch(batch.matrix / torch.where(norms > 0, norms, 1.0))
+    return NormalizedBatch(batch)
+
+
+class NormalizedBatch:
+    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
+
+    def __init__(self, batch: GradientBatch) -> None:
+        self.inner = batch
+        self.size, self.dim = batch.size, batch.dim
+        self.dtype, self.device = batch.dtype, batch.device
+        norms = batch.norms_squared().sqrt()
+        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared() * self.scale**2
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        d = self.inner.dot(vectors)
+        return d * (self.scale if d.ndim == 1 else self.scale[:, None])
+
+    def total(self) -> torch.Tensor:
+        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        s = self.scale if weights.ndim == 1 else self.scale[:, None]
+        return self.inner.weighted_sum(weights * s.to(weights.dtype))

@@ -1,0 +1,126 @@
+"""The sampler's saved configuration, and the checks a loaded state must pass.
+
+A state records every option that changes the orders (``plain_config``); loading it into a
+sampler built differently raises, naming the options that differ, instead of resuming a
+different run. Orders and counts are checked too, so a corrupted state fails at load, not as a
+stream of repeated indices later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["check_config", "check_positions", "detached_copy", "plain_config", "read_state"]
+
+
+def _plain(value: Any) -> Any:
+    """Options as plain, comparable data (tuples -> lists; tensors and callables -> a tag)."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return f"tensor{tuple(value.shape)}"
+    if callable(value):
+        return "callable"
+    return value
+
+
+def plain_config(**options: Any) -> dict[str, Any]:
+    """The configuration as a flat dict of numbers, strings, None and lists."""
+    nested = options.pop("options", {}) or {}
+    config = {k: _plain(v) for k, v in options.items()}
+    config.update({k: _plain(v) for k, v in nested.items()})
+    return config
+
+
+def check_config(
+    where: str, state: Mapping[str, Any], config: Mapping[str, Any], version: int
+) -> None:
+    """Raise unless ``state`` has the expected keys, version and the same configuration."""
+    expected = {"version", "config", "epoch", "yielded", "started", "live"}
+    unknown, missing = set(state) - expected, expected - set(state)
+    if unknown or missing:
+        raise ValueError(
+            f"{where}.load_state_dict: unexpected keys {sorted(unknown)}, missing keys "
+            f"{sorted(missing)}; the state was not saved by this version of {where}."
+        )
+    if state["version"] != version:
+        raise ValueError(
+            f"{where}.load_state_dict: the state has version={state['version']!r} but this "
+            f"sampler writes version={version}; it was saved by another grabkit version."
+        )
+    theirs = dict(state["config"])
+    differ = sorted(k for k in set(theirs) | set(config) if theirs.get(k) != config.get(k))
+    if differ:
+        pairs = ", ".join(f"{k}={theirs.get(k)!r} vs {config.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"{where}.load_state_dict: the state was saved by a sampler with another "
+            f"configuration ({pairs}, saved vs this sampler); build the sampler with the same "
+            "dataset, topology and options as the one that was saved."
+        )
+
+
+def check_positions(
+    order: Any, n: int, *, permutation: bool, counts: tuple[int, ...], limit: int
+) -> None:
+    """Raise unless ``order`` is an (n,) index tensor (a permutation when asked) and every
+    count lies in [0, limit]."""
+    if not isinstance(order, torch.Tensor) or order.shape != (n,) or order.is_floating_point():
+        shape = tuple(order.shape) if isinstance(order, torch.Tensor) else type(order).__name__
+        raise ValueError(
+            f"load_state_dict: the saved order should be an integer tensor of shape ({n},), "
+            f"but got {shape}; the state is corrupted or from another dataset."
+        )
+    if permutation and not torch.equal(torch.sort(order).values.cpu(), torch.arange(n)):
+        raise ValueError(
+            "load_state_dict: the saved order is not a permutation of the dataset's indices; "
+            "the state is corrupted."
+        )
+    if not permutation and bool(((order < 0) | (order >= n)).any()):
+        raise ValueError(f"load_state_dict: the saved order has indices outside [0, {n}).")
+    for count in counts:
+        if not 0 <= count <= limit:
+            raise ValueError(
+                f"load_state_dict: the saved position {count} lies outside [0, {limit}]; the "
+                "state is corrupted."
+            )
+
+
+def detached_copy(tree: Any) -> Any:
+    """A copy of a nest of dicts and lists whose tensors share no memory with the original."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, Mapping):
+        return {k: detached_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [detached_copy(v) for v in tree]
+    return tree
+
+
+def read_state(
+    where: str,
+    state: Mapping[str, Any],
+    config: Mapping[str, Any],
+    version: int,
+    num_samples: int,
+    *,
+    permutation: bool,
+) -> dict[str, Any]:
+    """A private copy of a sampler state, checked: keys, version, configuration, the live part
+    from the same epoch as the position, the order, and the counts."""
+    state = detached_copy(state)
+    check_config(where, state, config, version)
+    live = state["live"]
+    if int(live["epoch"]) != int(state["epoch"]):
+        raise ValueError(
+            f"{where}.load_state_dict: the state's position is in epoch {state['epoch']} but its "
+            f"ordering state moved on to epoch {live['epoch']}: state_dict() shares the live "
+            "ordering state, so save (torch.save) or copy.deepcopy it when you take it."
+        )
+    check_positions(
+        live["order"], int(config["n"]), permutation=permutation,
+        counts=(int(state["yielded"]), int(live["stepped"])), limit=num_samples,
+    )  # fmt: skip
+    return state
