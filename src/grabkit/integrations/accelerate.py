@@ -35,7 +35,7 @@ import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import rewound_state
-from grabkit.order.sampler import GraBBatchSampler, GraBSampler
+from grabkit.order import GraBBatchSampler, GraBSampler
 
 __all__ = ["SamplerCheckpoint", "adaptive_step"]
 

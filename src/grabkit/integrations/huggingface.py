@@ -51,7 +51,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import replay_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
-from grabkit.order.sampler import GraBSampler
+from grabkit.order import GraBSampler
 
 __all__ = ["GrabkitTrainer", "microbatch_count"]
 

@@ -35,7 +35,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import rewound_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
-from grabkit.order.sampler import GraBBatchSampler, GraBSampler
+from grabkit.order import GraBBatchSampler, GraBSampler
 
 __all__ = ["AdaptiveAccumulationCallback", "GraBCallback", "NoiseScaleCallback", "batch_count"]
 
