@@ -113,3 +113,48 @@ def test_sequence_first_layer_is_refused(length):
     with PerSampleStats(model, "sum") as stats, pytest.raises(ValueError, match="batch_first"):
         model(x).sum().backward()
         stats.norms_squared()
+
+
+class Gain(nn.Module):
+    """A layer with no rule: y = x * gain."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+@pytest.mark.parametrize("model_kind", ["tied-arange", "hf", "fallback"])
+def test_hook_mode_sampler_decides_as_dense_reference(float64, model_kind):
+    from grabkit.order import GraBSampler
+
+    torch.manual_seed(2)
+    n, batch, length = 12, 4, 5
+    idx_all = torch.randint(0, VOCAB, (n, length))
+    if model_kind == "fallback":
+        model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), Gain(WIDTH), nn.Linear(WIDTH, VOCAB))
+        options = {"torch_func_fallback": True}
+    else:
+        model = TinyGPT("hf" if model_kind == "hf" else "arange")
+        options = {}
+    dataset = torch.utils.data.TensorDataset(idx_all)
+    hooked = GraBSampler(
+        dataset, model=model, balance_type="pair", loss_reduction="sum", stats_options=options
+    )
+    dense = GraBSampler(dataset, dict(model.named_parameters()), balance_type="pair")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(2):
+        order = list(iter(hooked))
+        assert order == list(iter(dense))
+        for start in range(0, n, batch):
+            idx = idx_all[torch.tensor(order[start : start + batch])]
+            reference = reference_gradients(model, idx)
+            opt.zero_grad()
+            token_losses(model(idx), idx).sum().backward()
+            hooked.step()
+            dense.step(reference)
+            opt.step()
+    assert list(iter(hooked)) == list(iter(dense))
+    hooked.stats.close()

@@ -188,6 +188,8 @@ class GraBSampler(Sampler[int]):
         dtype, device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
+        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
+            ``{"torch_func_fallback": True}``).
     """
 
     def __init__(
@@ -231,6 +233,7 @@ class GraBSampler(Sampler[int]):
         device: torch.device | str | None = None,
         record_orders: bool = False,
         loss_reduction: str = "mean",
+        stats_options: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(data_source, Sized):
             raise TypeError(
@@ -309,7 +312,7 @@ class GraBSampler(Sampler[int]):
                 )
             from grabkit.stats import PerSampleStats
 
-            self.stats = PerSampleStats(model, loss_reduction=loss_reduction)
+            self.stats = PerSampleStats(model, loss_reduction, **(stats_options or {}))
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
         self._epoch = 0
