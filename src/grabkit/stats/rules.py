@@ -92,6 +92,11 @@ def registered_rules() -> dict[type[nn.Module], LayerRule]:
     return dict(_RULES)
 
 
+# Rules for classes of optional libraries, by "module.qualname": registered when such a layer is
+# first seen, so importing grabkit never imports those libraries.
+_LAZY_RULES: dict[str, type[LayerRule]] = {}
+
+
 def find_rule(module: nn.Module) -> LayerRule | None:
     """The rule for ``module``'s type or nearest registered base class, if ``forward`` is kept.
 
@@ -99,6 +104,9 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     so it gets no inherited rule (register one for it explicitly).
     """
     for cls in type(module).__mro__:
+        lazy = _LAZY_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if lazy is not None and cls not in _RULES:
+            register_rule(cls, lazy())
         rule = _RULES.get(cls)
         if rule is not None:
             return rule if type(module).forward is cls.forward else None
@@ -136,6 +144,33 @@ class LinearRule(LayerRule):
             per_example = output_grad.reshape(b, -1, module.out_features).sum(dim=1)
             out["bias"] = PerExampleFactor(per_example, module.bias.shape)
         return out
+
+
+class TransposedLinearRule(LayerRule):
+    """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W stored (in, out).
+
+    W's per-example gradient is sum_t A[i, t] D[i, t]^T, the transpose of Linear's, so the
+    outer-product factor is built with the roles of input and output gradient swapped.
+    """
+
+    def factors(self, module, layer_input, output_grad, wanted):
+        _require_batched(module, layer_input, 2)
+        in_features, out_features = module.weight.shape
+        out: dict[str, ParameterFactor] = {}
+        if "weight" in wanted:
+            out["weight"] = OuterProductFactor(
+                _as_sequence(output_grad, out_features),
+                _as_sequence(layer_input, in_features),
+                module.weight.shape,
+            )
+        if "bias" in wanted:
+            b = output_grad.shape[0]
+            per_example = output_grad.reshape(b, -1, out_features).sum(dim=1)
+            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+        return out
+
+
+_LAZY_RULES["transformers.pytorch_utils.Conv1D"] = TransposedLinearRule
 
 
 class ConvRule(LayerRule):
