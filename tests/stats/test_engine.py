@@ -162,8 +162,7 @@ def test_layer_without_rule_is_named_in_the_error():
 
     with pytest.raises(ValueError, match=r"layer '<root>' \(Scale\).*\['gain'\]"):
         PerSampleStats(Scale())
-    with pytest.raises(ValueError, match="MultiheadAttention"):
-        PerSampleStats(nn.MultiheadAttention(4, 2, batch_first=True))
+    PerSampleStats(nn.MultiheadAttention(4, 2, batch_first=True)).close()  # has a rule now
 
 
 def test_subclass_overriding_forward_gets_no_inherited_rule():

@@ -55,6 +55,15 @@ class _Call:
         self.output_grad: torch.Tensor | None = None
 
 
+def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A call's (args, kwargs) with every tensor detached (references, not copies)."""
+
+    def detach(value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
+
+
 def _outer_dim_is_not_first(x: torch.Tensor) -> bool:
     """Whether some dim of size > 1 has a larger stride than dim 0 (a transposed view)."""
     if x.stride(0) == 0:  # dim 0 broadcast: the same activation for every example
@@ -229,15 +238,16 @@ class PerSampleStats:
         layers: list[_TrackedLayer] = []
         seen: set[int] = set()
         for module_name, module in model.named_modules(remove_duplicate=False):
+            if id(module) in seen:
+                continue
+            rule = find_rule(module)
+            covers = bool(getattr(rule, "covers_children", False))
             own = {
-                local: p for local, p in module.named_parameters(recurse=False) if p.requires_grad
+                local: p for local, p in module.named_parameters(recurse=covers) if p.requires_grad
             }
             if not own:
                 continue
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            rule = find_rule(module)
+            seen.update(id(m) for m in (module.modules() if covers else [module]))
             label = module_name or "<root>"
             if rule is None and fallback:
                 rule = TorchFuncFallbackRule()
@@ -246,6 +256,7 @@ class PerSampleStats:
                     f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
                     f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
                     f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
+                    f"MultiheadAttention, transformers Conv1D, "
                     f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
                     f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
                     f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
@@ -320,11 +331,14 @@ class PerSampleStats:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-    ) -> None:
+    ) -> Any:
         if not torch.is_grad_enabled() or _functorch_transform_active():
-            return
+            return None
+        whole_call = layer.rule.whole_call
+        if whole_call and isinstance(output, tuple) and output:
+            output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
+            return None
         if self._backward_seen:
             self._new_step()
         self._check_training_mode(layer, module)
@@ -333,7 +347,15 @@ class PerSampleStats:
         if isinstance(layer_input, torch.Tensor):
             if self._batch is not None:
                 layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if whole_call and expanded is not None:
+                raise NotImplementedError(
+                    f"layer {layer.name!r} ({type(module).__name__}) got an input shared by the "
+                    f"batch (shape {tuple(layer_input.shape)}), which its rule cannot take; "
+                    f"give the input an explicit batch dim (expand it to (B, ...))."
+                )
             layer_input = layer_input.detach()  # a reference, not a copy
+        if whole_call:
+            layer_input = _detached_call(args, kwargs)
         call = _Call(layer.rule.capture(module, layer_input))
         layer.calls.append(call)
         hooked = output if expanded is None else expanded

@@ -46,6 +46,10 @@ class LayerRule(ABC):
     #: gradients are only defined up to a convention there (BatchNorm's batch statistics).
     training_mode_warning: str | None = None
 
+    #: When True, ``capture`` receives the call's ``(args, kwargs)`` (tensors detached) instead
+    #: of the first input, and for a tuple output the first element is the output tracked.
+    whole_call: bool = False
+
     def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook, default accepts all)
         """Raise ``ValueError`` at attach time for configurations the rule cannot make exact."""
 
