@@ -39,6 +39,12 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
 
 
+def _inside_backward() -> bool:
+    """True while autograd runs a backward: a forward now is activation checkpointing's
+    recomputation, part of the current step, not a new one."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _functorch_transform_active() -> bool:
     """True inside torch.func transforms (vmap, grad): such calls are not this model's step."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
@@ -316,7 +322,7 @@ class PerSampleStats:
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if not tensors or tensors[0].dim() == 0:
+        if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
@@ -339,7 +345,9 @@ class PerSampleStats:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
-        if self._backward_seen:
+        # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
+        # only it receives the output gradient; with False only the original call does.
+        if self._backward_seen and not _inside_backward():
             self._new_step()
         self._check_training_mode(layer, module)
         layer_input = args[0] if args else next(iter(kwargs.values()))

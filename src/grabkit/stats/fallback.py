@@ -94,7 +94,14 @@ class TorchFuncFallbackRule(LayerRule):
             _, pullback = vjp(layer, params)
             return pullback(d.unsqueeze(0))[0]
 
-        grads = vmap(one_example)(output_grad, *batched)
+        try:
+            grads = vmap(one_example)(output_grad, *batched)
+        except RuntimeError as error:  # e.g. nn.LSTM: its fused kernels have no vmap rule
+            raise NotImplementedError(
+                f"PerSampleStats has no rule for {type(module).__name__} and the torch.func "
+                f"fallback cannot replay it per example ({error}). Freeze its parameters, or "
+                f"register a rule with grabkit.stats.register_rule."
+            ) from error
         return {name: PerExampleFactor(g.detach(), params[name].shape) for name, g in grads.items()}
 
     @staticmethod
