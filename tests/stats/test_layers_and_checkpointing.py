@@ -94,3 +94,11 @@ def test_lstm_is_refused_clearly(float64):
         model(torch.randn(3, 5, 4)).sum().backward()
         with pytest.raises(NotImplementedError, match="LSTM"):
             stats.norms_squared()
+
+
+@pytest.mark.slow
+def test_resnet18_in_eval_mode(float64, reference_tools):
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(2)
+    model = torchvision.models.resnet18(num_classes=4).eval()  # BatchNorm on running statistics
+    run_and_compare(model, torch.randn(2, 3, 32, 32), reference_tools)

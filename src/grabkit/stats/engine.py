@@ -340,8 +340,7 @@ class PerSampleStats:
     ) -> Any:
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
-        whole_call = layer.rule.whole_call
-        if whole_call and isinstance(output, tuple) and output:
+        if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
@@ -350,25 +349,40 @@ class PerSampleStats:
         if self._backward_seen and not _inside_backward():
             self._new_step()
         self._check_training_mode(layer, module)
-        layer_input = args[0] if args else next(iter(kwargs.values()))
-        expanded = None
-        if isinstance(layer_input, torch.Tensor):
-            if self._batch is not None:
-                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
-            if whole_call and expanded is not None:
-                raise NotImplementedError(
-                    f"layer {layer.name!r} ({type(module).__name__}) got an input shared by the "
-                    f"batch (shape {tuple(layer_input.shape)}), which its rule cannot take; "
-                    f"give the input an explicit batch dim (expand it to (B, ...))."
-                )
-            layer_input = layer_input.detach()  # a reference, not a copy
-        if whole_call:
-            layer_input = _detached_call(args, kwargs)
+        layer_input, expanded = self._layer_input(layer, args, kwargs, output)
         call = _Call(layer.rule.capture(module, layer_input))
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
         return expanded
+
+    def _layer_input(
+        self,
+        layer: _TrackedLayer,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: torch.Tensor,
+    ) -> tuple[Any, torch.Tensor | None]:
+        """(what the rule keeps from the call, the output expanded to (B, ...) or None).
+
+        The first input is checked against the step's batch (``_ModelBatch.align``); a rule
+        with ``whole_call`` keeps every input instead.
+        """
+        layer_input = args[0] if args else next(iter(kwargs.values()))
+        expanded = None
+        if isinstance(layer_input, torch.Tensor):
+            if self._batch is not None:
+                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if layer.rule.whole_call and expanded is not None:
+                raise NotImplementedError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}) got an input shared "
+                    f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
+                    f"take; give the input an explicit batch dim (expand it to (B, ...))."
+                )
+            layer_input = layer_input.detach()  # a reference, not a copy
+        if layer.rule.whole_call:
+            layer_input = _detached_call(args, kwargs)
+        return layer_input, expanded
 
     def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
         message = layer.rule.training_mode_warning
