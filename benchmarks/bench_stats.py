@@ -3,7 +3,10 @@
 Two workloads, each timed side by side in one run (interleaved rounds, medians):
 
 * ``mlp``: MNIST, B = 64, an MLP 784-784-64-10 (666,330 parameters);
-* ``lm``:  PTB, B = 32, T = 64, a 2-block transformer LM (d_model 128, 4 heads, vocab 10,000).
+* ``lm``:  PTB, B = 32, T = 64, a 2-block transformer LM (d_model 128, 4 heads, vocab 10,000);
+* ``gpt``: random tokens, B = 16, T = 64, a nanoGPT-shaped LM (vocab 2000, d 128, 2 blocks,
+  positions ``arange(T)``), untied and tied head: norms-only and norms + Gram reads over a plain
+  step, and the MiB of tensors the engine holds for one step.
 
 Contenders, each with its own copy of the model and its own SGD optimizer:
 
@@ -381,13 +384,114 @@ def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> N
         print(f"| {k} | {v * 1e3:.2f} | {v / costs['plain step']:.2f} |")
 
 
+# -- gpt: the small GPT of issue 10 ---------------------------------------------------------------
+GPT_VOCAB, GPT_WIDTH, GPT_LAYERS, GPT_LENGTH, GPT_BATCH = 2000, 128, 2, 64, 16
+
+
+class GptBlock(nn.Module):
+    """Pre-norm causal self-attention (projections as Linear layers) and an MLP."""
+
+    def __init__(self, width: int, heads: int = 4) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.heads = heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, width = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(width, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, width))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class SmallGpt(nn.Module):
+    """nanoGPT's shape: token + position embeddings (positions ``arange(T)``), optional tie."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(GPT_VOCAB, GPT_WIDTH)
+        self.wpe = nn.Embedding(GPT_LENGTH, GPT_WIDTH)
+        self.blocks = nn.Sequential(*(GptBlock(GPT_WIDTH) for _ in range(GPT_LAYERS)))
+        self.ln = nn.LayerNorm(GPT_WIDTH)
+        self.head = nn.Linear(GPT_WIDTH, GPT_VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def _held_mib(stats: PerSampleStats) -> float:
+    """MiB of distinct tensor storages the engine keeps for one step (inputs, output grads)."""
+    seen: dict[int, int] = {}
+    for layer in stats._layers:
+        for call in layer.calls:
+            for t in (call.captured, call.output_grad):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) / 2**20
+
+
+def run_gpt(args: argparse.Namespace) -> None:
+    """Norms-only and norms + Gram steps over a plain step, tied vs untied head."""
+    rounds = args.rounds or (4 if args.quick else 10)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_LENGTH), generator=gen)
+    contenders: dict[str, Callable[[], None]] = {}
+    engines: dict[str, PerSampleStats] = {}
+    for tied in (False, True):
+        name = "tied" if tied else "untied"
+        for read in ("plain", "norms", "norms+gram"):
+            torch.manual_seed(0)
+            model = SmallGpt(tied)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            stats = None if read == "plain" else PerSampleStats(model)
+            if stats is not None:
+                engines[f"{name} {read}"] = stats
+
+            def step(model=model, opt=opt, stats=stats, read=read) -> None:
+                logits = model(idx)
+                loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if stats is not None:
+                    stats.norms_squared()
+                    if read == "norms+gram":
+                        stats.gram()
+                opt.step()
+
+            contenders[f"{name} {read}"] = step
+    times, cpu = timed_side_by_side(contenders, rounds=rounds, inner=1)
+    print(
+        f"\n### gpt: vocab {GPT_VOCAB}, d = {GPT_WIDTH}, {GPT_LAYERS} blocks, T = {GPT_LENGTH}, "
+        f"B = {GPT_BATCH}; {rounds} rounds\n"
+    )
+    print("| model | read | wall ms / step | x plain | CPU ms / step | x plain | held MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key in contenders:
+        name, read = key.split(" ")
+        base = f"{name} plain"
+        held = f"{_held_mib(engines[key]):.1f}" if key in engines else "-"
+        print(
+            f"| {name} | {read} | {times[key] * 1e3:.1f} | {times[key] / times[base]:.2f} | "
+            f"{cpu[key] * 1e3:.1f} | {cpu[key] / cpu[base]:.2f} | {held} |"
+        )
+    for stats in engines.values():
+        stats.close()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_stats", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds on random data")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=0, help="timing rounds (0: default)")
     parser.add_argument(
-        "--workloads", default=None, help="comma-separated: mlp,lm (default both; --quick: mlp)"
+        "--workloads", default=None, help="comma-separated: mlp,lm,gpt (default all; --quick: mlp)"
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
@@ -402,9 +506,12 @@ def main(argv: list[str]) -> None:
         kinds.append("opacus-pair")
     else:
         print(f"\nopacus not measured: {missing}")
-    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm")
+    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm,gpt")
     for workload in workloads.split(","):
-        run_workload(workload, args, kinds)
+        if workload == "gpt":
+            run_gpt(args)
+        else:
+            run_workload(workload, args, kinds)
 
 
 if __name__ == "__main__":

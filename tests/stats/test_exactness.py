@@ -173,12 +173,53 @@ def test_layer_called_twice_in_one_forward(reference_tools):
     run_and_compare(Twice(), x, y, classification_loss, "sum", reference_tools)
 
 
+def test_batchnorm_training_mode_raises_by_default():
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).train()
+    with PerSampleStats(model), pytest.raises(ValueError, match=r"eval mode.*GroupNorm"):
+        model(torch.randn(B, 4))
+    model.eval()
+    with PerSampleStats(model) as stats:
+        model(torch.randn(B, 4)).sum().backward()
+        assert stats.norms_squared().shape == (B,)
+
+
+def test_batchnorm_constant_statistics_match_their_definition(float64):
+    # Documented definition: each layer's per-example share of the batch gradient,
+    # sum_t D[i, t] A[i, t]^T with D the batch loss's gradient at the layer output.
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).train()
+    x = torch.randn(B, 4)
+    with pytest.warns(UserWarning, match="batch mean and variance as constants"):
+        stats = PerSampleStats(model, "sum", batch_norm_constant_statistics=True)
+        h1 = model[0](x)
+        h2 = model[1](h1)
+        out = model[3](model[2](h2))
+    loss = out.square().sum()
+    d1, d2, d3 = torch.autograd.grad(loss, (h1, h2, out))  # the engine's hooks see these too
+    xhat = (h1 - h1.mean(0)) / torch.sqrt(h1.var(0, unbiased=False) + model[1].eps)
+    a3 = model[2](h2)
+    rows = torch.cat(
+        [
+            (d1[:, :, None] * x[:, None, :]).reshape(B, -1),
+            d1,
+            d2 * xhat,
+            d2,
+            (d3[:, :, None] * a3[:, None, :]).reshape(B, -1),
+            d3,
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(stats.gram(), rows @ rows.T)
+    torch.testing.assert_close(stats.norms_squared(), rows.square().sum(1))
+    stats.close()
+
+
 def test_batchnorm_training_mode_treats_batch_statistics_as_constants(reference_tools):
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).train()
     x, y = torch.randn(B, 4), torch.randint(0, 2, (B,))
     with pytest.warns(UserWarning, match="batch mean and variance as constants"):
-        stats = PerSampleStats(model)
+        stats = PerSampleStats(model, batch_norm_constant_statistics=True)
         classification_loss(model(x), y).mean().backward()
     # Reference: the same network normalising with this batch's statistics held fixed.
     frozen = copy.deepcopy(model).eval()

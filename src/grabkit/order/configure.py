@@ -283,7 +283,11 @@ def param_dim(params: Any, model: torch.nn.Module | None) -> int | None:
 
 
 def attach_statistics(
-    model: torch.nn.Module, loss_reduction: str, ordering: Ordering, projection: Any
+    model: torch.nn.Module,
+    loss_reduction: str,
+    ordering: Ordering,
+    projection: Any,
+    stats_options: dict[str, Any] | None = None,
 ) -> Any:
     """Hook mode: ``PerSampleStats`` on ``model`` (inner products only, so no coordinates)."""
     if ordering.needs_coordinates or projection is not None:
@@ -299,4 +303,4 @@ def attach_statistics(
         )
     from grabkit.stats import PerSampleStats
 
-    return PerSampleStats(model, loss_reduction=loss_reduction)
+    return PerSampleStats(model, loss_reduction=loss_reduction, **(stats_options or {}))

@@ -126,6 +126,8 @@ class GraBSampler(Sampler[int]):
                     sampler.step()  # both micro-batches, each to its own examples
                     optimizer.step()
                     optimizer.zero_grad()
+        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
+            ``{"torch_func_fallback": True}``).
     """
 
     def __init__(
@@ -155,6 +157,7 @@ class GraBSampler(Sampler[int]):
         record_orders: bool = False,
         loss_reduction: str = "mean",
         block_policy: BlockPolicy | None = None,
+        stats_options: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         self.n = dataset_size(data_source)
@@ -188,7 +191,7 @@ class GraBSampler(Sampler[int]):
         self.stats, self._owns_stats = stats, model is not None and stats is None
         if self._owns_stats:
             self.stats = attach_statistics(
-                model, loss_reduction, self.ordering, self.projection_kind
+                model, loss_reduction, self.ordering, self.projection_kind, stats_options
             )
         self.source = None if self.stats is None else HookSource(self.stats)
         self._config = plain_config(

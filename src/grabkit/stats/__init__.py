@@ -14,7 +14,7 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.hook_batch import HookGradientBatch
-from grabkit.stats.rules import LayerRule, register_rule, registered_rules
+from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
 from grabkit.stats.step import StepStatistics
 
 __all__ = [
@@ -28,4 +28,5 @@ __all__ = [
     "named_to_flat",
     "register_rule",
     "registered_rules",
+    "rule_for",
 ]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grabkit.stats.factors import ParameterFactor
+from grabkit.stats.factors import ParameterFactor, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
@@ -39,6 +39,12 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 
 # module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+
+
+def _inside_backward() -> bool:
+    """True while autograd runs a backward: a forward now is activation checkpointing's
+    recomputation, part of the current step, not a new one."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _functorch_transform_active() -> bool:
@@ -55,6 +61,79 @@ class _Call:
     def __init__(self, captured: object) -> None:
         self.captured = captured
         self.output_grad: torch.Tensor | None = None
+
+
+def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    """A call's (args, kwargs) with every tensor detached (references, not copies)."""
+
+    def detach(value: Any) -> Any:
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
+
+
+def _outer_dim_is_not_first(x: torch.Tensor) -> bool:
+    """Whether some dim of size > 1 has a larger stride than dim 0 (a transposed view)."""
+    if x.stride(0) == 0:  # dim 0 broadcast: the same activation for every example
+        return False
+    return any(x.stride(k) > x.stride(0) for k in range(1, x.dim()) if x.shape[k] > 1)
+
+
+class _ModelBatch:
+    """The examples of one step: dim 0 of the model's first tensor input, and its storages.
+
+    ``align`` tells, for a layer's input, whether its dim 0 holds those examples or whether the
+    input is shared by the whole batch (position ids ``torch.arange(T)`` of shape (T,), or
+    Hugging Face's (1, T)): a shared input contributes the same activation to every example,
+    so the layer's output is expanded to (B, ...) (a broadcast the model did anyway) and each
+    example's own output gradient reaches the hook.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.size = tensors[0].shape[0]
+        self.shape = tuple(tensors[0].shape)
+        self._storages = {t.untyped_storage().data_ptr() for t in tensors}
+
+    def _is_shared(self, x: torch.Tensor) -> bool:
+        """A tensor made outside autograd and not a view of the model's inputs."""
+        return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+
+    def align(
+        self, name: str, x: torch.Tensor, output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(input as (B, ...), expanded output or None when the output is already per-example)."""
+        b = self.size
+        if x.dim() > 0 and x.shape[0] == b:
+            if self._is_shared(x) and x.dim() < len(self.shape) and b in self.shape[1:]:
+                raise ValueError(
+                    f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
+                    f"from the model's input {self.shape}, whose batch size {b} also appears "
+                    f"among its other dims: PerSampleStats cannot tell whether dim 0 holds the "
+                    f"examples or is shared by all of them (say positions torch.arange(T) with "
+                    f"T == B). Give that input an explicit batch dim (e.g. "
+                    f"pos.unsqueeze(0).expand(B, -1)) or use a batch size that differs from "
+                    f"the other dims."
+                )
+            if b in x.shape[1:] and _outer_dim_is_not_first(x):
+                raise ValueError(
+                    f"layer {name!r} got an input of shape {tuple(x.shape)} and strides "
+                    f"{x.stride()}: dim 0 is not its outermost dim (a transposed, sequence-first "
+                    f"view?), and the batch size {b} also appears among its other dims, so "
+                    f"PerSampleStats cannot tell which dim holds the examples. Use batch_first "
+                    f"layouts, or call .contiguous() on a batch-first input."
+                )
+            return x, None
+        if not self._is_shared(x):
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} computed from the "
+                f"model's input, but its dim 0 is not the batch ({b} examples, dim 0 of the "
+                f"model's input {self.shape}). PerSampleStats needs the examples in dim 0 of "
+                f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
+                f"before the layer)."
+            )
+        if x.dim() > 0 and x.shape[0] == 1 and output.dim() > 0 and output.shape[0] == 1:
+            return x.expand(b, *x.shape[1:]), output.expand(b, *output.shape[1:])
+        return x.unsqueeze(0).expand(b, *x.shape), output.unsqueeze(0).expand(b, *output.shape)
 
 
 class _TrackedLayer:
@@ -78,11 +157,18 @@ class PerSampleStats:
 
     Args:
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
-            (``grabkit.stats.rules.register_rule``), and no parameter may be shared by two layers.
+            (``grabkit.stats.rules.register_rule``).
         loss_reduction: ``"mean"`` or ``"sum"``, how the batch loss combines the examples.
         torch_func_fallback: layers with trainable parameters but no rule get their per-example
             gradients by ``torch.func`` (materialised for that layer only; see
             ``grabkit.stats.fallback``) instead of an error at attach time.
+        batch_norm_constant_statistics: BatchNorm in training mode raises by default (its
+            batch statistics couple the examples, so per-example gradients are not defined).
+            With True it runs, and g_i is *defined* as each layer's per-example share of the
+            batch gradient: sum_t D[i, t] A[i, t]^T from the batch loss's output gradient D and
+            the layer input A (for BatchNorm's affine parameters D_i * xhat_i), i.e. the batch
+            statistics held as constants. These g_i sum to the batch gradient but differ from
+            the gradient of example i's loss alone for BatchNorm and every layer before it.
 
     Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
     ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
@@ -94,13 +180,24 @@ class PerSampleStats:
             loss_fn(model(x), y).backward()
             norms = stats.norms_squared()  # (B,)
 
-    BatchNorm in training mode is supported with its batch statistics treated as constants
-    (with a warning). A layer called several times in one forward is handled exactly (its
-    per-example gradient is the sum over the calls).
+    The examples are dim 0 of the model's first tensor input. A layer whose input is shared by
+    the batch (no batch dim, such as ``wpe(torch.arange(T))``, or a leading dim of 1 such as
+    Hugging Face's (1, T) position ids) gives every example the same activation: its output is
+    expanded to (B, ...) (so the model sees the broadcast it would have done anyway) and each
+    example gets its own share. Where dim 0 cannot be told apart from another dim, it raises.
+    A parameter shared by several layers (tied embedding and output head) gets the sum of its
+    uses, cross terms included. A layer called several times in one forward is handled exactly
+    (its per-example gradient is the sum over the calls). BatchNorm in training mode raises
+    unless ``batch_norm_constant_statistics=True``.
     """
 
     def __init__(
-        self, model: nn.Module, loss_reduction: str = "mean", *, torch_func_fallback: bool = False
+        self,
+        model: nn.Module,
+        loss_reduction: str = "mean",
+        *,
+        torch_func_fallback: bool = False,
+        batch_norm_constant_statistics: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -123,6 +220,7 @@ class PerSampleStats:
             name: p.shape for name, p in model.named_parameters() if p.requires_grad
         }
         self.torch_func_fallback = bool(torch_func_fallback)
+        self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self._layers = self._find_layers(model, names, self.torch_func_fallback)
         self._handles: list[Any] = []
         self._warned: set[nn.Module] = set()
@@ -148,29 +246,19 @@ class PerSampleStats:
     def _find_layers(
         model: nn.Module, names: dict[int, str], fallback: bool
     ) -> list[_TrackedLayer]:
-        owner: dict[int, str] = {}
         layers: list[_TrackedLayer] = []
         seen: set[int] = set()
         for module_name, module in model.named_modules(remove_duplicate=False):
+            if id(module) in seen:
+                continue
+            rule = find_rule(module)
+            covers = bool(getattr(rule, "covers_children", False))
             own = {
-                local: p for local, p in module.named_parameters(recurse=False) if p.requires_grad
+                local: p for local, p in module.named_parameters(recurse=covers) if p.requires_grad
             }
             if not own:
                 continue
-            for local, p in own.items():
-                full = f"{module_name}.{local}" if module_name else local
-                if id(p) in owner and owner[id(p)] != id(module):
-                    raise ValueError(
-                        f"parameter {names[id(p)]!r} is shared by two layers (also used as "
-                        f"{full!r}); per-example statistics of tied weights across layers are "
-                        f"not supported. Untie the weights or freeze the parameter "
-                        f"(requires_grad_(False))."
-                    )
-                owner[id(p)] = id(module)
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            rule = find_rule(module)
+            seen.update(id(m) for m in (module.modules() if covers else [module]))
             label = module_name or "<root>"
             if rule is None and fallback:
                 rule = TorchFuncFallbackRule()
@@ -179,6 +267,7 @@ class PerSampleStats:
                     f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
                     f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
                     f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
+                    f"MultiheadAttention, transformers Conv1D, "
                     f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
                     f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
                     f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
@@ -189,6 +278,9 @@ class PerSampleStats:
         return layers
 
     def _attach(self, model: nn.Module) -> None:
+        self._handles.append(
+            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
+        )
         for layer in self._layers:
             hook = functools.partial(self._on_forward, layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
@@ -217,11 +309,34 @@ class PerSampleStats:
 
     # -- recording ---------------------------------------------------------------------------
     def _new_step(self) -> None:
+        if getattr(self, "_backward_seen", False):
+            for listener in list(self.step_listeners):
+                listener()  # before the finished step's data is dropped
         for layer in getattr(self, "_layers", []):
             layer.calls = []
         self._param_grads: dict[str, torch.Tensor] = {}
         self._backward_seen = False
         self._statistics: StepStatistics | None = None
+        self._batch: _ModelBatch | None = None
+
+    def _on_model_input(
+        self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Record the batch size from the model's first tensor input (dim 0): the examples.
+
+        A 1-D floating input is one unbatched vector, not a batch: nothing is recorded and the
+        layers' rules report it.
+        """
+        if not torch.is_grad_enabled() or _functorch_transform_active():
+            return
+        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        if not tensors or tensors[0].dim() == 0 or _inside_backward():
+            return
+        if tensors[0].dim() == 1 and tensors[0].is_floating_point():
+            return
+        if self._backward_seen:
+            self._new_step()
+        self._batch = _ModelBatch(tensors)
 
     def _on_forward(
         self,
@@ -230,24 +345,70 @@ class PerSampleStats:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,
-    ) -> None:
+    ) -> Any:
         if not torch.is_grad_enabled() or _functorch_transform_active():
-            return
+            return None
+        if layer.rule.whole_call and isinstance(output, tuple) and output:
+            output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return
-        if self._backward_seen:
-            for listener in list(self.step_listeners):
-                listener()
+            return None
+        # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
+        # only it receives the output gradient; with False only the original call does.
+        if self._backward_seen and not _inside_backward():
             self._new_step()
-        if layer.rule.training_mode_warning and module.training and module not in self._warned:
-            self._warned.add(module)
-            warnings.warn(f"layer {layer.name!r}: {layer.rule.training_mode_warning}", stacklevel=2)
-        layer_input = args[0] if args else next(iter(kwargs.values()))
-        if isinstance(layer_input, torch.Tensor):
-            layer_input = layer_input.detach()  # a reference, not a copy
+        self._check_training_mode(layer, module)
+        layer_input, expanded = self._layer_input(layer, args, kwargs, output)
         call = _Call(layer.rule.capture(module, layer_input))
         layer.calls.append(call)
-        output.register_hook(functools.partial(self._on_output_grad, call))
+        hooked = output if expanded is None else expanded
+        hooked.register_hook(functools.partial(self._on_output_grad, call))
+        return expanded
+
+    def _layer_input(
+        self,
+        layer: _TrackedLayer,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: torch.Tensor,
+    ) -> tuple[Any, torch.Tensor | None]:
+        """(what the rule keeps from the call, the output expanded to (B, ...) or None).
+
+        The first input is checked against the step's batch (``_ModelBatch.align``); a rule
+        with ``whole_call`` keeps every input instead.
+        """
+        layer_input = args[0] if args else next(iter(kwargs.values()))
+        expanded = None
+        if isinstance(layer_input, torch.Tensor):
+            if self._batch is not None:
+                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if layer.rule.whole_call and expanded is not None:
+                raise NotImplementedError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}) got an input shared "
+                    f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
+                    f"take; give the input an explicit batch dim (expand it to (B, ...))."
+                )
+            layer_input = layer_input.detach()  # a reference, not a copy
+        if layer.rule.whole_call:
+            layer_input = _detached_call(args, kwargs)
+        return layer_input, expanded
+
+    def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
+        message = layer.rule.training_mode_warning
+        if not message or not module.training:
+            return
+        if not self.batch_norm_constant_statistics:
+            raise ValueError(
+                f"layer {layer.name!r} ({type(module).__name__}) runs in training mode, where it "
+                f"normalises with the batch's mean and variance: every example's output (and so "
+                f"the gradient of every layer before it) depends on the whole batch, so "
+                f"per-example gradients are not defined. Use eval mode for it "
+                f"(module.eval(): running statistics, exact), replace it with GroupNorm or "
+                f"LayerNorm, or pass batch_norm_constant_statistics=True to PerSampleStats "
+                f"(documented approximation: batch statistics held as constants)."
+            )
+        if module not in self._warned:
+            self._warned.add(module)
+            warnings.warn(f"layer {layer.name!r}: {message}", stacklevel=3)
 
     def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
         grad = grad.detach()
@@ -288,9 +449,12 @@ class PerSampleStats:
                 "loss.backward() before reading."
             )
         distinct = {size for per_layer in sizes.values() for size in per_layer}
+        if self._batch is not None:
+            distinct.add(self._batch.size)
         if len(distinct) > 1:
             raise ValueError(
-                f"layers saw different batch sizes in dim 0 ({sizes}, per layer and call); "
+                f"layers saw different batch sizes in dim 0 ({sizes}, per layer and call; the "
+                f"model's input has {self._batch.size if self._batch else '?'} examples); "
                 f"PerSampleStats needs the batch in dim 0 of every layer's input (use "
                 f"batch_first layouts) and, for a layer called several times, the same "
                 f"examples in every call."
@@ -325,7 +489,7 @@ class PerSampleStats:
                 for local, factor in made.items():
                     full = layer.params[local]
                     previous = factors[full]
-                    factors[full] = factor if previous is None else previous.merge(factor)
+                    factors[full] = factor if previous is None else combine(previous, factor)
         batch_gradients = {
             name: self._param_grads[name].to(self.dtype)
             if name in self._param_grads

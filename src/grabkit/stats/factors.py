@@ -26,6 +26,8 @@ __all__ = [
     "OuterProductFactor",
     "ParameterFactor",
     "PerExampleFactor",
+    "SumFactor",
+    "combine",
     "compute_dtype",
 ]
 
@@ -350,3 +352,99 @@ class EmbeddingFactor:
             torch.cat([self.output_grads, other.output_grads], dim=1),
             self.param_shape,
         )
+
+
+class SumFactor:
+    """g_i = sum_u g_i^u over the uses u of one parameter by different layers (tied weights).
+
+    A parameter shared by two layers (a language model's token embedding tied to its output
+    head) has per-example gradient the sum of its uses' contributions, so its norms and Gram
+    matrix need the cross terms <g_i^u, g_j^v> between uses, not only each use's own. A cross
+    term is exact: use v's per-example gradients are formed transiently as a (B, *param_shape)
+    tensor (``weighted_sum`` with the identity) and read by use u's ``dot``. Dots and weighted
+    sums are plain sums over the uses.
+    """
+
+    def __init__(self, parts: list[ParameterFactor]) -> None:
+        self.parts = parts
+        self.batch_size = parts[0].batch_size
+        self.param_shape = parts[0].param_shape
+
+    def _cross(self, u: ParameterFactor, v: ParameterFactor) -> torch.Tensor:
+        """(B, B) entries <g_i^u, g_j^v>."""
+        if isinstance(u, EmbeddingFactor) and _is_plain_linear(v):
+            return _embedding_linear_cross(u, v)
+        if isinstance(v, EmbeddingFactor) and _is_plain_linear(u):
+            return _embedding_linear_cross(v, u).T
+        identity = torch.eye(self.batch_size, dtype=torch.float64)
+        dense_v = v.weighted_sum(identity.to(_dtype_of(v)))  # (B, *param_shape)
+        return u.dot(dense_v)
+
+    def _pairs(self) -> list[tuple[ParameterFactor, ParameterFactor]]:
+        return [(u, v) for k, u in enumerate(self.parts) for v in self.parts[k + 1 :]]
+
+    def norms_squared(self) -> torch.Tensor:
+        total = sum(part.norms_squared() for part in self.parts)
+        for u, v in self._pairs():
+            total = total + 2 * self._cross(u, v).diagonal()
+        return total
+
+    def gram(self) -> torch.Tensor:
+        total = sum(part.gram() for part in self.parts)
+        for u, v in self._pairs():
+            cross = self._cross(u, v)
+            total = total + cross + cross.T
+        return total
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return sum(part.dot(vectors) for part in self.parts)
+
+    def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = compute_dtype(weights.dtype)
+        rows = sum(part.weighted_sum(weights).to(dtype) for part in self.parts)
+        return _deliver(rows, out)
+
+    def merge(self, other: ParameterFactor) -> ParameterFactor:
+        return combine(self, other)
+
+
+def _is_plain_linear(factor: ParameterFactor) -> bool:
+    return isinstance(factor, OuterProductFactor) and factor.groups == 1
+
+
+def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
+    """(B, B) <g_i^u, g_j^v> for a table used as embedding (u) and as output head (v), ghost-style.
+
+    <sum_t onehot(idx_it) E_it^T, sum_s D_js A_js^T> = sum_{t, s} D_js[idx_it] (E_it . A_js):
+    N_u x N_v pairs of d-dim dots, never the (B, V, d) per-example gradients.
+    """
+    dtype = torch.promote_types(u.output_grads.dtype, v.inputs.dtype)
+    b = u.batch_size
+    idx = u.indices.reshape(-1)
+    e = u.output_grads.reshape(idx.numel(), -1).to(dtype)  # (N_u, d)
+    a = v.inputs.reshape(-1, v.in_features).to(dtype)  # (N_v, d)
+    d = v.output_grads.reshape(-1, v.out_features).to(dtype)  # (N_v, V)
+    pairs = (e @ a.T) * d.index_select(1, idx).T  # (N_u, N_v)
+    return pairs.reshape(b, -1, b, v.positions).sum(dim=(1, 3))
+
+
+def _dtype_of(factor: ParameterFactor) -> torch.dtype:
+    """The compute dtype a factor's tensors are held in."""
+    for attribute in ("inputs", "output_grads", "grads"):
+        tensor = getattr(factor, attribute, None)
+        if isinstance(tensor, torch.Tensor):
+            return tensor.dtype
+    if isinstance(factor, SumFactor):
+        return _dtype_of(factor.parts[0])
+    return torch.float32
+
+
+def combine(first: ParameterFactor, second: ParameterFactor) -> ParameterFactor:
+    """The factor of g_i + h_i: ``merge`` for two calls of one layer, else a ``SumFactor``."""
+    if isinstance(first, SumFactor) or isinstance(second, SumFactor):
+        left = first.parts if isinstance(first, SumFactor) else [first]
+        right = second.parts if isinstance(second, SumFactor) else [second]
+        return SumFactor([*left, *right])
+    if type(first) is type(second):
+        return first.merge(second)
+    return SumFactor([first, second])

@@ -16,8 +16,8 @@ The batch dimension is dim 0 of every layer's input (``batch_first`` layouts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
-from typing import NamedTuple
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ __all__ = [
     "find_rule",
     "register_rule",
     "registered_rules",
+    "rule_for",
 ]
 
 
@@ -45,6 +46,10 @@ class LayerRule(ABC):
     #: Warn (once per engine) when the layer runs in training mode: for layers whose per-example
     #: gradients are only defined up to a convention there (BatchNorm's batch statistics).
     training_mode_warning: str | None = None
+
+    #: When True, ``capture`` receives the call's ``(args, kwargs)`` (tensors detached) instead
+    #: of the first input, and for a tuple output the first element is the output tracked.
+    whole_call: bool = False
 
     def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook, default accepts all)
         """Raise ``ValueError`` at attach time for configurations the rule cannot make exact."""
@@ -87,9 +92,35 @@ def register_rule(module_type: type[nn.Module], rule: LayerRule) -> None:
     _RULES[module_type] = rule
 
 
+_Rule = TypeVar("_Rule", bound=type[LayerRule])
+
+
+def rule_for(*module_types: type[nn.Module]) -> Callable[[_Rule], _Rule]:
+    """Class decorator: register an instance of the decorated rule for each of ``module_types``.
+
+    Example::
+
+        @rule_for(MyLayer)
+        class MyLayerRule(LayerRule):
+            def factors(self, module, layer_input, output_grad, wanted): ...
+    """
+
+    def decorate(rule_class: _Rule) -> _Rule:
+        for module_type in module_types:
+            register_rule(module_type, rule_class())
+        return rule_class
+
+    return decorate
+
+
 def registered_rules() -> dict[type[nn.Module], LayerRule]:
     """A copy of the layer-type -> rule table."""
     return dict(_RULES)
+
+
+# Rules for classes of optional libraries, by "module.qualname": registered when such a layer is
+# first seen, so importing grabkit never imports those libraries.
+_LAZY_RULES: dict[str, type[LayerRule]] = {}
 
 
 def find_rule(module: nn.Module) -> LayerRule | None:
@@ -99,6 +130,9 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     so it gets no inherited rule (register one for it explicitly).
     """
     for cls in type(module).__mro__:
+        lazy = _LAZY_RULES.get(f"{cls.__module__}.{cls.__qualname__}")
+        if lazy is not None and cls not in _RULES:
+            register_rule(cls, lazy())
         rule = _RULES.get(cls)
         if rule is not None:
             return rule if type(module).forward is cls.forward else None
@@ -119,10 +153,17 @@ def _require_batched(module: nn.Module, layer_input: torch.Tensor, min_dim: int)
         )
 
 
+@rule_for(nn.Linear)
 class LinearRule(LayerRule):
     """``y = x W^T + b`` over any leading dims: W's gradient is an outer product per position."""
 
-    def factors(self, module, layer_input, output_grad, wanted):
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
         _require_batched(module, layer_input, 2)
         out: dict[str, ParameterFactor] = {}
         if "weight" in wanted:
@@ -138,13 +179,52 @@ class LinearRule(LayerRule):
         return out
 
 
+class TransposedLinearRule(LayerRule):
+    """transformers' ``Conv1D`` (GPT-2): ``y = x W + b`` with W stored (in, out).
+
+    W's per-example gradient is sum_t A[i, t] D[i, t]^T, the transpose of Linear's, so the
+    outer-product factor is built with the roles of input and output gradient swapped.
+    """
+
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
+        _require_batched(module, layer_input, 2)
+        in_features, out_features = module.weight.shape
+        out: dict[str, ParameterFactor] = {}
+        if "weight" in wanted:
+            out["weight"] = OuterProductFactor(
+                _as_sequence(output_grad, out_features),
+                _as_sequence(layer_input, in_features),
+                module.weight.shape,
+            )
+        if "bias" in wanted:
+            b = output_grad.shape[0]
+            per_example = output_grad.reshape(b, -1, out_features).sum(dim=1)
+            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+        return out
+
+
+_LAZY_RULES["transformers.pytorch_utils.Conv1D"] = TransposedLinearRule
+
+
 class ConvRule(LayerRule):
     """``nn.Conv1d`` / ``nn.Conv2d``: unfold the (padded) input into patches, then as Linear."""
 
     def __init__(self, spatial_dims: int) -> None:
         self.spatial_dims = spatial_dims
 
-    def factors(self, module, layer_input, output_grad, wanted):
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
         _require_batched(module, layer_input, self.spatial_dims + 2)
         b = layer_input.shape[0]
         g = module.groups
@@ -171,10 +251,15 @@ class ConvRule(LayerRule):
         return F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)
 
 
+register_rule(nn.Conv1d, ConvRule(spatial_dims=1))
+register_rule(nn.Conv2d, ConvRule(spatial_dims=2))
+
+
+@rule_for(nn.Embedding)
 class EmbeddingRule(LayerRule):
     """``nn.Embedding``: each example's gradient touches only the rows it looked up."""
 
-    def check(self, module):
+    def check(self, module: nn.Module) -> None:
         if module.sparse:
             raise ValueError(
                 "nn.Embedding(sparse=True) is not supported by PerSampleStats; "
@@ -187,7 +272,13 @@ class EmbeddingRule(LayerRule):
                 "scale_grad_by_freq=False."
             )
 
-    def factors(self, module, layer_input, output_grad, wanted):
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
         if "weight" not in wanted:
             return {}
         _require_batched(module, layer_input, 1)
@@ -203,10 +294,10 @@ class _AffineNormRule(LayerRule):
     """Normalisation layers ``y = xhat * weight + bias``: per-example sums of D xhat and D."""
 
     @abstractmethod
-    def normalised(self, module: nn.Module, captured, dtype: torch.dtype) -> torch.Tensor:
+    def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         """xhat in ``dtype``: the input normalised exactly as the layer's forward did it."""
 
-    def input_tensor(self, captured) -> torch.Tensor:
+    def input_tensor(self, captured: Any) -> torch.Tensor:
         """The layer input within what ``capture`` kept."""
         return captured
 
@@ -214,7 +305,13 @@ class _AffineNormRule(LayerRule):
     def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         """Dims of x summed away to reach the parameter's shape (after dim 0, the batch)."""
 
-    def factors(self, module, layer_input, output_grad, wanted):
+    def factors(
+        self,
+        module: nn.Module,
+        layer_input: torch.Tensor,
+        output_grad: torch.Tensor,
+        wanted: Collection[str],
+    ) -> dict[str, ParameterFactor]:
         x = self.input_tensor(layer_input)
         _require_batched(module, x, 2)
         dims = self.reduce_dims(module, x)
@@ -230,30 +327,33 @@ class _AffineNormRule(LayerRule):
         return out
 
 
+@rule_for(nn.LayerNorm)
 class LayerNormRule(_AffineNormRule):
-    def normalised(self, module, captured, dtype):
+    def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.to(dtype)
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 
-    def reduce_dims(self, module, x):
+    def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(1, x.dim() - len(module.normalized_shape)))
 
 
+@rule_for(nn.RMSNorm)
 class RMSNormRule(_AffineNormRule):
-    def normalised(self, module, captured, dtype):
+    def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.to(dtype)
         return F.rms_norm(x, module.normalized_shape, None, module.eps)
 
-    def reduce_dims(self, module, x):
+    def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(1, x.dim() - len(module.normalized_shape)))
 
 
+@rule_for(nn.GroupNorm)
 class GroupNormRule(_AffineNormRule):
-    def normalised(self, module, captured, dtype):
+    def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.to(dtype)
         return F.group_norm(x, module.num_groups, None, None, module.eps)
 
-    def reduce_dims(self, module, x):
+    def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(2, x.dim()))
 
 
@@ -262,6 +362,7 @@ class _BatchNormCall(NamedTuple):
     use_batch_stats: bool
 
 
+@rule_for(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class BatchNormRule(_AffineNormRule):
     """BatchNorm: in training mode the batch mean and variance are treated as constants.
 
@@ -278,14 +379,14 @@ class BatchNormRule(_AffineNormRule):
         "mode, or use GroupNorm/LayerNorm for exact statistics."
     )
 
-    def capture(self, module, layer_input):
+    def capture(self, module: nn.Module, layer_input: torch.Tensor) -> _BatchNormCall:
         # Which statistics normalised this call is fixed at forward time, not at read time.
         return _BatchNormCall(layer_input, module.training or module.running_mean is None)
 
-    def input_tensor(self, captured):
+    def input_tensor(self, captured: _BatchNormCall) -> torch.Tensor:
         return captured.x
 
-    def normalised(self, module, captured, dtype):
+    def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.x.to(dtype)
         use_batch_stats = captured.use_batch_stats
         return F.batch_norm(
@@ -296,17 +397,5 @@ class BatchNormRule(_AffineNormRule):
             eps=module.eps,
         )
 
-    def reduce_dims(self, module, x):
+    def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(2, x.dim()))
-
-
-register_rule(nn.Linear, LinearRule())
-register_rule(nn.Conv1d, ConvRule(spatial_dims=1))
-register_rule(nn.Conv2d, ConvRule(spatial_dims=2))
-register_rule(nn.Embedding, EmbeddingRule())
-register_rule(nn.LayerNorm, LayerNormRule())
-register_rule(nn.GroupNorm, GroupNormRule())
-for _bn in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
-    register_rule(_bn, BatchNormRule())
-if hasattr(nn, "RMSNorm"):
-    register_rule(nn.RMSNorm, RMSNormRule())
