@@ -133,12 +133,16 @@ def test_hook_mode_sampler_decides_as_dense_reference(float64, model_kind):
     torch.manual_seed(2)
     n, batch, length = 12, 4, 5
     idx_all = torch.randint(0, VOCAB, (n, length))
-    if model_kind == "fallback":
-        model = nn.Sequential(nn.Embedding(VOCAB, WIDTH), Gain(WIDTH), nn.Linear(WIDTH, VOCAB))
-        options = {"torch_func_fallback": True}
-    else:
-        model = TinyGPT("hf" if model_kind == "hf" else "arange")
-        options = {}
+
+    def make() -> nn.Module:
+        if model_kind == "fallback":
+            return nn.Sequential(nn.Embedding(VOCAB, WIDTH), Gain(WIDTH), nn.Linear(WIDTH, VOCAB))
+        return TinyGPT("hf" if model_kind == "hf" else "arange")
+
+    model = make()
+    options = {"torch_func_fallback": True} if model_kind == "fallback" else {}
+    # the reference runs on an unhooked copy: its per-example backwards are not training steps
+    reference_model = make()
     dataset = torch.utils.data.TensorDataset(idx_all)
     hooked = GraBSampler(
         dataset, model=model, balance_type="pair", loss_reduction="sum", stats_options=options
@@ -150,7 +154,8 @@ def test_hook_mode_sampler_decides_as_dense_reference(float64, model_kind):
         assert order == list(iter(dense))
         for start in range(0, n, batch):
             idx = idx_all[torch.tensor(order[start : start + batch])]
-            reference = reference_gradients(model, idx)
+            reference_model.load_state_dict(model.state_dict())
+            reference = reference_gradients(reference_model, idx)
             opt.zero_grad()
             token_losses(model(idx), idx).sum().backward()
             hooked.step()
