@@ -5,7 +5,10 @@ same ``estimator(loss, tensors)`` call and the same returned value, with two fix
 
 * odd batch sizes work in "alternative" mode (the two halves may differ by one example; the
   effective size 2 b1 b2 / (b1 + b2) replaces b, which is exact for the identity below);
-* the per-block |G|^2, tr(Sigma) and a confidence interval are available from ``result()``.
+* the per-block |G|^2, tr(Sigma) and a confidence interval are available from ``result()``;
+* a batch whose gradients are not finite (a NaN or inf loss) leaves the averages unchanged and
+  returns the last valid estimate, as grabkit's other estimators do (in ALF one NaN poisons the
+  averages for good).
 
 Each call splits the batch at random into two disjoint parts and differentiates the mean loss of
 each ("paper" mode: a small part of ``batch_size_ratio`` and the rest; "alternative": two halves):
@@ -145,7 +148,7 @@ class GradientNoiseScaleEstimator(nn.Module):
                 tensors, or ``model.parameters()``.
         Returns:
             0-d float32 tensor, detached: the GNS, or the last non-negative one if this one is
-            negative (0 before any).
+            negative or not finite (0 before any).
         """
         if not isinstance(loss, torch.Tensor) or loss.ndim not in (1, 2):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -170,6 +173,9 @@ class GradientNoiseScaleEstimator(nn.Module):
             block_grad_norm = self._block_dot(big_grads, small_grads)
             block_trace = ((big_sq + small_sq) / 2.0 - block_grad_norm) * size
             grad_norm, var_trace = block_grad_norm.sum(), ((big_sq + small_sq) / 2.0).sum()
+        finite = torch.isfinite(torch.cat([block_grad_norm, block_trace]))
+        if not bool(finite.all()):  # a NaN / inf loss: skip the update, as the others do
+            return self._last_valid_gns.clone()
         self._track(names, block_grad_norm, block_trace, small + big)
         avg_grad_norm = self._gradient_norm_averager.update(grad_norm)
         avg_var_trace = self._var_trace_averager.update(var_trace)

@@ -181,11 +181,19 @@ class NoiseScaleTracker:
             examples=self.examples,
         )
 
-    def state_dict(self) -> dict:
+    def _config(self) -> dict:
+        """What a checkpoint must match: the averaging and the reported interval."""
         return {
             "window": self.window,
             "confidence": self.confidence,
+            "update_rate": self.update_rate,
+            "population_size": self.population_size,
             "block_names": list(self.block_names),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            **self._config(),
             "averages": self._ema.state_dict(),
             "weight_sq_sum": self._weight_sq_sum,
             "observations": self.observations,
@@ -193,28 +201,24 @@ class NoiseScaleTracker:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        expected = {
-            "window",
-            "confidence",
-            "block_names",
-            "averages",
-            "weight_sq_sum",
-            "observations",
-            "examples",
-        }
-        if set(state) != expected:
-            raise ValueError(
-                f"NoiseScaleTracker state has keys {sorted(state)}, expected {sorted(expected)}"
-            )
+        """Restore a :meth:`state_dict` written with the same configuration (else ValueError)."""
+        mine = self._config()
+        expected = set(mine) | {"averages", "weight_sq_sum", "observations", "examples"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"NoiseScaleTracker state has keys {got}, expected {sorted(expected)}")
         if tuple(state["block_names"]) != self.block_names:
             raise ValueError(
                 f"state was saved for blocks {tuple(state['block_names'])}, but this estimator "
                 f"tracks {self.block_names}; build it over the same parameters"
             )
-        if state["window"] not in _WINDOWS:
-            raise ValueError(f"state has an unknown window {state['window']!r}")
-        self.window = state["window"]
-        self.confidence = float(state["confidence"])
+        differing = sorted(k for k in mine if k != "block_names" and state[k] != mine[k])
+        if differing:
+            detail = ", ".join(f"{k}: saved {state[k]!r}, here {mine[k]!r}" for k in differing)
+            raise ValueError(
+                f"the noise-scale state was written with another configuration ({detail}); "
+                "build the estimator with the saved options to resume"
+            )
         self._ema.load_state_dict(state["averages"])
         self._weight_sq_sum = float(state["weight_sq_sum"])
         self.observations = int(state["observations"])
