@@ -197,19 +197,35 @@ class GradientNoiseScaleEstimator(nn.Module):
             )
         self._tracker.update(block_grad_norm, block_trace, examples)
 
-    def get_extra_state(self) -> dict:
-        """The averages, saved by ``state_dict()`` next to the ``_last_valid_gns`` buffer."""
+    def _config(self) -> dict:
         return {
+            "mode": self._mode,
+            "batch_size_ratio": self._batch_size_ratio,
+            "update_rate": self._update_rate,
+            "gradient_norm_clip": self._grad_norm_clip,
+        }
+
+    def get_extra_state(self) -> dict:
+        """The averages and the configuration, saved by ``state_dict()`` next to the
+        ``_last_valid_gns`` buffer; a state of another configuration is refused on load."""
+        return {
+            "config": self._config(),
             "gradient_norm": self._gradient_norm_averager.state_dict(),
             "var_trace": self._var_trace_averager.state_dict(),
             "tracker": None if self._tracker is None else self._tracker.state_dict(),
         }
 
     def set_extra_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"gradient_norm", "var_trace", "tracker"}:
+        expected = {"config", "gradient_norm", "var_trace", "tracker"}
+        if not isinstance(state, dict) or set(state) != expected:
             raise ValueError(
-                "GradientNoiseScaleEstimator extra state should have keys gradient_norm, "
-                f"var_trace and tracker, but got {state!r:.200}"
+                f"GradientNoiseScaleEstimator extra state should have keys {sorted(expected)}, "
+                f"but got {state!r:.200}"
+            )
+        if state["config"] != self._config():
+            raise ValueError(
+                f"the GradientNoiseScaleEstimator state was written with {state['config']}, but "
+                f"this estimator has {self._config()}; build it with the saved options to resume"
             )
         self._gradient_norm_averager.load_state_dict(state["gradient_norm"])
         self._var_trace_averager.load_state_dict(state["var_trace"])
