@@ -437,6 +437,32 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             coef = (self.clip_grad_norm / (total_norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
+    def flush(self) -> bool:
+        """Apply the partially accumulated window now (e.g. at the end of training).
+
+        A loop ends with the microbatches folded since the last step still waiting; ``flush``
+        steps the inner optimizer on their exact weighted mean (clipping and the controller's
+        transform apply as usual) and returns True, or returns False when the window is empty.
+        Collective under torch.distributed: call it on every rank. ``last_reason`` becomes
+        ``"flushed"``.
+        """
+        counters = self.counters
+        if counters.num_draws == 0:
+            return False
+        total = counters.total_count
+        sum_norm_sq, _ = self._agree_on_norms(
+            self._accumulator.sum_squared_norm().to(total.device), None
+        )
+        obs = Observation(
+            count=total,
+            total_count=total,
+            draws=counters.num_draws,
+            mean_norm_sq=sum_norm_sq / total.square(),
+        )
+        self._apply(obs)
+        counters.last_reason = "flushed"
+        return True
+
     def _apply(self, obs: Observation) -> None:
         grads = self._accumulator.write_mean(self.counters.total_count)
         self._transform_mean_gradient(grads, obs)
