@@ -7,6 +7,19 @@ multiplier, error tolerance, target norm, logical batch size) is ``wrapper.sched
 the schedules in :mod:`grabkit.accumulate.schedules` set it, and stock LR schedulers attached to
 the wrapper act on the inner optimizer's learning rate, as they would without the wrapper.
 
+The loop is GQC's: one ``step()`` per microbatch, no ``zero_grad()``, and a ``flush()`` at the
+end for the window still accumulating::
+
+    optimizer = OptimizerWrapperGNTS(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    norm_schedule = get_norm_threshold_cosine_annealing_with_warmup(optimizer, 100, len(loader))
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, t / 100))
+    for inputs, labels in loader:
+        loss_fn(model(inputs), labels).backward()
+        stepped = optimizer.step(count=len(labels))  # True when AdamW stepped
+        norm_schedule.step()  # one tick per microbatch, as in GQC
+        lr_schedule.step()
+    optimizer.flush()  # apply the microbatches folded since the last step
+
 Deliberate differences from torch-gqc 0.8.1:
 
 * ``param_groups`` are the inner optimizer's (GQC exposed a fake ``[{"lr": threshold}]``), so
@@ -19,6 +32,10 @@ Deliberate differences from torch-gqc 0.8.1:
 * MHT compares with ``|mean|``, so negative metrics work, and takes a closure's loss as the
   metric when none is given.
 * The inner step's return value is ``last_optimizer_result``; statistics are Python numbers.
+* A microbatch without gradient (``zero_grad()`` before ``step()``) is discarded with its count;
+  a NaN/inf gradient or metric discards the window with a warning instead of stalling until
+  ``max_batch_draws`` and then writing NaN into the parameters.
+* ``flush()`` applies a partial window (GQC leaves it unapplied).
 """
 
 from __future__ import annotations
@@ -50,7 +67,13 @@ class OptimizerWrapperGNTS(AdaptiveAccumulationWrapper):
     """Gradient Norm Threshold Scheduler: step when |mean gradient| <= ``norm_threshold``.
 
     ``norm_threshold`` (default 1.0) is usually driven by
-    :func:`~grabkit.accumulate.schedules.get_norm_threshold_cosine_annealing_with_warmup`.
+    :func:`~grabkit.accumulate.schedules.get_norm_threshold_cosine_annealing_with_warmup`::
+
+        optimizer = OptimizerWrapperGNTS(torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step(count=len(y))  # steps once |mean gradient| <= norm_threshold
+        optimizer.flush()
     """
 
     def __init__(
