@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.optim import Optimizer
 
-from grabkit.validation import check_non_negative_int, check_positive_int
+from grabkit.validation import check_non_negative_int, check_positive, check_positive_int
 
 __all__ = [
     "NormWarmupScheduler",
@@ -168,10 +168,7 @@ def get_curved_batch_schedule(
 ) -> ValueSchedule:
     """Logical batch size ``initial + (final - initial) * progress ** polynomial_exponent``."""
     _count("num_training_steps", num_training_steps, minimum=1)
-    if not polynomial_exponent > 0:
-        raise ValueError(
-            f"`polynomial_exponent` should be positive, but got {polynomial_exponent!r}"
-        )
+    check_positive("polynomial_exponent", polynomial_exponent)
 
     def value(step: int) -> float:
         progress = _progress(step, 0, num_training_steps)

@@ -33,6 +33,7 @@ from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.validation import check_positive
 
 __all__ = ["GradientNoiseScaleEstimator"]
 
@@ -93,10 +94,8 @@ class GradientNoiseScaleEstimator(nn.Module):
                 "batch_size_ratio should be in (0, 0.5) in paper mode, but got "
                 f"batch_size_ratio={batch_size_ratio}"
             )
-        if gradient_norm_clip is not None and not gradient_norm_clip > 0:
-            raise ValueError(
-                f"gradient_norm_clip should be positive or None, but got {gradient_norm_clip}"
-            )
+        if gradient_norm_clip is not None:
+            gradient_norm_clip = check_positive("gradient_norm_clip", gradient_norm_clip)
         self._name = name
         self._mode = mode
         self._batch_size_ratio = batch_size_ratio if mode == "paper" else 0.5

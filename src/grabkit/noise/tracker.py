@@ -17,6 +17,7 @@ import torch
 
 from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.result import NoiseScaleResult
+from grabkit.validation import check_positive, check_positive_int, check_probability
 
 __all__ = ["NoiseScaleTracker", "ratio_interval"]
 
@@ -79,19 +80,11 @@ class NoiseScaleTracker:
     ) -> None:
         if window not in _WINDOWS:
             raise ValueError(f"window should be one of {_WINDOWS}, but got window={window!r}")
-        if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence should be in (0, 1), but got confidence={confidence}")
+        confidence = check_probability("confidence", confidence)
         if len(block_names) == 0:
             raise ValueError("block_names should name at least one parameter block, but is empty")
-        if population_size is not None and (
-            isinstance(population_size, bool)
-            or not isinstance(population_size, int)
-            or population_size < 2
-        ):
-            raise ValueError(
-                "population_size should be None or an integer >= 2 (the data set size), but got "
-                f"population_size={population_size!r}"
-            )
+        if population_size is not None:  # the data set size
+            check_positive_int("population_size", population_size, minimum=2)
         self.population_size = population_size
         self.window = window
         self.confidence = float(confidence)
@@ -128,8 +121,7 @@ class NoiseScaleTracker:
                 f"expected {len(self.block_names)} block values {self.block_names}, but got "
                 f"grad_norm_sq with {g.numel()} and trace_sigma with {t.numel()} entries"
             )
-        if not examples > 0:
-            raise ValueError(f"examples should be positive, but got examples={examples}")
+        examples = check_positive("examples", examples)
         if self.population_size is not None:
             n = float(self.population_size)
             g, t = g + t / n, t * (n - 1.0) / n
