@@ -372,6 +372,11 @@ class NoiseScaleController(_WindowNormMoments):
         reached = obs.total_count * grad_sq >= self.noise_multiplier * trace
         return (grad_sq > 0) & reached & (obs.draws >= self.min_draws)
 
+    def reset_window(self) -> None:
+        super().reset_window()
+        if not self._grad_sq.initialized:
+            self._last_estimate = None  # it came from the discarded window
+
     def end_window(self, obs: Observation) -> None:
         if obs.draws >= 2:
             grad_sq, trace = window_noise_estimates(
