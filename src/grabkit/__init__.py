@@ -50,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "NoiseScaleResult": "grabkit.noise",
     # adaptive accumulation
     "AdaptiveAccumulationWrapper": "grabkit.accumulate",
+    "Controller": "grabkit.accumulate",
     "NoiseScaleController": "grabkit.accumulate",
     "NormTest": "grabkit.accumulate",
     "RelativeNormThreshold": "grabkit.accumulate",

@@ -82,9 +82,36 @@ def sharded_run(rank: int, world_size: int, full_grads: list[torch.Tensor]) -> d
     return {"norm": wrapper.statistics()["last_mean_grad_norm"]}
 
 
+def disagreement_run(rank: int) -> list[str]:
+    """Rank 1 alone has a NaN loss, then no backward, then a zero tensor count: every rank must
+    drop, raise or fold alike (never hang in a collective, never diverge)."""
+    import warnings
+
+    model = make_model(0)
+    wrapper = build("gnts", model.parameters())
+    events = []
+    for i, (x, y) in enumerate(make_microbatches([3] * 8, seed=3)):
+        loss = mean_loss(model, x, y)
+        if rank == 1 and i == 2:
+            loss = loss * float("nan")
+        if not (rank == 1 and i == 4):
+            loss.backward()
+        count = torch.tensor(0.0 if (rank == 1 and i == 6) else 3.0)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                wrapper.step(count=count)
+            events.append(wrapper.last_reason)
+        except (RuntimeError, ValueError) as error:
+            events.append(type(error).__name__)
+            wrapper.zero_grad()
+    events.append(str(all(bool(torch.isfinite(p).all()) for p in model.parameters())))
+    return events
+
+
 def body(rank: int, world_size: int, payload: dict) -> dict:
     torch.manual_seed(0)
-    result = {"adversarial": adversarial_decisions(rank)}
+    result = {"adversarial": adversarial_decisions(rank), "disagreement": disagreement_run(rank)}
     result["sharded"] = sharded_run(rank, world_size, payload["sharded_grads"])
     if payload.get("ddp_sizes"):
         result["ddp"] = ddp_run(rank, world_size, payload["ddp_sizes"])

@@ -50,6 +50,11 @@ def test_ranks_agree_and_ddp_equals_one_process(world_size):
         for other in results[1:]:
             assert other["adversarial"][kind] == decisions, f"{kind}: ranks disagree"
 
+    events = results[0]["disagreement"]
+    assert events[2] == "nonfinite_skipped" and events[4] == "RuntimeError"
+    assert events[6] == "ValueError" and events[-1] == "True"
+    assert all(r["disagreement"] == events for r in results), "ranks disagree"
+
     full_norm = float((sum(grads) / len(grads)).norm())
     for r in results:
         assert r["sharded"]["norm"] == pytest.approx(full_norm, rel=1e-12)

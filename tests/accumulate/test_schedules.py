@@ -73,8 +73,8 @@ def test_norm_warmup_scheduler_then_hands_over():
 
 
 def test_schedules_reject_bad_input():
-    with pytest.raises(TypeError, match="lr_scheduler"):
-        get_norm_threshold_cosine_annealing_with_warmup(torch.optim.SGD([torch.zeros(1)]), 1, 2)
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
+        get_norm_threshold_cosine_annealing_with_warmup(object(), 1, 2)
     with pytest.raises(ValueError, match="num_training_steps"):
         get_norm_threshold_cosine_annealing_with_warmup(wrapper(), 10, 5)
     with pytest.raises(ValueError, match="num_warmup_steps"):

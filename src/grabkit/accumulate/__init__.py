@@ -2,7 +2,9 @@
 the accumulated gradient is good enough to step on (torch-gqc compatible).
 
 * :mod:`~grabkit.accumulate.wrapper`      ``AdaptiveAccumulationWrapper``, the real optimizer
-* :mod:`~grabkit.accumulate.controllers`  the stepping rules, one knob each
+* :mod:`~grabkit.accumulate.controllers`  the stepping rules, one knob each; ``Controller`` is
+  the extension point (a new rule is one subclass, passed to the wrapper)
+* :mod:`~grabkit.accumulate.counters`     the wrapper's counters, declared once
 * :mod:`~grabkit.accumulate.gqc`          GQC's five wrappers by name
 * :mod:`~grabkit.accumulate.schedules`    schedules for the knobs
 """
@@ -12,6 +14,7 @@ from grabkit.accumulate.controllers import (
     Controller,
     MetricHypothesisTest,
     NoiseScaleController,
+    NormRescale,
     NormTest,
     NormThreshold,
     Observation,
@@ -19,6 +22,7 @@ from grabkit.accumulate.controllers import (
     ScheduledBatch,
     window_noise_estimates,
 )
+from grabkit.accumulate.counters import AccumulationCounters
 from grabkit.accumulate.gqc import (
     OptimizerWrapperGNR,
     OptimizerWrapperGNS,
@@ -37,11 +41,13 @@ from grabkit.accumulate.schedules import (
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 
 __all__ = [
+    "AccumulationCounters",
     "AdaptiveAccumulationWrapper",
     "AlwaysStep",
     "Controller",
     "MetricHypothesisTest",
     "NoiseScaleController",
+    "NormRescale",
     "NormTest",
     "NormThreshold",
     "NormWarmupScheduler",

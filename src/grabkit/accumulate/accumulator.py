@@ -123,6 +123,10 @@ class GradientAccumulator:
         self._sums = {}
         return grads
 
+    def discard(self) -> None:
+        """Forget this window's sums (their storage stays for reuse)."""
+        self._sums = {}
+
     def state_dict(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The running sums in ``params`` order (``None`` where a parameter has none yet)."""
         return [None if p not in self._sums else self._sums[p].clone() for p in params]

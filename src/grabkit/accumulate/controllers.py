@@ -22,15 +22,23 @@ from dataclasses import dataclass
 
 import torch
 
+from grabkit.accumulate.accumulator import squared_norm
 from grabkit.accumulate.student_t import student_t_quantile
 from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.identities import two_batch_estimates
+from grabkit.validation import (
+    check_non_negative,
+    check_positive,
+    check_positive_int,
+    check_probability,
+)
 
 __all__ = [
     "AlwaysStep",
     "Controller",
     "MetricHypothesisTest",
     "NoiseScaleController",
+    "NormRescale",
     "NormTest",
     "NormThreshold",
     "Observation",
@@ -84,28 +92,30 @@ def window_noise_estimates(
     )
 
 
-def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}` should be a positive number, but got {name}={value!r}")
-    return float(value)
-
-
-def _non_negative(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"`{name}` should be a non-negative number, but got {name}={value!r}")
-    return float(value)
-
-
 def _to_float(value: torch.Tensor | None) -> float | None:
     return None if value is None else float(value)
 
 
 class Controller:
-    """Base class: a stepping rule with per-window and per-run state.
+    """Base class and extension point: a stepping rule with per-window and per-run state.
 
-    Subclasses set ``needs_microbatch_norm`` / ``needs_metric`` when they read those
-    statistics (the wrapper computes them only then), implement :meth:`ready`, and keep any
-    window state through :meth:`observe` and :meth:`end_window`.
+    A new rule is one subclass: set ``needs_microbatch_norm`` / ``needs_metric`` when it reads
+    those statistics (the wrapper computes them only then), implement :meth:`ready`, keep any
+    window state through :meth:`observe` and :meth:`end_window`, name its tunable knob in
+    ``scheduled_name`` (an attribute; schedules set it), list fixed options in :meth:`config`
+    (a checkpoint of other options is refused) and extend :meth:`state_dict` /
+    :meth:`_load_state` with its state. It is then used as
+    ``AdaptiveAccumulationWrapper(optimizer, MyRule())``; no registration is needed. Example::
+
+        class EveryK(Controller):
+            scheduled_name = "k"
+            reason = "every_k"
+
+            def __init__(self, k: int = 4) -> None:
+                self.k = k
+
+            def ready(self, obs: Observation) -> bool:
+                return obs.draws >= self.k
     """
 
     needs_microbatch_norm = False
@@ -123,13 +133,29 @@ class Controller:
     def end_window(self, obs: Observation) -> None:
         """The wrapper stepped on ``obs``: update run state and start a new window."""
 
+    def reset_window(self) -> None:
+        """The wrapper discarded the window (a non-finite value): forget its window state,
+        keep the run state as it was before the window."""
+
+    def transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
+        """Change the window's mean gradient in place before the inner step (default: no-op).
+
+        ``grads`` are the ``.grad`` tensors of the parameters that have one; ``obs`` is the
+        window's last observation (``obs.mean_norm_sq`` is |m|^2 of these gradients).
+        """
+
+    def config(self) -> dict:
+        """Fixed options a checkpoint must match (the scheduled knob is state, not config)."""
+        return {}
+
     @property
     def scheduled_value(self) -> float:
         return getattr(self, self.scheduled_name)
 
     @scheduled_value.setter
     def scheduled_value(self, value: float) -> None:
-        setattr(self, self.scheduled_name, value)
+        # a schedule may reach 0 (a threshold annealed to nothing), never below or NaN
+        setattr(self, self.scheduled_name, check_non_negative(self.scheduled_name, value))
 
     def statistics(self) -> dict:
         return {self.scheduled_name: self.scheduled_value}
@@ -168,6 +194,50 @@ class AlwaysStep(Controller):
         pass
 
 
+class NormRescale(AlwaysStep):
+    """Step after every microbatch with the mean gradient rescaled to ``target_norm`` (GNR).
+
+    ``mode="global"`` scales the whole gradient to total norm ``target_norm``;
+    ``"independent"`` scales each parameter's gradient to that norm separately (whole
+    parameters only: a shard does not know its parameter's full norm).
+    """
+
+    scheduled_name = "target_norm"
+    reason = "every_microbatch"
+    _MODES = ("global", "independent")
+
+    def __init__(self, target_norm: float = 1.0, mode: str = "global") -> None:
+        if mode not in self._MODES:
+            raise ValueError(f"`mode` should be 'global' or 'independent', but got mode={mode!r}")
+        self.mode = mode
+        self.target_norm = check_non_negative("target_norm", target_norm)
+
+    def transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
+        if not grads:
+            return
+        if self.mode == "global":
+            coef = self.target_norm / (obs.mean_norm_sq.sqrt() + 1e-12)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        else:
+            for g in grads:
+                g.mul_(self.target_norm / (squared_norm([g]).sqrt() + 1e-12).to(g.dtype))
+
+    def config(self) -> dict:
+        return {"mode": self.mode}
+
+    def statistics(self) -> dict:
+        return {"target_norm": self.target_norm, "mode": self.mode}
+
+    def state_dict(self) -> dict:
+        return {"target_norm": self.target_norm, "mode": self.mode}
+
+    def _load_state(self, state: dict) -> None:
+        self.target_norm = check_non_negative("target_norm", state["target_norm"])
+        if state["mode"] not in self._MODES:
+            raise ValueError(f"NormRescale state has an unknown mode {state['mode']!r}")
+        self.mode = state["mode"]
+
+
 class NormThreshold(Controller):
     """Step when the mean gradient is small enough: |m| <= threshold (GQC's GNTS rule).
 
@@ -179,7 +249,7 @@ class NormThreshold(Controller):
     reason = "norm_threshold"
 
     def __init__(self, norm_threshold: float = 1.0) -> None:
-        self.norm_threshold = _non_negative("norm_threshold", norm_threshold)
+        self.norm_threshold = check_non_negative("norm_threshold", norm_threshold)
 
     def ready(self, obs: Observation) -> torch.Tensor:
         return obs.mean_norm_sq <= self.norm_threshold**2
@@ -200,6 +270,9 @@ class _WindowNormMoments(Controller):
         )
 
     def end_window(self, obs: Observation) -> None:
+        self._weighted_norm_sq = None
+
+    def reset_window(self) -> None:
         self._weighted_norm_sq = None
 
     def state_dict(self) -> dict:
@@ -225,7 +298,7 @@ class RelativeNormThreshold(_WindowNormMoments):
 
     def __init__(self, ratio: float = 0.5) -> None:
         super().__init__()
-        self.ratio = _positive("ratio", ratio)
+        self.ratio = check_positive("ratio", ratio)
 
     def ready(self, obs: Observation) -> torch.Tensor:
         rms_sq = self._weighted_norm_sq / obs.total_count
@@ -245,7 +318,7 @@ class NormTest(_WindowNormMoments):
 
     def __init__(self, theta: float = 1.0) -> None:
         super().__init__()
-        self.theta = _positive("theta", theta)
+        self.theta = check_positive("theta", theta)
 
     def ready(self, obs: Observation) -> torch.Tensor | bool:
         if obs.draws < 2:
@@ -274,10 +347,8 @@ class NoiseScaleController(_WindowNormMoments):
         self, noise_multiplier: float = 1.0, update_rate: float = 0.2, min_draws: int = 2
     ) -> None:
         super().__init__()
-        self.noise_multiplier = _positive("noise_multiplier", noise_multiplier)
-        if isinstance(min_draws, bool) or not isinstance(min_draws, int) or min_draws < 2:
-            raise ValueError(f"`min_draws` should be an integer >= 2, but got {min_draws!r}")
-        self.min_draws = min_draws
+        self.noise_multiplier = check_positive("noise_multiplier", noise_multiplier)
+        self.min_draws = check_positive_int("min_draws", min_draws, minimum=2)
         self._grad_sq = BiasCorrectedEMA(update_rate)
         self._trace = BiasCorrectedEMA(update_rate)
         self._last_estimate: torch.Tensor | None = None
@@ -301,6 +372,11 @@ class NoiseScaleController(_WindowNormMoments):
         reached = obs.total_count * grad_sq >= self.noise_multiplier * trace
         return (grad_sq > 0) & reached & (obs.draws >= self.min_draws)
 
+    def reset_window(self) -> None:
+        super().reset_window()
+        if not self._grad_sq.initialized:
+            self._last_estimate = None  # it came from the discarded window
+
     def end_window(self, obs: Observation) -> None:
         if obs.draws >= 2:
             grad_sq, trace = window_noise_estimates(
@@ -309,6 +385,9 @@ class NoiseScaleController(_WindowNormMoments):
             self._grad_sq.update(grad_sq)
             self._trace.update(trace)
         super().end_window(obs)
+
+    def config(self) -> dict:
+        return {"update_rate": self._grad_sq.update_rate, "min_draws": self.min_draws}
 
     @property
     def noise_scale(self) -> float | None:
@@ -358,21 +437,23 @@ class MetricHypothesisTest(Controller):
     def __init__(
         self, confidence: float = 0.98, error_tolerance: float = 0.03, ema_alpha: float = 0.01
     ) -> None:
-        if isinstance(confidence, bool) or not 0.0 < confidence < 1.0:
-            raise ValueError(f"`confidence` should be in (0, 1), but got confidence={confidence}")
-        if isinstance(ema_alpha, bool) or not 0.0 < ema_alpha <= 1.0:
-            raise ValueError(f"`ema_alpha` should be in (0, 1], but got ema_alpha={ema_alpha}")
-        self.confidence = float(confidence)
-        self.error_tolerance = _positive("error_tolerance", error_tolerance)
-        self.ema_alpha = float(ema_alpha)
+        self.confidence = check_probability("confidence", confidence)
+        self.error_tolerance = check_positive("error_tolerance", error_tolerance)
+        self.ema_alpha = check_probability("ema_alpha", ema_alpha, allow_one=True)
         self.running_avg_metric: torch.Tensor | None = None
+        # window state: the first window starts its running average at its first metric
+        self._first: torch.Tensor | None = None
         self._sum: torch.Tensor | None = None
         self._sum_sq: torch.Tensor | None = None
 
+    def running_average(self) -> torch.Tensor | None:
+        """The running average the test compares with (the first metric before any step)."""
+        return self._first if self.running_avg_metric is None else self.running_avg_metric
+
     def observe(self, obs: Observation) -> None:
         m = obs.metric
-        if self.running_avg_metric is None:
-            self.running_avg_metric = m.clone()
+        if self._sum is None:
+            self._first = m.clone()
         self._sum = m.clone() if self._sum is None else self._sum + m
         self._sum_sq = m * m if self._sum_sq is None else self._sum_sq + m * m
 
@@ -380,7 +461,7 @@ class MetricHypothesisTest(Controller):
         if obs.draws < 2:
             return False
         n = obs.draws + 1
-        avg = self.running_avg_metric
+        avg = self.running_average()
         mean = (avg + self._sum) / n
         variance = ((avg * avg + self._sum_sq - n * mean * mean) / (n - 1)).clamp_min(0.0)
         half_width = student_t_quantile((1.0 + self.confidence) / 2.0, n - 1) * torch.sqrt(
@@ -391,15 +472,21 @@ class MetricHypothesisTest(Controller):
     def end_window(self, obs: Observation) -> None:
         window_mean = self._sum / obs.draws
         self.running_avg_metric = (
-            self.ema_alpha * window_mean + (1.0 - self.ema_alpha) * self.running_avg_metric
+            self.ema_alpha * window_mean + (1.0 - self.ema_alpha) * self.running_average()
         )
-        self._sum = self._sum_sq = None
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        self._first = self._sum = self._sum_sq = None
+
+    def config(self) -> dict:
+        return {"confidence": self.confidence, "ema_alpha": self.ema_alpha}
 
     def statistics(self) -> dict:
         return {
             "error_tolerance": self.error_tolerance,
             "confidence": self.confidence,
-            "running_avg_metric": _to_float(self.running_avg_metric),
+            "running_avg_metric": _to_float(self.running_average()),
         }
 
     def state_dict(self) -> dict:
@@ -408,6 +495,7 @@ class MetricHypothesisTest(Controller):
             "confidence": self.confidence,
             "ema_alpha": self.ema_alpha,
             "running_avg_metric": self.running_avg_metric,
+            "first": self._first,
             "sum": self._sum,
             "sum_sq": self._sum_sq,
         }
@@ -417,7 +505,7 @@ class MetricHypothesisTest(Controller):
         self.confidence = state["confidence"]
         self.ema_alpha = state["ema_alpha"]
         self.running_avg_metric = state["running_avg_metric"]
-        self._sum, self._sum_sq = state["sum"], state["sum_sq"]
+        self._first, self._sum, self._sum_sq = state["first"], state["sum"], state["sum_sq"]
 
 
 class ScheduledBatch(Controller):
@@ -433,8 +521,8 @@ class ScheduledBatch(Controller):
     reason = "scheduled_batch"
 
     def __init__(self, physical_batch_size: float, target_logical_batch_size: float) -> None:
-        self.physical_batch_size = _positive("physical_batch_size", physical_batch_size)
-        self.target_logical_batch_size = _positive(
+        self.physical_batch_size = check_positive("physical_batch_size", physical_batch_size)
+        self.target_logical_batch_size = check_positive(
             "target_logical_batch_size", target_logical_batch_size
         )
 
@@ -445,6 +533,9 @@ class ScheduledBatch(Controller):
     def ready(self, obs: Observation) -> torch.Tensor:
         target = self.target_draws * self.physical_batch_size
         return obs.total_count >= target * (1.0 - 1e-12)
+
+    def config(self) -> dict:
+        return {"physical_batch_size": self.physical_batch_size}
 
     def statistics(self) -> dict:
         return {

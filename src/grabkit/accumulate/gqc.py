@@ -7,6 +7,19 @@ multiplier, error tolerance, target norm, logical batch size) is ``wrapper.sched
 the schedules in :mod:`grabkit.accumulate.schedules` set it, and stock LR schedulers attached to
 the wrapper act on the inner optimizer's learning rate, as they would without the wrapper.
 
+The loop is GQC's: one ``step()`` per microbatch, no ``zero_grad()``, and a ``flush()`` at the
+end for the window still accumulating::
+
+    optimizer = OptimizerWrapperGNTS(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    norm_schedule = get_norm_threshold_cosine_annealing_with_warmup(optimizer, 100, len(loader))
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: min(1.0, t / 100))
+    for inputs, labels in loader:
+        loss_fn(model(inputs), labels).backward()
+        stepped = optimizer.step(count=len(labels))  # True when AdamW stepped
+        norm_schedule.step()  # one tick per microbatch, as in GQC
+        lr_schedule.step()
+    optimizer.flush()  # apply the microbatches folded since the last step
+
 Deliberate differences from torch-gqc 0.8.1:
 
 * ``param_groups`` are the inner optimizer's (GQC exposed a fake ``[{"lr": threshold}]``), so
@@ -19,6 +32,10 @@ Deliberate differences from torch-gqc 0.8.1:
 * MHT compares with ``|mean|``, so negative metrics work, and takes a closure's loss as the
   metric when none is given.
 * The inner step's return value is ``last_optimizer_result``; statistics are Python numbers.
+* A microbatch without gradient (``zero_grad()`` before ``step()``) is discarded with its count;
+  a NaN/inf gradient or metric discards the window with a warning instead of stalling until
+  ``max_batch_draws`` and then writing NaN into the parameters.
+* ``flush()`` applies a partial window (GQC leaves it unapplied).
 """
 
 from __future__ import annotations
@@ -28,13 +45,11 @@ from typing import Any, Literal
 
 import torch
 
-from grabkit.accumulate.accumulator import squared_norm
 from grabkit.accumulate.controllers import (
-    AlwaysStep,
     MetricHypothesisTest,
     NoiseScaleController,
+    NormRescale,
     NormThreshold,
-    Observation,
     ScheduledBatch,
 )
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
@@ -48,23 +63,17 @@ __all__ = [
 ]
 
 
-class _ScheduledKnob:
-    """``wrapper.scheduled_value`` and a named alias both read and write the controller's knob."""
-
-    @property
-    def scheduled_value(self) -> float:
-        return self.controller.scheduled_value
-
-    @scheduled_value.setter
-    def scheduled_value(self, value: float) -> None:
-        self.controller.scheduled_value = float(value)
-
-
-class OptimizerWrapperGNTS(_ScheduledKnob, AdaptiveAccumulationWrapper):
+class OptimizerWrapperGNTS(AdaptiveAccumulationWrapper):
     """Gradient Norm Threshold Scheduler: step when |mean gradient| <= ``norm_threshold``.
 
     ``norm_threshold`` (default 1.0) is usually driven by
-    :func:`~grabkit.accumulate.schedules.get_norm_threshold_cosine_annealing_with_warmup`.
+    :func:`~grabkit.accumulate.schedules.get_norm_threshold_cosine_annealing_with_warmup`::
+
+        optimizer = OptimizerWrapperGNTS(torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step(count=len(y))  # steps once |mean gradient| <= norm_threshold
+        optimizer.flush()
     """
 
     def __init__(
@@ -85,10 +94,10 @@ class OptimizerWrapperGNTS(_ScheduledKnob, AdaptiveAccumulationWrapper):
 
     @norm_threshold.setter
     def norm_threshold(self, value: float) -> None:
-        self.controller.norm_threshold = float(value)
+        self.controller.scheduled_value = value
 
 
-class OptimizerWrapperGNS(_ScheduledKnob, AdaptiveAccumulationWrapper):
+class OptimizerWrapperGNS(AdaptiveAccumulationWrapper):
     """Noise-scale controlled: step when the window's count reaches ``noise_multiplier * B_simple``.
 
     B_simple is measured from the microbatch gradient norms and the window mean (see
@@ -115,10 +124,10 @@ class OptimizerWrapperGNS(_ScheduledKnob, AdaptiveAccumulationWrapper):
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        self.controller.noise_multiplier = float(value)
+        self.controller.scheduled_value = value
 
 
-class OptimizerWrapperMHT(_ScheduledKnob, AdaptiveAccumulationWrapper):
+class OptimizerWrapperMHT(AdaptiveAccumulationWrapper):
     """Metric hypothesis test: step when the loss is pinned down within ``error_tolerance``.
 
     Call ``step(loss)`` (GQC's ``step(metric, closure=None)``); see
@@ -152,11 +161,11 @@ class OptimizerWrapperMHT(_ScheduledKnob, AdaptiveAccumulationWrapper):
 
     @error_tolerance.setter
     def error_tolerance(self, value: float) -> None:
-        self.controller.error_tolerance = float(value)
+        self.controller.scheduled_value = value
 
     @property
     def running_avg_metric(self) -> float | None:
-        avg = self.controller.running_avg_metric
+        avg = self.controller.running_average()
         return None if avg is None else float(avg)
 
 
@@ -165,7 +174,8 @@ class OptimizerWrapperGNR(AdaptiveAccumulationWrapper):
 
     ``mode="global"`` scales the whole gradient to total norm ``target_norm``;
     ``"independent"`` scales each parameter's gradient to that norm separately (replicated
-    gradients only: a shard does not know its parameter's full norm).
+    gradients only: a shard does not know its parameter's full norm). The rule is the
+    :class:`~grabkit.accumulate.controllers.NormRescale` controller.
     """
 
     def __init__(
@@ -176,58 +186,25 @@ class OptimizerWrapperGNR(AdaptiveAccumulationWrapper):
         target_norm: float = 1.0,
         **options: Any,
     ) -> None:
-        if mode not in ("global", "independent"):
-            raise ValueError(f"`mode` should be 'global' or 'independent', but got mode={mode!r}")
+        controller = NormRescale(target_norm, mode)
         if options.get("gradient_layout") == "sharded" and mode == "independent":
             raise ValueError("mode='independent' needs whole parameters; use mode='global'")
-        super().__init__(optimizer, AlwaysStep(), **options)
-        self.mode = mode
-        self.target_norm = target_norm
+        super().__init__(optimizer, controller, **options)
+
+    @property
+    def mode(self) -> str:
+        return self.controller.mode
 
     @property
     def target_norm(self) -> float:
-        return self._target_norm
+        return self.controller.target_norm
 
     @target_norm.setter
     def target_norm(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"`target_norm` should be a non-negative number, but got {value!r}")
-        self._target_norm = float(value)
-
-    scheduled_value = target_norm
-
-    def _transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
-        if not grads:
-            return
-        if self.mode == "global":
-            coef = self.target_norm / (obs.mean_norm_sq.sqrt() + 1e-12)
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-        else:
-            for g in grads:
-                g.mul_(self.target_norm / (squared_norm([g]).sqrt() + 1e-12).to(g.dtype))
-        super()._transform_mean_gradient(grads, obs)
-
-    def statistics(self) -> dict[str, Any]:
-        stats = super().statistics()
-        stats.update(target_norm=self.target_norm, mode=self.mode)
-        return stats
-
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        state["controller"] = {"target_norm": self.target_norm, "mode": self.mode}
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        knob = state.get("controller", {})
-        if set(knob) != {"target_norm", "mode"}:
-            raise ValueError(f"OptimizerWrapperGNR state expected target_norm and mode, got {knob}")
-        state["controller"] = {}
-        super().load_state_dict(state)
-        self.target_norm, self.mode = knob["target_norm"], knob["mode"]
+        self.controller.scheduled_value = value
 
 
-class OptimizerWrapperSBC(_ScheduledKnob, AdaptiveAccumulationWrapper):
+class OptimizerWrapperSBC(AdaptiveAccumulationWrapper):
     """Scheduled Batch Controller: accumulate up to a (scheduled) logical batch size.
 
     Each microbatch counts ``physical_batch_size`` unless ``step(count=...)`` says otherwise.
@@ -257,7 +234,7 @@ class OptimizerWrapperSBC(_ScheduledKnob, AdaptiveAccumulationWrapper):
 
     @target_logical_batch_size.setter
     def target_logical_batch_size(self, value: float) -> None:
-        self.controller.target_logical_batch_size = float(value)
+        self.controller.scheduled_value = value
 
     @property
     def target_draws(self) -> int:

@@ -4,7 +4,11 @@ A GQC wrapper's threshold is not a learning rate, so grabkit schedules it with
 :class:`ValueSchedule`, which sets ``wrapper.scheduled_value = fn(t)`` (an absolute value) at
 construction (t = 0) and after every ``step()``; the learning rate stays with stock LR schedulers
 on the same wrapper or on the inner optimizer. ``t`` counts ``step()`` calls, i.e. microbatches
-in GQC's loop.
+in GQC's loop. Any :class:`~grabkit.accumulate.wrapper.AdaptiveAccumulationWrapper` can be the
+target, with whatever controller.
+
+Given a plain ``torch.optim.Optimizer`` instead, every schedule here is a learning-rate schedule,
+as in torch-gqc: ``fn(t)`` is written into each param group's ``"lr"``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import Any
+
+from torch.optim import Optimizer
+
+from grabkit.validation import check_non_negative_int, check_positive, check_positive_int
 
 __all__ = [
     "NormWarmupScheduler",
@@ -24,22 +32,25 @@ __all__ = [
 
 
 def _count(name: str, value: Any, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` should be an integer >= {minimum}, but got {name}={value!r}")
-    return value
+    if minimum > 0:
+        return check_positive_int(name, value, minimum)
+    return check_non_negative_int(name, value)
 
 
 def _check_target(optimizer: Any) -> None:
-    if not hasattr(type(optimizer), "scheduled_value"):
+    if not (hasattr(type(optimizer), "scheduled_value") or isinstance(optimizer, Optimizer)):
         raise TypeError(
-            f"this schedule drives a grabkit accumulation wrapper's threshold, but got "
-            f"{type(optimizer).__name__}; schedule a plain optimizer's learning rate with "
-            "torch.optim.lr_scheduler instead"
+            "a schedule drives a grabkit accumulation wrapper's knob or a torch.optim.Optimizer's "
+            f"learning rate, but got {type(optimizer).__name__}"
         )
 
 
 class ValueSchedule:
-    """Set ``target.scheduled_value = value_fn(t)`` for t = 0, 1, 2, ... (one per ``step()``)."""
+    """Set the target's value to ``value_fn(t)`` for t = 0, 1, 2, ... (one per ``step()``).
+
+    The target's value is ``scheduled_value`` for a grabkit accumulation wrapper and every
+    param group's ``"lr"`` for a plain ``torch.optim.Optimizer``.
+    """
 
     def __init__(self, optimizer: Any, value_fn: Callable[[int], float]) -> None:
         _check_target(optimizer)
@@ -48,18 +59,34 @@ class ValueSchedule:
         self.last_epoch = 0
         self._apply()
 
+    @property
+    def drives_learning_rate(self) -> bool:
+        """True when the target is a plain optimizer whose learning rate is scheduled."""
+        return not hasattr(type(self.optimizer), "scheduled_value")
+
+    def _set_value(self, value: float) -> None:
+        if self.drives_learning_rate:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(value)
+        else:
+            self.optimizer.scheduled_value = float(value)
+
     def _apply(self) -> None:
-        self.optimizer.scheduled_value = float(self.value_fn(self.last_epoch))
+        self._set_value(self.value_fn(self.last_epoch))
 
     def step(self) -> None:
         self.last_epoch += 1
         self._apply()
 
     def get_last_value(self) -> float:
+        if self.drives_learning_rate:
+            return self.optimizer.param_groups[0]["lr"]
         return self.optimizer.scheduled_value
 
     def get_last_lr(self) -> list[float]:
-        """Same as :meth:`get_last_value`, as a list: for loggers that expect LR schedulers."""
+        """The value as a list (one entry per param group for a plain optimizer)."""
+        if self.drives_learning_rate:
+            return [group["lr"] for group in self.optimizer.param_groups]
         return [self.get_last_value()]
 
     def state_dict(self) -> dict[str, Any]:
@@ -141,10 +168,7 @@ def get_curved_batch_schedule(
 ) -> ValueSchedule:
     """Logical batch size ``initial + (final - initial) * progress ** polynomial_exponent``."""
     _count("num_training_steps", num_training_steps, minimum=1)
-    if not polynomial_exponent > 0:
-        raise ValueError(
-            f"`polynomial_exponent` should be positive, but got {polynomial_exponent!r}"
-        )
+    check_positive("polynomial_exponent", polynomial_exponent)
 
     def value(step: int) -> float:
         progress = _progress(step, 0, num_training_steps)
@@ -201,17 +225,17 @@ class NormWarmupScheduler:
         if t < self.num_warmup_steps:
             fraction = t / self.num_warmup_steps
             value = self.warmup_start + fraction * (self.warmup_end - self.warmup_start)
-            self.optimizer.scheduled_value = value
+            self.scheduler._set_value(value)
 
     def step(self) -> None:
         self.scheduler.step()
         self._apply()
 
     def get_last_value(self) -> float:
-        return self.optimizer.scheduled_value
+        return self.scheduler.get_last_value()
 
     def get_last_lr(self) -> list[float]:
-        return [self.get_last_value()]
+        return self.scheduler.get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
         return {"scheduler": self.scheduler.state_dict()}

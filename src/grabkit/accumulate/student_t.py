@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import math
 
+from grabkit.validation import check_positive_int
+
 __all__ = ["student_t_quantile"]
 
 
@@ -57,8 +59,7 @@ def student_t_quantile(probability: float, df: int) -> float:
     """The ``probability`` quantile of Student's t with ``df`` degrees of freedom (0.5 < p < 1)."""
     if not 0.5 < probability < 1.0:
         raise ValueError(f"probability should be in (0.5, 1), but got probability={probability}")
-    if df < 1:
-        raise ValueError(f"df should be a positive integer, but got df={df}")
+    check_positive_int("df", df)
     central = 2.0 * probability - 1.0
     low, high = 0.0, 1.0
     while _central_probability(high, df) < central:

@@ -25,34 +25,54 @@ all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks deci
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from grabkit.accumulate.accumulator import GradientAccumulator, squared_norm
 from grabkit.accumulate.controllers import Controller, Observation
+from grabkit.accumulate.counters import AccumulationCounters
 from grabkit.accumulate.distributed import GradientLayout, StatisticsReducer
+from grabkit.validation import check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_COUNTER_NAMES = frozenset(AccumulationCounters.names())
 
 
-def _check_count(count: Any) -> float | torch.Tensor:
-    if isinstance(count, torch.Tensor):
-        if count.numel() != 1:
-            raise ValueError(
-                f"`count` should be a number or a one-element tensor, but got a tensor of "
-                f"shape {tuple(count.shape)}"
-            )
-        return count.detach().reshape(())
-    if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
-        raise ValueError(
-            f"`count` should be a positive number (examples or tokens in the microbatch), "
-            f"but got count={count!r}"
-        )
-    return float(count)
+class _Microbatch(NamedTuple):
+    """One microbatch as every rank agreed on it, ready to fold."""
+
+    weight: float | torch.Tensor  # what the gradient is multiplied by when folded
+    count: torch.Tensor  # c_k summed over ranks (float64, 0-dim)
+    metric: torch.Tensor | None  # count-weighted mean metric over ranks
+    norm_sq: torch.Tensor | None  # local |g_k|^2 in true units, when the controller reads it
+
+
+def _shared_with_inner(name: str) -> property:
+    """``wrapper.<name>`` *is* ``wrapper.optimizer.<name>``, whatever replaces it later.
+
+    ``Optimizer.load_state_dict`` gives the optimizer new ``param_groups`` and ``state`` objects;
+    reading them through the inner optimizer each time keeps a scheduler attached to the wrapper
+    acting on the real learning rate after any load. Before the inner optimizer is set (inside
+    ``Optimizer.__init__``) the value lives on the wrapper.
+    """
+
+    def get(self: Any) -> Any:
+        inner = self.__dict__.get("optimizer")
+        return self.__dict__[f"_own_{name}"] if inner is None else getattr(inner, name)
+
+    def set_(self: Any, value: Any) -> None:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            self.__dict__[f"_own_{name}"] = value
+        else:
+            setattr(inner, name, value)
+
+    return property(get, set_, doc=f"The inner optimizer's ``{name}`` (the same object).")
 
 
 class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
@@ -68,9 +88,27 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         process_group: the ranks that must agree (default: the world, when initialised).
         gradient_layout: ``"replicated"`` (DDP) or ``"sharded"`` (FSDP-style), see
             :mod:`grabkit.accumulate.distributed`.
+
+    The counters (``num_batches``, ``num_steps``, ``num_draws``, ``num_skipped``,
+    ``last_step_num_draws``, ``last_step_count``, ``last_reason``, ...) are the fields of
+    ``wrapper.counters``, an :class:`~grabkit.accumulate.counters.AccumulationCounters`, and
+    readable as attributes of the wrapper. ``scheduled_value`` is the controller's knob, which
+    :class:`~grabkit.accumulate.schedules.ValueSchedule` drives.
+
+    Microbatches that are dropped, not folded (``step`` returns False and ``last_reason`` says
+    why): ``"no_gradient"`` when no parameter has a ``.grad`` (``zero_grad()`` after backward,
+    or ``step()`` without backward: the count is discarded too); ``"overflow_skipped"`` when a
+    GradScaler found inf/NaN. Without a GradScaler, a non-finite gradient or metric is only seen
+    once folded: the whole window is then discarded, with a RuntimeWarning and reason
+    ``"nonfinite_skipped"`` (``num_skipped`` grows by the window's size), so nothing non-finite
+    reaches the parameters. A tensor ``count`` that is not positive and finite raises a
+    ValueError, as a number does (checking a tensor's value reads it on the host once more).
     """
 
     _step_supports_amp_scaling = True
+    param_groups = _shared_with_inner("param_groups")
+    state = _shared_with_inner("state")
+    defaults = _shared_with_inner("defaults")
 
     def __init__(
         self,
@@ -91,61 +129,66 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             raise TypeError("`optimizer` is already an adaptive accumulation wrapper")
         if not isinstance(controller, Controller):
             raise TypeError(f"`controller` should be a Controller, but got {type(controller)}")
-        if isinstance(max_batch_draws, bool) or not isinstance(max_batch_draws, int):
-            raise TypeError(f"`max_batch_draws` should be an int, but got {max_batch_draws!r}")
-        if max_batch_draws < 1:
-            raise ValueError(
-                f"`max_batch_draws` should be a positive integer, but got "
-                f"max_batch_draws={max_batch_draws}"
-            )
-        if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(
-                f"`clip_grad_norm` should be positive or None, but got {clip_grad_norm!r}"
-            )
-        self.optimizer = optimizer
+        self.max_draws = check_positive_int("max_batch_draws", max_batch_draws)
+        if clip_grad_norm is not None:
+            clip_grad_norm = check_positive("clip_grad_norm", clip_grad_norm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         super().__init__([{"params": params}], dict(optimizer.defaults))
-        # share, do not copy: schedulers, GradScaler and checkpoints see the inner optimizer
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
-        self.defaults = optimizer.defaults
+        # from here on param_groups / state / defaults are the inner optimizer's own objects
+        self.optimizer = optimizer
+        for name in ("param_groups", "state", "defaults"):
+            del self.__dict__[f"_own_{name}"]
 
         self.controller = controller
-        self.max_draws = max_batch_draws
-        self.default_count = _check_count(default_count)
+        self.default_count = check_count("default_count", default_count)
+        if isinstance(self.default_count, torch.Tensor):
+            raise ValueError("`default_count` should be a Python number, but got a tensor")
         self.clip_grad_norm = clip_grad_norm
         self._reducer = StatisticsReducer(process_group, gradient_layout)
         self._accumulator = GradientAccumulator()
-
-        self.num_batches = 0  # microbatches folded, over the run
-        self.num_steps = 0  # inner optimizer steps
-        self.num_draws = 0  # microbatches folded into the current window
-        self.num_skipped = 0  # microbatches dropped on overflow
-        self._total_count: torch.Tensor | None = None
-        self.last_step_num_draws: int | None = None
-        self.last_step_count: torch.Tensor | None = None
-        self._last_mean_norm_sq: torch.Tensor | None = None  # |mean|^2 at the last step
-        self.last_reason = "none"
+        self.counters = AccumulationCounters()
         self.last_closure_loss: Any = None
         self.last_optimizer_result: Any = None  # what the inner optimizer's step returned
 
     # ----------------------------------------------------------------- forwarding
     def __getattr__(self, name: str) -> Any:
-        # only reached for attributes this object lacks: forward them to the inner optimizer
+        # only reached for attributes this object lacks: counters, then the inner optimizer
+        if name in _COUNTER_NAMES and "counters" in self.__dict__:
+            return getattr(self.__dict__["counters"], name)
         optimizer = self.__dict__.get("optimizer")
         if optimizer is None or name.startswith("__"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(optimizer, name)
 
+    @property
+    def scheduled_value(self) -> float:
+        """The controller's knob (norm threshold, theta, noise multiplier, ...): what
+        :class:`~grabkit.accumulate.schedules.ValueSchedule` sets."""
+        return self.controller.scheduled_value
+
+    @scheduled_value.setter
+    def scheduled_value(self, value: float) -> None:
+        self.controller.scheduled_value = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the inner optimizer, which fills in its own defaults."""
+        inner = self.__dict__.get("optimizer")
+        if inner is None:  # Optimizer.__init__ of the wrapper itself
+            super().add_param_group(param_group)
+        else:
+            inner.add_param_group(param_group)
+
     def _params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear ``.grad``: safe at any time, since the accumulation lives in its own buffers.
+        """Discard the microbatch in ``.grad`` (if any); the accumulated window is untouched.
 
-        Between ``backward`` and ``step`` it discards that microbatch, as with a plain optimizer.
+        Gradients are always set to None, whatever ``set_to_none`` says: a zero ``.grad``
+        would be folded as a microbatch whose gradient is zero, while None tells ``step`` that
+        there is nothing to fold (it then returns False with reason ``"no_gradient"``).
         """
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ----------------------------------------------------------------- the step
     def step(
@@ -162,9 +205,10 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 gradient. Its return value is kept in ``last_closure_loss`` and used as the
                 metric when the controller wants one and ``metric`` is None. The inner
                 optimizer is stepped without it.
-            count: this microbatch's weight in the average (examples, tokens; a number or a
-                one-element tensor); ``default_count`` when None. Under torch.distributed pass
-                the local count: the microbatch's weight is the sum over ranks.
+            count: this microbatch's weight in the average (examples, tokens; a positive finite
+                number or a one-element tensor); ``default_count`` when None. Under
+                torch.distributed pass the local count: the microbatch's weight is the sum over
+                ranks.
             metric: this microbatch's metric (loss) for controllers that read one.
         Returns:
             True when the inner optimizer stepped.
@@ -184,94 +228,186 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 self.last_closure_loss = closure()
             if metric is None:
                 metric = self.last_closure_loss
-        count = self.default_count if count is None else _check_count(count)
-        if self.controller.needs_metric:
-            if metric is None:
-                raise ValueError(
-                    f"{type(self.controller).__name__} decides on a metric: call "
-                    "step(metric=loss) (or pass a closure that returns the loss)"
-                )
-            metric = torch.as_tensor(
-                metric.detach() if isinstance(metric, torch.Tensor) else metric,
-                dtype=torch.float64,
-            ).reshape(())
-
+        count = self.default_count if count is None else check_count("count", count)
         params = self._params()
         pending = self._accumulator.pending_gradients(params)
         device = pending[0][1].device if pending else params[0].device
-        agreed = self._agree_on_microbatch(count, metric, device)
-        if agreed is None:
-            return self._skip_overflowed(params)
-        weight, global_count, metric = agreed
-
-        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
-        inverse_scale = None
-        if grad_scale is not None:
-            inverse_scale = grad_scale.double().reciprocal().to(device)
-            weight = global_count * inverse_scale
-
-        microbatch_norm_sq = None
-        if self.controller.needs_microbatch_norm:
-            microbatch_norm_sq = squared_norm([g for _, g in pending]).to(device)
-            if inverse_scale is not None:
-                microbatch_norm_sq = microbatch_norm_sq * inverse_scale.square()
-        self._accumulator.fold(pending, weight)
-        self._total_count = (
-            global_count if self._total_count is None else self._total_count + global_count
-        )
-        self.num_draws += 1
-        self.num_batches += 1
-        sum_norm_sq, microbatch_norm_sq = self._agree_on_norms(
-            self._accumulator.sum_squared_norm().to(device), microbatch_norm_sq
-        )
-        obs = Observation(
-            count=global_count,
-            total_count=self._total_count,
-            draws=self.num_draws,
-            mean_norm_sq=sum_norm_sq / self._total_count.square(),
-            microbatch_norm_sq=microbatch_norm_sq,
-            metric=metric,
-        )
-        self.controller.observe(obs)
-
-        if self.num_draws >= self.max_draws:
-            reason = "max_batch_draws"
-        else:
-            ready = self.controller.ready(obs)
-            ready = bool(ready.item()) if isinstance(ready, torch.Tensor) else bool(ready)
-            reason = self.controller.reason if ready else "accumulating"
-        self.last_reason = reason
+        microbatch = self._agree_on_microbatch(pending, count, self._metric(metric), device)
+        if isinstance(microbatch, str):
+            return self._drop_microbatch(params, microbatch)
+        obs = self._fold(pending, microbatch, device)
+        reason = self._decide(obs)
+        self.counters.last_reason = reason
+        if reason == "nonfinite_skipped":
+            self._drop_window()
+            return False
         if reason == "accumulating":
             return False
         self._apply(obs)
         return True
 
-    def _agree_on_microbatch(
-        self, count: float | torch.Tensor, metric: torch.Tensor | None, device: torch.device
-    ) -> tuple[float | torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """The microbatch's weight, total count and metric as all ranks see them.
+    def _metric(self, metric: float | torch.Tensor | None) -> torch.Tensor | None:
+        """The metric as a 0-dim float64 tensor when the controller reads one, else None."""
+        if not self.controller.needs_metric:
+            return None
+        if metric is None:
+            raise ValueError(
+                f"{type(self.controller).__name__} decides on a metric: call "
+                "step(metric=loss) (or pass a closure that returns the loss)"
+            )
+        return torch.as_tensor(
+            metric.detach() if isinstance(metric, torch.Tensor) else metric, dtype=torch.float64
+        ).reshape(())
 
-        Returns (fold weight, count, metric), or None when a GradScaler found an overflow on
-        any rank. Single process with a plain-number count: no tensor is even created.
+    def _microbatch_norm_sq(
+        self, pending: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ) -> torch.Tensor | None:
+        """|g_k|^2 of this rank's microbatch in true units, when the controller reads it."""
+        if not self.controller.needs_microbatch_norm:
+            return None
+        norm_sq = squared_norm([g for _, g in pending]).to(device)
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
+        if grad_scale is not None:
+            norm_sq = norm_sq * grad_scale.double().reciprocal().to(device).square()
+        return norm_sq
+
+    def _agree_on_microbatch(
+        self,
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+        count: float | torch.Tensor,
+        metric: torch.Tensor | None,
+        device: torch.device,
+    ) -> _Microbatch | str:
+        """The microbatch as all ranks see it, or the reason to drop it.
+
+        Single process, no GradScaler, a plain-number count: no tensor is even created and
+        nothing is read by the host. Otherwise one small vector (count, count * metric and the
+        overflow, invalid-count and no-gradient flags) is summed over ranks and its flags read
+        once, so every rank drops, raises or folds alike.
         """
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
-        if (
-            self._reducer.world_size == 1
-            and found_inf is None
-            and not isinstance(count, torch.Tensor)
-        ):
+        grad_scale = getattr(self, "grad_scale", None)
+        norm_sq = self._microbatch_norm_sq(pending, device)
+        world = self._reducer.world_size
+        if world == 1 and found_inf is None and not isinstance(count, torch.Tensor):
+            if not pending:
+                return "no_gradient"
             global_count = torch.tensor(count, dtype=torch.float64, device=device)
-            return count, global_count, None if metric is None else metric.to(device)
-        head = torch.zeros(3, dtype=torch.float64, device=device)
+            return _Microbatch(
+                count, global_count, None if metric is None else metric.to(device), norm_sq
+            )
+        head = torch.zeros(5, dtype=torch.float64, device=device)
         head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
         if metric is not None:
             head[1] = head[0] * metric.to(device)
         if found_inf is not None:
             head[2] = found_inf.to(device=device, dtype=torch.float64)
+        if isinstance(count, torch.Tensor):
+            head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
+        head[4] = float(not pending)
         self._reducer.sum(head)
-        if found_inf is not None and bool(head[2] > 0):
-            return None
-        return head[0], head[0], None if metric is None else head[1] / head[0]
+        overflow, invalid, empty = head[2:].tolist()  # the host reads the agreed flags
+        reason = self._drop_reason(count, overflow, invalid, empty)
+        if reason is not None:
+            return reason
+        weight = head[0] if grad_scale is None else head[0] * grad_scale.double().reciprocal()
+        return _Microbatch(weight, head[0], None if metric is None else head[1] / head[0], norm_sq)
+
+    def _drop_reason(
+        self, count: float | torch.Tensor, overflow: float, invalid: float, empty: float
+    ) -> str | None:
+        """Raise for a bad count or a rank without gradient, name why to drop, or None."""
+        world = self._reducer.world_size
+        if invalid > 0:
+            where = f" on {int(invalid)} of {world} ranks" if world > 1 else ""
+            shown = float(count) if isinstance(count, torch.Tensor) else count
+            raise ValueError(
+                "`count` should be a positive finite number (examples or tokens), but got "
+                f"count={shown!r}{where}; nothing was folded"
+            )
+        if 0 < empty < world:
+            raise RuntimeError(
+                f"{int(empty)} of {world} ranks have no gradient for this microbatch while the "
+                "others do; every rank must run backward before step() (or none, to discard it)"
+            )
+        if empty > 0:
+            return "no_gradient"
+        if overflow > 0:
+            return "overflow_skipped"
+        return None
+
+    def _fold(
+        self,
+        pending: list[tuple[torch.Tensor, torch.Tensor]],
+        microbatch: _Microbatch,
+        device: torch.device,
+    ) -> Observation:
+        """Add the microbatch to the window and show the controller the window's statistics."""
+        self._accumulator.fold(pending, microbatch.weight)
+        counters = self.counters
+        counters.total_count = (
+            microbatch.count
+            if counters.total_count is None
+            else counters.total_count + microbatch.count
+        )
+        counters.num_draws += 1
+        counters.num_batches += 1
+        sum_norm_sq, microbatch_norm_sq = self._agree_on_norms(
+            self._accumulator.sum_squared_norm().to(device),
+            microbatch.norm_sq,
+        )
+        obs = Observation(
+            count=microbatch.count,
+            total_count=counters.total_count,
+            draws=counters.num_draws,
+            mean_norm_sq=sum_norm_sq / counters.total_count.square(),
+            microbatch_norm_sq=microbatch_norm_sq,
+            metric=microbatch.metric,
+        )
+        self.controller.observe(obs)
+        return obs
+
+    def _decide(self, obs: Observation) -> str:
+        """``"accumulating"``, ``"nonfinite_skipped"`` or the reason to step now.
+
+        The rule's flag and the window's finiteness (|m|^2 and the metric) travel to the host
+        together: one transfer per microbatch.
+        """
+        finite = torch.isfinite(obs.mean_norm_sq)
+        if obs.metric is not None:
+            finite = finite & torch.isfinite(obs.metric)
+        at_max = self.counters.num_draws >= self.max_draws
+        ready = True if at_max else self.controller.ready(obs)
+        ready = torch.as_tensor(ready, device=finite.device)
+        is_finite, is_ready = torch.stack([finite, ready.to(torch.bool)]).tolist()  # host sync
+        if not is_finite:
+            return "nonfinite_skipped"
+        if at_max:
+            return "max_batch_draws"
+        return self.controller.reason if is_ready else "accumulating"
+
+    def _drop_window(self) -> None:
+        """A non-finite gradient or metric reached the window: discard the whole window.
+
+        The sums cannot be un-poisoned, so the window's earlier microbatches go too; nothing
+        non-finite ever reaches the parameters, and the next microbatch starts a fresh window.
+        """
+        counters = self.counters
+        dropped = counters.num_draws
+        self._accumulator.discard()
+        self.controller.reset_window()
+        counters.num_batches -= dropped
+        counters.num_skipped += dropped
+        counters.num_draws = 0
+        counters.total_count = None
+        warnings.warn(
+            f"a microbatch's gradient or metric is not finite (NaN or inf): the accumulation "
+            f"window ({dropped} microbatch(es), this one included) was discarded and nothing was "
+            "applied; check the loss, or use a GradScaler, which skips overflowing microbatches "
+            "alone",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _agree_on_norms(
         self, sum_norm_sq: torch.Tensor, microbatch_norm_sq: torch.Tensor | None
@@ -285,32 +421,61 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         pair = self._reducer.sum(pair) * self._reducer.norm_sq_scale()
         return pair[0], None if microbatch_norm_sq is None else pair[1]
 
-    def _skip_overflowed(self, params: list[torch.Tensor]) -> bool:
+    def _drop_microbatch(self, params: list[torch.Tensor], reason: str) -> bool:
         for p in params:
             p.grad = None
-        self.num_skipped += 1
-        self.last_reason = "overflow_skipped"
+        if reason != "no_gradient":
+            self.counters.num_skipped += 1
+        self.counters.last_reason = reason
         return False
 
     def _transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
-        """Hook for subclasses: change the averaged gradient in place before the inner step."""
+        """The controller's transform (e.g. rescaling), then the optional clipping, in place."""
+        self.controller.transform_mean_gradient(grads, obs)
         if self.clip_grad_norm is not None and grads:
-            total_norm = obs.mean_norm_sq.sqrt()
+            total_norm = obs.mean_norm_sq.sqrt()  # of the mean before the controller's transform
             coef = (self.clip_grad_norm / (total_norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
 
+    def flush(self) -> bool:
+        """Apply the partially accumulated window now (e.g. at the end of training).
+
+        A loop ends with the microbatches folded since the last step still waiting; ``flush``
+        steps the inner optimizer on their exact weighted mean (clipping and the controller's
+        transform apply as usual) and returns True, or returns False when the window is empty.
+        Collective under torch.distributed: call it on every rank. ``last_reason`` becomes
+        ``"flushed"``.
+        """
+        counters = self.counters
+        if counters.num_draws == 0:
+            return False
+        total = counters.total_count
+        sum_norm_sq, _ = self._agree_on_norms(
+            self._accumulator.sum_squared_norm().to(total.device), None
+        )
+        obs = Observation(
+            count=total,
+            total_count=total,
+            draws=counters.num_draws,
+            mean_norm_sq=sum_norm_sq / total.square(),
+        )
+        self._apply(obs)
+        counters.last_reason = "flushed"
+        return True
+
     def _apply(self, obs: Observation) -> None:
-        grads = self._accumulator.write_mean(self._total_count)
+        grads = self._accumulator.write_mean(self.counters.total_count)
         self._transform_mean_gradient(grads, obs)
         self.last_optimizer_result = self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.controller.end_window(obs)
-        self.last_step_num_draws = self.num_draws
-        self._last_mean_norm_sq = obs.mean_norm_sq
-        self.last_step_count = self._total_count
-        self.num_steps += 1
-        self.num_draws = 0
-        self._total_count = None
+        counters = self.counters
+        counters.last_step_num_draws = counters.num_draws
+        counters.last_mean_norm_sq = obs.mean_norm_sq
+        counters.last_step_count = counters.total_count
+        counters.num_steps += 1
+        counters.num_draws = 0
+        counters.total_count = None
 
     # ----------------------------------------------------------------- reporting
     def statistics(self) -> dict[str, Any]:
@@ -320,20 +485,22 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         ``num_draws`` count the microbatch about to be processed (1-based), so at the moment a
         step happens ``num_draws`` read just before it is the window's size. Also:
         ``accumulated_draws`` (folded so far), ``accumulated_count``, ``skipped_batches``
-        (overflows) and ``reason`` (why the last ``step`` call did or did not step:
-        ``accumulating``, ``max_batch_draws``, ``overflow_skipped`` or the rule's name).
+        (dropped on overflow or a non-finite value) and ``reason`` (why the last ``step`` call
+        did or did not step: ``accumulating``, ``max_batch_draws``, ``overflow_skipped``,
+        ``nonfinite_skipped``, ``no_gradient`` or the rule's name).
         """
-        norm_sq = self._last_mean_norm_sq
+        c = self.counters
+        norm_sq = c.last_mean_norm_sq
         stats: dict[str, Any] = {
-            "batches": self.num_batches + 1,
-            "steps": self.num_steps,
-            "num_draws": self.num_draws + 1,
+            "batches": c.num_batches + 1,
+            "steps": c.num_steps,
+            "num_draws": c.num_draws + 1,
             "last_mean_grad_norm": None if norm_sq is None else float(norm_sq.sqrt()),
-            "last_step_num_draws": self.last_step_num_draws,
-            "accumulated_draws": self.num_draws,
-            "accumulated_count": (0.0 if self._total_count is None else float(self._total_count)),
-            "skipped_batches": self.num_skipped,
-            "reason": self.last_reason,
+            "last_step_num_draws": c.last_step_num_draws,
+            "accumulated_draws": c.num_draws,
+            "accumulated_count": (0.0 if c.total_count is None else float(c.total_count)),
+            "skipped_batches": c.num_skipped,
+            "reason": c.last_reason,
         }
         stats.update(self.controller.statistics())
         return stats
@@ -341,38 +508,46 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return (
             f"<{type(self).__name__}: controller={type(self.controller).__name__}, "
-            f"batches={self.num_batches}, steps={self.num_steps}, "
+            f"batches={self.counters.num_batches}, steps={self.counters.num_steps}, "
             f"core={type(self.optimizer).__name__}>"
         )
 
     # ----------------------------------------------------------------- checkpoints
+    def _config(self) -> dict[str, Any]:
+        """What must match for a checkpoint to continue this run exactly."""
+        return {
+            "controller": type(self.controller).__name__,
+            "controller_config": self.controller.config(),
+            "max_batch_draws": self.max_draws,
+            "default_count": self.default_count,
+            "clip_grad_norm": self.clip_grad_norm,
+            "gradient_layout": self._reducer.gradient_layout,
+        }
+
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, the partial accumulation, counters and controller state.
+        """Inner optimizer state, the partial accumulation, counters, controller state and the
+        configuration a load must match.
 
         Only tensors, numbers, strings, lists, dicts and None: ``torch.load(weights_only=True)``
         reads it back.
         """
         return {
             "version": _STATE_VERSION,
+            "config": self._config(),
             "optimizer": self.optimizer.state_dict(),
             "accumulated_sums": self._accumulator.state_dict(self._params()),
             "controller": self.controller.state_dict(),
-            "counters": {
-                "num_batches": self.num_batches,
-                "num_steps": self.num_steps,
-                "num_draws": self.num_draws,
-                "num_skipped": self.num_skipped,
-                "total_count": self._total_count,
-                "last_step_num_draws": self.last_step_num_draws,
-                "last_step_count": self.last_step_count,
-                "last_mean_norm_sq": self._last_mean_norm_sq,
-                "last_reason": self.last_reason,
-            },
+            "counters": self.counters.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, including a partially accumulated window."""
-        expected = {"version", "optimizer", "accumulated_sums", "controller", "counters"}
+        """Restore a :meth:`state_dict`, including a partially accumulated window.
+
+        Refuses (ValueError, nothing changed) a checkpoint of another controller or another
+        configuration (``max_batch_draws``, ``default_count``, ``clip_grad_norm``, gradient
+        layout, the controller's fixed options); the scheduled value is restored.
+        """
+        expected = {"version", "config", "optimizer", "accumulated_sums", "controller", "counters"}
         if not isinstance(state_dict, dict) or set(state_dict) != expected:
             keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)
             raise ValueError(
@@ -381,32 +556,31 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 "wrapper.optimizer.load_state_dict"
             )
         if state_dict["version"] != _STATE_VERSION:
-            raise ValueError(f"unsupported state version {state_dict['version']!r}")
-        counters = state_dict["counters"]
-        known = {
-            "num_batches",
-            "num_steps",
-            "num_draws",
-            "num_skipped",
-            "total_count",
-            "last_step_num_draws",
-            "last_step_count",
-            "last_mean_norm_sq",
-            "last_reason",
-        }
-        if set(counters) != known:
             raise ValueError(
-                f"checkpoint counters have keys {sorted(counters)}, expected {sorted(known)}"
+                f"unsupported state version {state_dict['version']!r} (this grabkit reads "
+                f"version {_STATE_VERSION})"
             )
+        self._check_config(state_dict["config"])
+        counters = AccumulationCounters.from_state_dict(state_dict["counters"])
         self._accumulator.load_state_dict(state_dict["accumulated_sums"], self._params())
         self.controller.load_state_dict(state_dict["controller"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
-        self.num_batches = int(counters["num_batches"])
-        self.num_steps = int(counters["num_steps"])
-        self.num_draws = int(counters["num_draws"])
-        self.num_skipped = int(counters["num_skipped"])
-        self._total_count = counters["total_count"]
-        self.last_step_num_draws = counters["last_step_num_draws"]
-        self.last_step_count = counters["last_step_count"]
-        self._last_mean_norm_sq = counters["last_mean_norm_sq"]
-        self.last_reason = str(counters["last_reason"])
+        self.counters = counters
+
+    def _check_config(self, saved: dict[str, Any]) -> None:
+        mine = self._config()
+        if saved.get("controller") != mine["controller"]:
+            raise ValueError(
+                f"the checkpoint was written with controller {saved.get('controller')!r}, but "
+                f"this wrapper uses {mine['controller']!r}: a different controller's state "
+                "cannot continue this run"
+            )
+        differing = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if differing:
+            detail = ", ".join(
+                f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}" for k in differing
+            )
+            raise ValueError(
+                f"the checkpoint's configuration differs from this wrapper's ({detail}); build "
+                "the wrapper with the checkpoint's options to resume"
+            )

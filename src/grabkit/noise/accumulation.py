@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
-from grabkit.noise.microbatch import MicrobatchNoiseScale, _check_count
+from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
+from grabkit.validation import check_positive
 
 __all__ = ["AccumulationNoiseScale"]
 
@@ -124,7 +125,7 @@ class AccumulationNoiseScale:
                 "each backward's gradient on its own, so call end_microbatch(count) after every "
                 "backward() with the number of examples that backward covered"
             )
-        self._micro_counts.append(_check_count(count))
+        self._micro_counts.append(check_positive("count", count))
         self._micro_scales_sq.append(self._loss_scale_sq())
         self._row += 1
         self._written = [False] * len(self._params)
@@ -179,7 +180,46 @@ class AccumulationNoiseScale:
         self.remove()
 
     def state_dict(self) -> dict:
-        return self.estimator.state_dict()
+        """The averages and the step in progress: a checkpoint between microbatches (or between
+        a backward and its ``end_microbatch``) resumes to the same estimate.
+
+        The step's accumulated ``.grad`` is the model's, not this object's: to resume in
+        mid-step, save and restore it too.
+        """
+        return {
+            "estimator": self.estimator.state_dict(),
+            "squares": self._squares[: self._row + 1].clone(),  # (K + 1, P): K closed + current
+            "written": list(self._written),
+            "repeated": self._repeated,
+            "counts": list(self._micro_counts),
+            "scales_sq": list(self._micro_scales_sq),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.estimator.load_state_dict(state)
+        expected = {"estimator", "squares", "written", "repeated", "counts", "scales_sq"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"AccumulationNoiseScale state has keys {got}, expected {sorted(expected)}"
+            )
+        squares, counts = state["squares"], [float(c) for c in state["counts"]]
+        blocks = len(self._params)
+        if (
+            squares.ndim != 2
+            or tuple(squares.shape) != (len(counts) + 1, blocks)
+            or len(state["scales_sq"]) != len(counts)
+            or len(state["written"]) != blocks
+        ):
+            raise ValueError(
+                f"AccumulationNoiseScale state does not fit {blocks} blocks: squares of shape "
+                f"{tuple(squares.shape)} for {len(counts)} closed microbatches"
+            )
+        self.estimator.load_state_dict(state["estimator"])
+        rows = max(8, 2 * squares.shape[0])
+        self._squares = torch.zeros(rows, blocks, dtype=torch.float64, device=self._device)
+        self._squares[: squares.shape[0]] = squares.to(self._device)
+        self._row = len(counts)
+        self._written = [bool(w) for w in state["written"]]
+        self._repeated = bool(state["repeated"])
+        self._micro_counts = counts
+        self._micro_scales_sq = [float(x) for x in state["scales_sq"]]

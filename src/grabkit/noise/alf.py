@@ -5,7 +5,10 @@ same ``estimator(loss, tensors)`` call and the same returned value, with two fix
 
 * odd batch sizes work in "alternative" mode (the two halves may differ by one example; the
   effective size 2 b1 b2 / (b1 + b2) replaces b, which is exact for the identity below);
-* the per-block |G|^2, tr(Sigma) and a confidence interval are available from ``result()``.
+* the per-block |G|^2, tr(Sigma) and a confidence interval are available from ``result()``;
+* a batch whose gradients are not finite (a NaN or inf loss) leaves the averages unchanged and
+  returns the last valid estimate, as grabkit's other estimators do (in ALF one NaN poisons the
+  averages for good).
 
 Each call splits the batch at random into two disjoint parts and differentiates the mean loss of
 each ("paper" mode: a small part of ``batch_size_ratio`` and the rest; "alternative": two halves):
@@ -30,6 +33,7 @@ from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.validation import check_positive
 
 __all__ = ["GradientNoiseScaleEstimator"]
 
@@ -90,10 +94,8 @@ class GradientNoiseScaleEstimator(nn.Module):
                 "batch_size_ratio should be in (0, 0.5) in paper mode, but got "
                 f"batch_size_ratio={batch_size_ratio}"
             )
-        if gradient_norm_clip is not None and not gradient_norm_clip > 0:
-            raise ValueError(
-                f"gradient_norm_clip should be positive or None, but got {gradient_norm_clip}"
-            )
+        if gradient_norm_clip is not None:
+            gradient_norm_clip = check_positive("gradient_norm_clip", gradient_norm_clip)
         self._name = name
         self._mode = mode
         self._batch_size_ratio = batch_size_ratio if mode == "paper" else 0.5
@@ -145,7 +147,7 @@ class GradientNoiseScaleEstimator(nn.Module):
                 tensors, or ``model.parameters()``.
         Returns:
             0-d float32 tensor, detached: the GNS, or the last non-negative one if this one is
-            negative (0 before any).
+            negative or not finite (0 before any).
         """
         if not isinstance(loss, torch.Tensor) or loss.ndim not in (1, 2):
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -170,6 +172,9 @@ class GradientNoiseScaleEstimator(nn.Module):
             block_grad_norm = self._block_dot(big_grads, small_grads)
             block_trace = ((big_sq + small_sq) / 2.0 - block_grad_norm) * size
             grad_norm, var_trace = block_grad_norm.sum(), ((big_sq + small_sq) / 2.0).sum()
+        finite = torch.isfinite(torch.cat([block_grad_norm, block_trace]))
+        if not bool(finite.all()):  # a NaN / inf loss: skip the update, as the others do
+            return self._last_valid_gns.clone()
         self._track(names, block_grad_norm, block_trace, small + big)
         avg_grad_norm = self._gradient_norm_averager.update(grad_norm)
         avg_var_trace = self._var_trace_averager.update(var_trace)
@@ -191,19 +196,35 @@ class GradientNoiseScaleEstimator(nn.Module):
             )
         self._tracker.update(block_grad_norm, block_trace, examples)
 
-    def get_extra_state(self) -> dict:
-        """The averages, saved by ``state_dict()`` next to the ``_last_valid_gns`` buffer."""
+    def _config(self) -> dict:
         return {
+            "mode": self._mode,
+            "batch_size_ratio": self._batch_size_ratio,
+            "update_rate": self._update_rate,
+            "gradient_norm_clip": self._grad_norm_clip,
+        }
+
+    def get_extra_state(self) -> dict:
+        """The averages and the configuration, saved by ``state_dict()`` next to the
+        ``_last_valid_gns`` buffer; a state of another configuration is refused on load."""
+        return {
+            "config": self._config(),
             "gradient_norm": self._gradient_norm_averager.state_dict(),
             "var_trace": self._var_trace_averager.state_dict(),
             "tracker": None if self._tracker is None else self._tracker.state_dict(),
         }
 
     def set_extra_state(self, state: dict) -> None:
-        if not isinstance(state, dict) or set(state) != {"gradient_norm", "var_trace", "tracker"}:
+        expected = {"config", "gradient_norm", "var_trace", "tracker"}
+        if not isinstance(state, dict) or set(state) != expected:
             raise ValueError(
-                "GradientNoiseScaleEstimator extra state should have keys gradient_norm, "
-                f"var_trace and tracker, but got {state!r:.200}"
+                f"GradientNoiseScaleEstimator extra state should have keys {sorted(expected)}, "
+                f"but got {state!r:.200}"
+            )
+        if state["config"] != self._config():
+            raise ValueError(
+                f"the GradientNoiseScaleEstimator state was written with {state['config']}, but "
+                f"this estimator has {self._config()}; build it with the saved options to resume"
             )
         self._gradient_norm_averager.load_state_dict(state["gradient_norm"])
         self._var_trace_averager.load_state_dict(state["var_trace"])

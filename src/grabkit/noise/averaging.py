@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from grabkit.validation import check_probability
+
 __all__ = ["BiasCorrectedEMA"]
 
 
@@ -26,9 +28,7 @@ class BiasCorrectedEMA:
     """
 
     def __init__(self, update_rate: float) -> None:
-        if not 0.0 < update_rate <= 1.0:
-            raise ValueError(f"update_rate should be in (0, 1], but got update_rate={update_rate}")
-        self.update_rate = float(update_rate)
+        self.update_rate = check_probability("update_rate", update_rate, allow_one=True)
         self._mean: torch.Tensor | None = None
         self._decay_product = 1.0  # (1 - r)^t, the weight still held by the zero initial value
 

@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from grabkit.noise.blocks import named_trainable_parameters
 from grabkit.noise.identities import two_batch_estimates
-from grabkit.noise.microbatch import _check_count
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.validation import check_positive
 
 __all__ = ["DDPNoiseScale"]
 
@@ -135,7 +135,7 @@ class DDPNoiseScale:
         rank must call it, once per synchronised backward. Steps with non-finite norms (an
         overflowing loss scale) are skipped. Returns None until a step was folded in.
         """
-        count = _check_count(count)
+        count = check_positive("count", count)
         if not self._reduced:
             raise RuntimeError(
                 "no synchronised backward since the last observe_step(); call it after the "

@@ -21,14 +21,9 @@ import torch
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.validation import check_positive
 
 __all__ = ["MicrobatchNoiseScale"]
-
-
-def _check_count(count: float, name: str = "count") -> float:
-    if isinstance(count, bool) or not isinstance(count, (int, float)) or not count > 0:
-        raise ValueError(f"`{name}` should be a positive number of examples, but got {count!r}")
-    return float(count)
 
 
 class MicrobatchNoiseScale:
@@ -72,7 +67,7 @@ class MicrobatchNoiseScale:
 
     def observe_microbatch(self, grad_norm_sq: torch.Tensor | float, count: float) -> None:
         """Record |g_k|^2 of one microbatch's mean gradient, over ``count`` examples."""
-        self._micro_counts.append(_check_count(count))
+        self._micro_counts.append(check_positive("count", count))
         self._micro_norms.append(torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(1, -1))
 
     def observe_microbatches(self, grad_norm_sq: torch.Tensor, counts: Sequence[float]) -> None:
@@ -83,7 +78,7 @@ class MicrobatchNoiseScale:
                 f"grad_norm_sq should be (K,) or (K, P) with K = len(counts) = {len(counts)}, "
                 f"but got shape {tuple(norms.shape)}"
             )
-        self._micro_counts.extend(_check_count(c) for c in counts)
+        self._micro_counts.extend(check_positive("count", c) for c in counts)
         self._micro_norms.append(norms.reshape(len(counts), -1))
 
     def step_estimates(
@@ -130,11 +125,36 @@ class MicrobatchNoiseScale:
         return self.tracker.result() if self.tracker.observations else None
 
     def state_dict(self) -> dict:
-        return {"tracker": self.tracker.state_dict()}
+        """The averages and the microbatches observed since the last ``observe_step``.
+
+        A checkpoint taken in mid-step resumes to the same estimate: the pending (K, P) norms and
+        their counts are saved with the tracker.
+        """
+        pending = None
+        if self._micro_norms:
+            pending = torch.cat([n.to(self._micro_norms[0].device) for n in self._micro_norms])
+        return {
+            "tracker": self.tracker.state_dict(),
+            "pending_norms": pending,
+            "pending_counts": list(self._micro_counts),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"tracker"}:
+        expected = {"tracker", "pending_norms", "pending_counts"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"MicrobatchNoiseScale state has keys {sorted(state)}, expected ['tracker']"
+                f"MicrobatchNoiseScale state has keys {got}, expected {sorted(expected)}"
+            )
+        norms, counts = state["pending_norms"], [float(c) for c in state["pending_counts"]]
+        if (norms is None) != (not counts) or (
+            norms is not None and (norms.ndim != 2 or norms.shape[0] != len(counts))
+        ):
+            raise ValueError(
+                "MicrobatchNoiseScale state's pending microbatches are inconsistent: "
+                f"{len(counts)} counts for norms of shape "
+                f"{None if norms is None else tuple(norms.shape)}"
             )
         self.tracker.load_state_dict(state["tracker"])
+        self._micro_norms = [] if norms is None else [norms.to(torch.float64).clone()]
+        self._micro_counts = counts

@@ -17,6 +17,7 @@ import torch
 
 from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.result import NoiseScaleResult
+from grabkit.validation import check_positive, check_positive_int, check_probability
 
 __all__ = ["NoiseScaleTracker", "ratio_interval"]
 
@@ -79,19 +80,11 @@ class NoiseScaleTracker:
     ) -> None:
         if window not in _WINDOWS:
             raise ValueError(f"window should be one of {_WINDOWS}, but got window={window!r}")
-        if not 0.0 < confidence < 1.0:
-            raise ValueError(f"confidence should be in (0, 1), but got confidence={confidence}")
+        confidence = check_probability("confidence", confidence)
         if len(block_names) == 0:
             raise ValueError("block_names should name at least one parameter block, but is empty")
-        if population_size is not None and (
-            isinstance(population_size, bool)
-            or not isinstance(population_size, int)
-            or population_size < 2
-        ):
-            raise ValueError(
-                "population_size should be None or an integer >= 2 (the data set size), but got "
-                f"population_size={population_size!r}"
-            )
+        if population_size is not None:  # the data set size
+            check_positive_int("population_size", population_size, minimum=2)
         self.population_size = population_size
         self.window = window
         self.confidence = float(confidence)
@@ -128,8 +121,7 @@ class NoiseScaleTracker:
                 f"expected {len(self.block_names)} block values {self.block_names}, but got "
                 f"grad_norm_sq with {g.numel()} and trace_sigma with {t.numel()} entries"
             )
-        if not examples > 0:
-            raise ValueError(f"examples should be positive, but got examples={examples}")
+        examples = check_positive("examples", examples)
         if self.population_size is not None:
             n = float(self.population_size)
             g, t = g + t / n, t * (n - 1.0) / n
@@ -181,11 +173,19 @@ class NoiseScaleTracker:
             examples=self.examples,
         )
 
-    def state_dict(self) -> dict:
+    def _config(self) -> dict:
+        """What a checkpoint must match: the averaging and the reported interval."""
         return {
             "window": self.window,
             "confidence": self.confidence,
+            "update_rate": self.update_rate,
+            "population_size": self.population_size,
             "block_names": list(self.block_names),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            **self._config(),
             "averages": self._ema.state_dict(),
             "weight_sq_sum": self._weight_sq_sum,
             "observations": self.observations,
@@ -193,28 +193,24 @@ class NoiseScaleTracker:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        expected = {
-            "window",
-            "confidence",
-            "block_names",
-            "averages",
-            "weight_sq_sum",
-            "observations",
-            "examples",
-        }
-        if set(state) != expected:
-            raise ValueError(
-                f"NoiseScaleTracker state has keys {sorted(state)}, expected {sorted(expected)}"
-            )
+        """Restore a :meth:`state_dict` written with the same configuration (else ValueError)."""
+        mine = self._config()
+        expected = set(mine) | {"averages", "weight_sq_sum", "observations", "examples"}
+        if not isinstance(state, dict) or set(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"NoiseScaleTracker state has keys {got}, expected {sorted(expected)}")
         if tuple(state["block_names"]) != self.block_names:
             raise ValueError(
                 f"state was saved for blocks {tuple(state['block_names'])}, but this estimator "
                 f"tracks {self.block_names}; build it over the same parameters"
             )
-        if state["window"] not in _WINDOWS:
-            raise ValueError(f"state has an unknown window {state['window']!r}")
-        self.window = state["window"]
-        self.confidence = float(state["confidence"])
+        differing = sorted(k for k in mine if k != "block_names" and state[k] != mine[k])
+        if differing:
+            detail = ", ".join(f"{k}: saved {state[k]!r}, here {mine[k]!r}" for k in differing)
+            raise ValueError(
+                f"the noise-scale state was written with another configuration ({detail}); "
+                "build the estimator with the saved options to resume"
+            )
         self._ema.load_state_dict(state["averages"])
         self._weight_sq_sum = float(state["weight_sq_sum"])
         self.observations = int(state["observations"])
