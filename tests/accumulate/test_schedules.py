@@ -16,6 +16,7 @@ from grabkit.accumulate import (
     get_quadratic_batch_schedule,
 )
 from grabkit.accumulate.gqc import OptimizerWrapperGNTS
+from grabkit.accumulate.schedules import ValueSchedule
 
 
 def wrapper():
@@ -83,3 +84,17 @@ def test_schedules_reject_bad_input():
         NormWarmupScheduler(object(), 3)
     with pytest.raises(ValueError, match="polynomial_exponent"):
         get_curved_batch_schedule(wrapper(), 1, 2, 3, polynomial_exponent=0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("inf")])
+def test_a_schedule_never_sets_a_nan_or_negative_value(bad):
+    target = wrapper()
+    schedule = ValueSchedule(target, lambda t: 1.0 if t < 2 else bad)
+    schedule.step()
+    with pytest.raises(ValueError, match="step 2"):
+        schedule.step()
+    assert target.scheduled_value == 1.0  # the last good value stays
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(ValueError, match="learning rate"):
+        ValueSchedule(plain, lambda t: bad)
+    assert plain.param_groups[0]["lr"] == 0.1

@@ -65,6 +65,13 @@ class ValueSchedule:
         return not hasattr(type(self.optimizer), "scheduled_value")
 
     def _set_value(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value >= 0):
+            what = "learning rate" if self.drives_learning_rate else "scheduled value"
+            raise ValueError(
+                f"the schedule set the {what} to {value!r} at step {self.last_epoch}; it must be "
+                "a finite number >= 0. Check the schedule's function and its warm-up values."
+            )
         if self.drives_learning_rate:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(value)
