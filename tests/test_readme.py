@@ -15,7 +15,17 @@ def test_readme_has_examples() -> None:
     assert len(EXAMPLES) >= 5
 
 
-@pytest.mark.parametrize("code", EXAMPLES, ids=[f"example{i}" for i in range(len(EXAMPLES))])
+FRAMEWORKS = ("transformers", "lightning", "accelerate")
+
+
+def _example(i: int, code: str) -> object:
+    """A README example; the ones that start a training framework run in the slow tier."""
+    slow = any(f"import {name}" in code or f"from {name}" in code for name in FRAMEWORKS)
+    marks = [pytest.mark.slow] if slow else []
+    return pytest.param(code, id=f"example{i}", marks=marks)
+
+
+@pytest.mark.parametrize("code", [_example(i, code) for i, code in enumerate(EXAMPLES)])
 def test_readme_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # examples may write files (a sampler checkpoint)
     exec(compile(code, str(README), "exec"), {"__name__": "__readme__"})

@@ -94,6 +94,7 @@ def test_matches_a_transcription_of_alf(mode, clip, time_major):
         assert not got.requires_grad
 
 
+@pytest.mark.slow  # convergence: many simulated steps
 @pytest.mark.parametrize(("mode", "batch"), [("alternative", 33), ("paper", 40)])
 def test_per_call_estimates_are_unbiased_and_the_average_converges(mode, batch):
     prob = problem(10)

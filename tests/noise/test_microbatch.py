@@ -129,6 +129,7 @@ def test_a_block_without_gradient_in_a_microbatch_counts_as_zero():
     torch.testing.assert_close(measured.block_trace_sigma, expected.block_trace_sigma)
 
 
+@pytest.mark.slow  # convergence: many simulated steps
 def test_ema_converges_to_the_truth():
     prob = problem(10)
     gen = torch.Generator().manual_seed(2)

@@ -35,6 +35,7 @@ def test_estimates_are_unbiased_without_replacement():
         assert abs(z_score(g[:, block], float(expected_g[block]))) < Z_LIMIT
 
 
+@pytest.mark.slow  # convergence: many simulated steps
 def test_ema_converges_to_the_truth_and_windows_in_examples():
     prob = problem(10)
     gen = torch.Generator().manual_seed(7)

@@ -41,6 +41,7 @@ def test_interval_without_denominator_noise_is_the_normal_interval():
     assert (low, high) == pytest.approx((3.0 - z, 3.0 + z))
 
 
+@pytest.mark.slow  # convergence: many simulated steps
 def test_interval_covers_the_true_ratio_at_its_nominal_rate():
     gen = torch.Generator().manual_seed(0)
     covered, trials = 0, 300

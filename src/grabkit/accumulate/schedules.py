@@ -65,18 +65,17 @@ class ValueSchedule:
         return not hasattr(type(self.optimizer), "scheduled_value")
 
     def _set_value(self, value: float) -> None:
+        if not self.drives_learning_rate:
+            self.optimizer.scheduled_value = float(value)  # the controller checks its knob
+            return
         value = float(value)
         if not (math.isfinite(value) and value >= 0):
-            what = "learning rate" if self.drives_learning_rate else "scheduled value"
             raise ValueError(
-                f"the schedule set the {what} to {value!r} at step {self.last_epoch}; it must be "
-                "a finite number >= 0. Check the schedule's function and its warm-up values."
+                f"the schedule set the learning rate to {value!r} at step {self.last_epoch}; it "
+                "must be a finite number >= 0. Check the schedule's function and warm-up values."
             )
-        if self.drives_learning_rate:
-            for group in self.optimizer.param_groups:
-                group["lr"] = float(value)
-        else:
-            self.optimizer.scheduled_value = float(value)
+        for group in self.optimizer.param_groups:
+            group["lr"] = value
 
     def _apply(self) -> None:
         self._set_value(self.value_fn(self.last_epoch))
