@@ -52,7 +52,7 @@ def test_grab_order_and_gradients_match_the_plain_loop(tmp_path):
     trainer.train()
     orders, weights = plain_grab_loop()
     assert trainer.grab_sampler.orders_history == orders  # each epoch's visit order is GraB's
-    assert trainer.grab_sampler.state_dict()["stepped"] == N  # every example stepped once
+    assert trainer.grab_sampler.state_dict()["live"]["stepped"] == N  # every example stepped once
     for name, value in params(trainer.model).items():
         torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6)
 
@@ -74,13 +74,14 @@ class _StepBeforeOptimizer(TrainerCallback):
         self.trainer.grab_sampler.step()
 
 
-def test_naive_callback_steps_only_half_the_examples(tmp_path):
+def test_a_callback_before_the_optimizer_step_balances_every_micro_batch(tmp_path):
+    """Once silently half the examples; hook mode now balances every backward since step()."""
     trainer = _GraBSamplerTrainer(
         tiny_bert(), arguments(tmp_path, num_train_epochs=1), train_dataset=dataset()
     )
     trainer.add_callback(_StepBeforeOptimizer(trainer))
     trainer.train()
-    assert trainer.grab_sampler.state_dict()["stepped"] == N // 2  # silently half
+    assert trainer.grab_sampler.state_dict()["live"]["stepped"] == N  # every example
 
 
 def _resumable(tmp_path, cls=GrabkitTrainer, workers=0, **kwargs):

@@ -76,7 +76,7 @@ def test_grab_order_and_gradients_match_the_plain_loop(tmp_path):
     trainer(tmp_path, [GraBCallback(sampler)]).fit(module, loader)
     orders, weights = plain_grab_loop()
     assert sampler.orders_history == orders
-    assert sampler.state_dict()["stepped"] == N
+    assert sampler.state_dict()["live"]["stepped"] == N
     for name, value in params(module.net).items():
         torch.testing.assert_close(value, weights[name], rtol=1e-5, atol=1e-6)
 

@@ -56,12 +56,6 @@ def test_data_position_is_exact_with_workers():
     assert resumed_seen == full_seen[STOP * B :]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GraBSampler drops the decisions of examples in flight at a StatefulDataLoader "
-    "snapshot (docstring: 'get no decision in that epoch'); keeping them is under way in the "
-    "sampler (branch order), not in the integration",
-)
 def test_in_flight_grab_decisions_survive_a_worker_snapshot():
     full_model, full_sampler, _, _ = run(epochs=3)
     *_, snapshot = run(stop=STOP)

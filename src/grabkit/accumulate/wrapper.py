@@ -514,12 +514,15 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- checkpoints
     def _config(self) -> dict[str, Any]:
-        """What must match for a checkpoint to continue this run exactly."""
+        """What must match for a checkpoint to continue this run exactly.
+
+        ``default_count`` is not part of it: it only weighs microbatches still to come (the saved
+        window holds weighted sums), and integrations set it per call.
+        """
         return {
             "controller": type(self.controller).__name__,
             "controller_config": self.controller.config(),
             "max_batch_draws": self.max_draws,
-            "default_count": self.default_count,
             "clip_grad_norm": self.clip_grad_norm,
             "gradient_layout": self._reducer.gradient_layout,
         }
@@ -544,7 +547,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """Restore a :meth:`state_dict`, including a partially accumulated window.
 
         Refuses (ValueError, nothing changed) a checkpoint of another controller or another
-        configuration (``max_batch_draws``, ``default_count``, ``clip_grad_norm``, gradient
+        configuration (``max_batch_draws``, ``clip_grad_norm``, gradient
         layout, the controller's fixed options); the scheduled value is restored.
         """
         expected = {"version", "config", "optimizer", "accumulated_sums", "controller", "counters"}

@@ -17,13 +17,21 @@ __all__ = ["replay_state", "rewound_state"]
 
 
 def _check(state: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(state, Mapping) or not {"yielded", "stepped", "started"} <= set(state):
+    """A shallow copy of a ``GraBSampler.state_dict()`` (its position may then be changed)."""
+    live = state.get("live") if isinstance(state, Mapping) else None
+    if not {"yielded", "started"} <= set(state or {}) or not isinstance(live, Mapping) or (
+        "stepped" not in live
+    ):
         keys = sorted(state) if isinstance(state, Mapping) else "-"
         raise ValueError(
-            "expected a GraBSampler.state_dict() (keys 'yielded', 'stepped', 'started'), but got "
-            f"{type(state).__name__} with keys {keys}"
+            "expected a GraBSampler.state_dict() (keys 'yielded', 'started' and 'live' with "
+            f"'stepped'), but got {type(state).__name__} with keys {keys}"
         )
     return dict(state)
+
+
+def _stepped(state: Mapping[str, Any]) -> int:
+    return int(state["live"]["stepped"])
 
 
 def rewound_state(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -33,7 +41,7 @@ def rewound_state(state: Mapping[str, Any]) -> dict[str, Any]:
     accelerate's own loaders after ``load_state``): yielded := stepped.
     """
     state = _check(state)
-    state["yielded"] = min(int(state["yielded"]), int(state["stepped"]))
+    state["yielded"] = min(int(state["yielded"]), _stepped(state))
     return state
 
 
@@ -51,6 +59,6 @@ def replay_state(state: Mapping[str, Any], num_samples: int) -> dict[str, Any]:
         num_samples: ``len(sampler)``, the examples of one epoch on this rank.
     """
     state = _check(state)
-    if int(state["stepped"]) < num_samples and bool(state["started"]):
+    if _stepped(state) < num_samples and bool(state["started"]):
         state["yielded"] = 0
     return state
