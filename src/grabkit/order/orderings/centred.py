@@ -19,7 +19,7 @@ from grabkit.order.orderings.base import (
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
-__all__ = ["CentredBalance", "StaleMean", "dense_rows"]
+__all__ = ["CentredBalance", "StaleMean", "StaleMeanBalance", "dense_rows"]
 
 
 class StaleMean:
@@ -137,3 +137,29 @@ def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
         "(B, d) tensor or the dict of per-example gradients to step(), or choose an ordering that "
         'works on hook statistics ("mean", "pair", "recursive", "batch", "ema", ...).'
     )
+
+
+class StaleMeanBalance(CentredBalance):
+    """A ``CentredBalance`` that keeps the previous epoch's mean gradient in ``self.mean``.
+
+    Each epoch's batch totals (``record``) become the next epoch's stale mean; the mean goes into
+    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and add
+    their own state through ``extra_state`` (calling ``super()``).
+    """
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.mean = StaleMean()
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.mean.roll()
+
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.mean.add(total, count)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"mean": self.mean.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.mean.load_state_dict(state["mean"])
