@@ -14,6 +14,7 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.recurrent import RecurrentRule
 from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
 from grabkit.stats.step import StepStatistics
 
@@ -23,6 +24,7 @@ __all__ = [
     "HookGradientBatch",
     "LayerRule",
     "PerSampleStats",
+    "RecurrentRule",
     "StepStatistics",
     "flat_to_named",
     "named_to_flat",

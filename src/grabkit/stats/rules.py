@@ -51,6 +51,24 @@ class LayerRule(ABC):
     #: of the first input, and for a tuple output the first element is the output tracked.
     whole_call: bool = False
 
+    #: When True, the layer's per-example gradients need the gradients of several of its outputs
+    #: (a recurrent layer's output sequence and final states): ``capture`` receives the call's
+    #: raw ``(args, kwargs)``, the engine hooks each tensor ``output_tensors`` names, ``factors``
+    #: receives a tuple of their gradients (None where one got none), and ``call_batch`` says
+    #: where the call holds its examples.
+    multiple_outputs: bool = False
+
+    def output_tensors(self, module: nn.Module, output: Any) -> tuple[torch.Tensor | None, ...]:
+        """The output tensors whose gradients ``factors`` needs (``multiple_outputs`` rules)."""
+        return (output,)
+
+    def call_batch(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, int, int]:
+        """(input tensor or None, its batch dim, number of examples) of a call
+        (``multiple_outputs`` rules), so the engine can check it against the model's batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not define call_batch")
+
     def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook, default accepts all)
         """Raise ``ValueError`` at attach time for configurations the rule cannot make exact."""
 
