@@ -108,7 +108,7 @@ class _ModelBatch:
         """Refuse a layer call that holds ``size`` examples (in dim ``dim`` of its input ``x``)
         unless they are this batch's, and an ``x`` whose batch dim cannot be told from another
         dim of the same size (the batch dim must be the outermost of them in memory)."""
-        where = f"dim {dim} of its input of shape {tuple(x.shape)}" if x is not None else "its input"
+        where = "its input" if x is None else f"dim {dim} of its input of shape {tuple(x.shape)}"
         if size != self.size:
             raise ValueError(
                 f"layer {name!r} holds {size} examples in {where}, but the model's input has "
@@ -479,9 +479,7 @@ class PerSampleStats:
         self._backward_seen = True
         self._statistics = None
 
-    def _on_output_slot_grad(
-        self, call: _Call, slot: int, slots: int, grad: torch.Tensor
-    ) -> None:
+    def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
         if call.output_grad is None:
             call.output_grad = [None] * slots
         previous = call.output_grad[slot]

@@ -155,16 +155,14 @@ class RecurrentRule(LayerRule):
             directions, outputs = _Replay(module, call, dtype).run()
             pairs = [(o, g.to(dtype)) for o, g in zip(outputs, grads, strict=True) if g is not None]
             probes = [
-                p
-                for d in directions
-                for p in (d.probe_ih, d.probe_hh, d.probe_hr)
-                if p is not None
+                p for d in directions for p in (d.probe_ih, d.probe_hh, d.probe_hr) if p is not None
             ]
             found = torch.autograd.grad(
                 [o for o, _ in pairs], probes, [g for _, g in pairs], allow_unused=True
             )
         gradient = {
-            id(p): torch.zeros_like(p) if g is None else g for p, g in zip(probes, found, strict=True)
+            id(p): torch.zeros_like(p) if g is None else g
+            for p, g in zip(probes, found, strict=True)
         }
         out: dict[str, ParameterFactor] = {}
         for d in directions:
@@ -233,7 +231,7 @@ class _Replay:
         self.module = module
         self.call = call
         self.dtype = dtype
-        b, t = call.x.shape[:2]
+        t = call.x.shape[1]
         self.mask = None
         if call.lengths is not None:
             steps = torch.arange(t, device=call.x.device)
