@@ -381,8 +381,10 @@ class PerSampleStats:
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
         if layer.rule.multiple_outputs:
+            replaced = layer.rule.replace_output(module, output)
+            output = output if replaced is None else replaced
             self._record_multiple_outputs(layer, module, args, kwargs, output)
-            return None
+            return replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:

@@ -99,6 +99,17 @@ class RecurrentRule(LayerRule):
             return data, state[0], state[1]
         return data, state
 
+    def replace_output(self, module: nn.Module, output: Any) -> Any:
+        """A batch-first output sequence that is a transposed view (the CPU kernel's) becomes a
+        contiguous copy, so that layers after it see the batch as the outermost dim even when
+        B equals T."""
+        sequence, state = output
+        if isinstance(sequence, PackedSequence) or not module.batch_first:
+            return None
+        if sequence.is_contiguous():
+            return None
+        return sequence.contiguous(), state
+
     def call_batch(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor | None, int, int]:

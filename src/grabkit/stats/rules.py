@@ -62,6 +62,12 @@ class LayerRule(ABC):
         """The output tensors whose gradients ``factors`` needs (``multiple_outputs`` rules)."""
         return (output,)
 
+    def replace_output(self, module: nn.Module, output: Any) -> Any:
+        """The call's output with the same values, or None to keep it (``multiple_outputs``
+        rules): say a batch-first copy of a transposed view, so that later layers can tell
+        the batch dim from an equal other dim."""
+        return None
+
     def call_batch(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[torch.Tensor | None, int, int]:
