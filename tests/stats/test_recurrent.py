@@ -152,9 +152,7 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize(("batch", "length"), [(3, 5), (4, 4)])
-def test_recurrent_models_match_per_example_autograd(
-    float64, reference_tools, name, batch, length
-):
+def test_recurrent_models_match_per_example_autograd(float64, reference_tools, name, batch, length):
     torch.manual_seed(0)
     model = MODELS[name]()
     idx = torch.randint(1, VOCAB, (batch, length))
