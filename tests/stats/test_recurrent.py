@@ -71,19 +71,34 @@ class WithInitialState(nn.Module):
 
 
 class Packed(nn.Module):
-    """A GRU / LSTM over packed sequences of each example's own length (unsorted batch)."""
+    """A bidirectional recurrent layer over packed sequences of each example's own length
+    (unsorted batch); with ``final_state`` the class comes from h_n (and the layer starts from
+    a state computed from the input)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, final_state: bool = False, **options) -> None:
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.rnn = getattr(nn, kind)(WIDTH, WIDTH, batch_first=True, bidirectional=True)
-        self.head = nn.Linear(2 * WIDTH, VOCAB)
+        self.rnn = getattr(nn, kind)(
+            WIDTH, WIDTH, batch_first=True, bidirectional=True, num_layers=2, **options
+        )
+        out = 2 * (self.rnn.proj_size if options.get("proj_size") else WIDTH)
+        self.head = nn.Linear(out, CLASSES if final_state else VOCAB)
+        self.final_state = final_state
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         lengths = (idx != 0).sum(dim=1)  # token 0 pads the end of shorter examples
-        packed = pack_padded_sequence(self.embedding(idx), lengths, True, enforce_sorted=False)
-        out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
-        return self.head(out)
+        x = self.embedding(idx)
+        packed = pack_padded_sequence(x, lengths, True, enforce_sorted=False)
+        if not self.final_state:
+            out, _ = pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+            return self.head(out)
+        state = torch.tanh(x[:, :1].transpose(0, 1)).repeat(4, 1, 1)  # (L D, B, WIDTH)
+        if isinstance(self.rnn, nn.LSTM):
+            hidden = state[..., : self.rnn.proj_size or WIDTH]
+            _, (h_n, _) = self.rnn(packed, (hidden.contiguous(), state.contiguous()))
+        else:
+            _, h_n = self.rnn(packed, state.contiguous())
+        return self.head(torch.cat([h_n[-2], h_n[-1]], dim=1))
 
 
 def token_losses(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -164,13 +179,24 @@ def test_mean_reduced_loss(float64, reference_tools):
     check(RecurrentLM("LSTM", tied=True), torch.randint(1, VOCAB, (3, 6)), reference_tools, "mean")
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
-def test_packed_sequences_of_different_lengths(float64, reference_tools, kind):
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Packed("LSTM"),
+        lambda: Packed("GRU"),
+        lambda: Packed("RNN"),
+        lambda: Packed("LSTM", final_state=True),
+        lambda: Packed("LSTM", final_state=True, proj_size=3),
+        lambda: Packed("GRU", final_state=True),
+        lambda: Packed("RNN", final_state=True, nonlinearity="relu"),
+    ],
+)
+def test_packed_sequences_of_different_lengths(float64, reference_tools, make):
     torch.manual_seed(2)
     idx = torch.randint(1, VOCAB, (4, 6))
     for i, length in enumerate([3, 6, 1, 4]):  # unsorted lengths
         idx[i, length:] = 0
-    check(Packed(kind), idx, reference_tools)
+    check(make(), idx, reference_tools)
 
 
 class CheckpointedLSTM(RecurrentLM):

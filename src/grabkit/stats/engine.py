@@ -424,7 +424,7 @@ class PerSampleStats:
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
         if self._batch is not None:
             self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(layer.rule.capture(module, (args, kwargs)), batch_size=size)
+        call = _Call(layer.rule.capture(module, (args, kwargs, output)), batch_size=size)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))

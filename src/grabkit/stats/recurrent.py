@@ -41,6 +41,7 @@ from grabkit.stats.factors import (
     PerExampleFactor,
     compute_dtype,
 )
+from grabkit.stats.recurrent_replay import replay
 from grabkit.stats.rules import LayerRule, rule_for
 
 __all__ = ["RecurrentRule"]
@@ -58,28 +59,18 @@ class _RecurrentCall(NamedTuple):
     """One call of a recurrent layer, batch-first.
 
     x: (B, T, F) input, zeros past each example's length for packed input.
+    output: (B, T, D H_out) the output sequence, likewise.
     h0: (L D, B, H_out) initial hidden state or None (zeros). c0: (L D, B, H) LSTM cell state.
     lengths: (B,) steps per example for packed input, else None.
     packed: the PackedSequence layout of the call, else None.
     """
 
     x: torch.Tensor
+    output: torch.Tensor
     h0: torch.Tensor | None
     c0: torch.Tensor | None
     lengths: torch.Tensor | None
     packed: _PackedLayout | None
-
-
-class _Direction(NamedTuple):
-    """One layer and direction of the replay: its probes and the inputs of its factors."""
-
-    suffix: str  # "_l0", "_l0_reverse", ...
-    x: torch.Tensor  # (B, T, F) this layer's input
-    h_prev: torch.Tensor  # (B, T, H_out) hidden state before each step
-    m: torch.Tensor | None  # (B, T, H) o * tanh(c), the projection's input (LSTM proj_size)
-    probe_ih: torch.Tensor  # (B, T, G H) added to x W_ih^T + b_ih
-    probe_hh: torch.Tensor | None  # (B, T, G H) added to h W_hh^T + b_hh (GRU only)
-    probe_hr: torch.Tensor | None  # (B, T, H_out) added to m W_hr^T (LSTM proj_size)
 
 
 def _is_lstm(module: nn.Module) -> bool:
@@ -130,7 +121,7 @@ class RecurrentRule(LayerRule):
         return args[0] if args else kwargs["input"]
 
     def capture(self, module: nn.Module, layer_input: Any) -> _RecurrentCall:
-        args, kwargs = layer_input
+        args, kwargs, output = layer_input
         if module.training and module.dropout > 0 and module.num_layers > 1:
             raise ValueError(
                 f"{type(module).__name__}(num_layers={module.num_layers}, "
@@ -145,12 +136,16 @@ class RecurrentRule(LayerRule):
         h0, c0 = (hx if _is_lstm(module) else (hx, None)) if hx is not None else (None, None)
         h0 = None if h0 is None else h0.detach()
         c0 = None if c0 is None else c0.detach()
+        sequence = output[0]
         if isinstance(x, PackedSequence):
             layout = _PackedLayout(x.batch_sizes, x.sorted_indices, x.unsorted_indices)
             padded, lengths = pad_packed_sequence(_detached(x), batch_first=True)
-            return _RecurrentCall(padded, h0, c0, lengths.to(padded.device), layout)
-        x = x.detach()
-        return _RecurrentCall(x if module.batch_first else x.transpose(0, 1), h0, c0, None, None)
+            out, _ = pad_packed_sequence(_detached(sequence), batch_first=True)
+            return _RecurrentCall(padded, out, h0, c0, lengths.to(padded.device), layout)
+        x, sequence = x.detach(), sequence.detach()
+        if not module.batch_first:
+            x, sequence = x.transpose(0, 1), sequence.transpose(0, 1)
+        return _RecurrentCall(x, sequence, h0, c0, None, None)
 
     def factors(
         self,
@@ -162,31 +157,21 @@ class RecurrentRule(LayerRule):
         call = layer_input
         grads = self._batch_first_grads(module, call, output_grad)
         dtype = compute_dtype(torch.promote_types(call.x.dtype, module.weight_ih_l0.dtype))
-        with torch.enable_grad():
-            directions, outputs = _Replay(module, call, dtype).run()
-            pairs = [(o, g.to(dtype)) for o, g in zip(outputs, grads, strict=True) if g is not None]
-            probes = [
-                p for d in directions for p in (d.probe_ih, d.probe_hh, d.probe_hr) if p is not None
-            ]
-            found = torch.autograd.grad(
-                [o for o, _ in pairs], probes, [g for _, g in pairs], allow_unused=True
-            )
-        gradient = {
-            id(p): torch.zeros_like(p) if g is None else g
-            for p, g in zip(probes, found, strict=True)
-        }
+        x = call.x.to(dtype)
+        with torch.no_grad():
+            directions = replay(module, x, call.h0, call.c0, call.lengths, call.output, grads)
         out: dict[str, ParameterFactor] = {}
         for d in directions:
-            d_ih = gradient[id(d.probe_ih)]
-            d_hh = d_ih if d.probe_hh is None else gradient[id(d.probe_hh)]
-            self._add(out, wanted, module, f"weight_ih{d.suffix}", d.x, d_ih)
-            self._add(out, wanted, module, f"weight_hh{d.suffix}", d.h_prev, d_hh)
-            for name, delta in ((f"bias_ih{d.suffix}", d_ih), (f"bias_hh{d.suffix}", d_hh)):
+            self._add(out, wanted, module, f"weight_ih{d.suffix}", d.x, d.delta_ih)
+            self._add(out, wanted, module, f"weight_hh{d.suffix}", d.h_prev, d.delta_hh)
+            for name, delta in (
+                (f"bias_ih{d.suffix}", d.delta_ih),
+                (f"bias_hh{d.suffix}", d.delta_hh),
+            ):
                 if name in wanted:
                     out[name] = PerExampleFactor(delta.sum(dim=1), getattr(module, name).shape)
-            if d.probe_hr is not None:
-                d_hr = gradient[id(d.probe_hr)]
-                self._add(out, wanted, module, f"weight_hr{d.suffix}", d.m, d_hr)
+            if d.delta_hr is not None:
+                self._add(out, wanted, module, f"weight_hr{d.suffix}", d.m, d.delta_hr)
         return out
 
     @staticmethod
@@ -223,140 +208,3 @@ class RecurrentRule(LayerRule):
 
 def _detached(x: PackedSequence) -> PackedSequence:
     return PackedSequence(x.data.detach(), x.batch_sizes, x.sorted_indices, x.unsorted_indices)
-
-
-class _Replay:
-    """The layer unrolled step by step in plain torch ops, PyTorch's gate equations:
-
-    RNN:  h' = act(x W_ih^T + b_ih + h W_hh^T + b_hh)
-    LSTM: i, f, g, o = sigmoid, sigmoid, tanh, sigmoid of the chunks of the sum above;
-          c' = f c + i g; h' = o tanh(c') (then h' W_hr^T with proj_size)
-    GRU:  r, z = sigmoid of the sums of the first two chunks; n = tanh(xn + r hn);
-          h' = (1 - z) n + z h, with (xr, xz, xn) and (hr, hz, hn) the input and hidden chunks.
-
-    With per-example lengths, a step past an example's length leaves its state unchanged and
-    outputs zero (the fused kernel's packed-sequence semantics).
-    """
-
-    def __init__(self, module: nn.Module, call: _RecurrentCall, dtype: torch.dtype) -> None:
-        self.module = module
-        self.call = call
-        self.dtype = dtype
-        t = call.x.shape[1]
-        self.mask = None
-        if call.lengths is not None:
-            steps = torch.arange(t, device=call.x.device)
-            self.mask = (steps.unsqueeze(0) < call.lengths.unsqueeze(1)).unsqueeze(2)  # (B, T, 1)
-        self.directions_per_layer = 2 if module.bidirectional else 1
-        self.hidden_out = module.proj_size if module.proj_size > 0 else module.hidden_size
-
-    def _weight(self, name: str) -> torch.Tensor | None:
-        w = getattr(self.module, name, None)
-        return None if w is None else w.detach().to(self.dtype)
-
-    def _initial(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        b = self.call.x.shape[0]
-        h0, c0 = self.call.h0, self.call.c0
-        like = self.call.x
-        h = (
-            like.new_zeros(b, self.hidden_out, dtype=self.dtype)
-            if h0 is None
-            else h0[index].to(self.dtype)
-        )
-        if not _is_lstm(self.module):
-            return h, None
-        c = (
-            like.new_zeros(b, self.module.hidden_size, dtype=self.dtype)
-            if c0 is None
-            else c0[index].to(self.dtype)
-        )
-        return h, c
-
-    def run(self) -> tuple[list[_Direction], list[torch.Tensor]]:
-        """(every layer and direction, the replayed [output (B, T, D H_out), h_n, (c_n)])."""
-        x = self.call.x.to(self.dtype)
-        directions: list[_Direction] = []
-        finals_h, finals_c = [], []
-        for layer in range(self.module.num_layers):
-            outputs = []
-            for reverse in range(self.directions_per_layer):
-                index = layer * self.directions_per_layer + reverse
-                suffix = f"_l{layer}" + ("_reverse" if reverse else "")
-                direction, output, h, c = self._direction(x, suffix, index, bool(reverse))
-                directions.append(direction)
-                outputs.append(output)
-                finals_h.append(h)
-                finals_c.append(c)
-            x = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        replayed = [x, torch.stack(finals_h)]
-        if _is_lstm(self.module):
-            replayed.append(torch.stack(finals_c))
-        return directions, replayed
-
-    def _direction(
-        self, x: torch.Tensor, suffix: str, index: int, reverse: bool
-    ) -> tuple[_Direction, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        module, mode, mask = self.module, self.module.mode, self.mask
-        w_ih, w_hh = self._weight(f"weight_ih{suffix}"), self._weight(f"weight_hh{suffix}")
-        b_ih, b_hh = self._weight(f"bias_ih{suffix}"), self._weight(f"bias_hh{suffix}")
-        w_hr = self._weight(f"weight_hr{suffix}")
-        b, t = x.shape[:2]
-        gi = x @ w_ih.T
-        if b_ih is not None:
-            gi = gi + b_ih
-        probe_ih = torch.zeros_like(gi, requires_grad=True)
-        gi = gi + probe_ih
-        probe_hh = torch.zeros_like(gi, requires_grad=True) if mode == "GRU" else None
-        probe_hr = (
-            x.new_zeros(b, t, self.hidden_out, requires_grad=True) if w_hr is not None else None
-        )
-        h, c = self._initial(index)
-        h_prev: list[torch.Tensor] = [h] * t
-        m_seq: list[torch.Tensor] = [h] * t
-        out: list[torch.Tensor] = [h] * t
-        for s in range(t - 1, -1, -1) if reverse else range(t):
-            h_prev[s] = h
-            gh = h @ w_hh.T
-            if b_hh is not None:
-                gh = gh + b_hh
-            if probe_hh is not None:
-                gh = gh + probe_hh[:, s]
-            c_new = None
-            if mode == "LSTM":
-                i, f, g, o = (gi[:, s] + gh).chunk(4, dim=1)
-                c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                h_new = torch.sigmoid(o) * torch.tanh(c_new)
-                if w_hr is not None:
-                    m_seq[s] = h_new
-                    h_new = h_new @ w_hr.T + probe_hr[:, s]
-            elif mode == "GRU":
-                xr, xz, xn = gi[:, s].chunk(3, dim=1)
-                hr, hz, hn = gh.chunk(3, dim=1)
-                r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-                n = torch.tanh(xn + r * hn)
-                h_new = (1 - z) * n + z * h
-            elif mode == "RNN_TANH":
-                h_new = torch.tanh(gi[:, s] + gh)
-            elif mode == "RNN_RELU":
-                h_new = torch.relu(gi[:, s] + gh)
-            else:
-                raise ValueError(f"{type(module).__name__}: unknown recurrent mode {mode!r}")
-            if mask is not None:
-                keep = mask[:, s]
-                h_new = torch.where(keep, h_new, h)
-                if c_new is not None:
-                    c_new = torch.where(keep, c_new, c)
-                out[s] = torch.where(keep, h_new, torch.zeros_like(h_new))
-            else:
-                out[s] = h_new
-            h, c = h_new, c_new
-        direction = _Direction(
-            suffix,
-            x.detach(),
-            torch.stack(h_prev, dim=1).detach(),
-            torch.stack(m_seq, dim=1).detach() if w_hr is not None else None,
-            probe_ih,
-            probe_hh,
-            probe_hr,
-        )
-        return direction, torch.stack(out, dim=1), h, c

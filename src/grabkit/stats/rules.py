@@ -53,9 +53,9 @@ class LayerRule(ABC):
 
     #: When True, the layer's per-example gradients need the gradients of several of its outputs
     #: (a recurrent layer's output sequence and final states): ``capture`` receives the call's
-    #: raw ``(args, kwargs)``, the engine hooks each tensor ``output_tensors`` names, ``factors``
-    #: receives a tuple of their gradients (None where one got none), and ``call_batch`` says
-    #: where the call holds its examples.
+    #: raw ``(args, kwargs, output)``, the engine hooks each tensor ``output_tensors`` names,
+    #: ``factors`` receives a tuple of their gradients (None where one got none), and
+    #: ``call_batch`` says where the call holds its examples.
     multiple_outputs: bool = False
 
     def output_tensors(self, module: nn.Module, output: Any) -> tuple[torch.Tensor | None, ...]:
