@@ -60,7 +60,8 @@ class _Saved:
     index: int  # layer * D + direction: its slice of h_0 / h_n
     reverse: bool
     gates: torch.Tensor  # (B, T, G, H) activated gates (RNN: the new state before masking)
-    extra: torch.Tensor | None  # LSTM: (B, T, 2, H) c before the step and tanh(c'); GRU: hn
+    extra: tuple[torch.Tensor, torch.Tensor] | torch.Tensor | None
+    # LSTM: (c before the step, tanh(c')), (B, T, H) each; GRU: hn, (B, T, H)
 
 
 def replay(
@@ -186,17 +187,17 @@ class _Replay:
         if self.mode in ("RNN_TANH", "RNN_RELU"):  # the new states are the output itself
             return _Saved(direction, 0, reverse, known.unsqueeze(2), None)
         gi = self._input_part(x, suffix)
-        gh = (h_prev.reshape(b * t, -1) @ w_hh.T).view(b, t, -1)
+        flat_h = h_prev.reshape(b * t, -1)
         if self.mode == "GRU":
-            if b_hh is not None:
-                gh = gh + b_hh
+            gh = flat_h @ w_hh.T if b_hh is None else torch.addmm(b_hh, flat_h, w_hh.T)
+            gh = gh.view(b, t, -1)
             gates = x.new_empty(b, t, 3, hid)
             pre = (gi[..., : 2 * hid] + gh[..., : 2 * hid]).view(b, t, 2, hid)
             rz = torch.sigmoid(pre, out=gates[:, :, :2])
             hn = gh[..., 2 * hid :]
             torch.tanh(torch.addcmul(gi[..., 2 * hid :], rz[:, :, 0], hn), out=gates[:, :, 2])
             return _Saved(direction, 0, reverse, gates, hn)
-        pre = (gi + gh).view(b, t, 4, hid)
+        pre = torch.addmm(gi.view(b * t, -1), flat_h, w_hh.T).view(b, t, 4, hid)
         gates = pre.sigmoid()
         gates[:, :, 2] = pre[:, :, 2].tanh()
         i, f, g, o = gates.unbind(2)
@@ -211,9 +212,9 @@ class _Replay:
                 c_new = torch.where(self.keep[:, s], c_new, c_old)
             cells[:, s if reverse else s + 1] = c_new
         c_prev, c_new = (cells[:, 1:], cells[:, :-1]) if reverse else (cells[:, :-1], cells[:, 1:])
-        extra = torch.stack((c_prev, c_new.tanh()), dim=2)  # (wrong past a length: unused)
+        extra = (c_prev, c_new.tanh())  # (tanh c' is wrong past a length: unused there)
         if w_hr is not None:
-            direction.m = o * extra[:, :, 1]
+            direction.m = o * extra[1]
         return _Saved(direction, 0, reverse, gates, extra)
 
     def _forward(
@@ -271,6 +272,8 @@ class _Replay:
                 out[:, s] = h_new
             h, c = h_new, c_new
         direction = Direction(suffix, x, h_prev, m)
+        if self.mode == "LSTM":
+            extra = tuple(extra.unbind(2))
         return _Saved(direction, 0, reverse, gates, extra), out
 
     # -- backward ------------------------------------------------------------------------------
@@ -302,7 +305,7 @@ class _Replay:
         a = saved.gates
         if self.mode == "LSTM":
             i, f, g, o = a.unbind(2)
-            c_prev, tanh_c = saved.extra.unbind(2)
+            c_prev, tanh_c = saved.extra
             into_c = o * (1 - tanh_c * tanh_c)  # dc' += dm * into_c
             per_gate = torch.stack(
                 (g * i * (1 - i), c_prev * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)),
@@ -340,55 +343,131 @@ class _Replay:
         dc_final: torch.Tensor | None,
     ) -> None:
         """Backpropagation through time for one direction, from its output sequence's gradient
-        (B, T, H_out) and its final states' (B, H_out), (B, H)."""
+        (B, T, H_out) and its final states' (B, H_out), (B, H).
+
+        Steps are visited last to first (in the direction's own order); per step: the gate
+        gradients from dL/dh' (and LSTM's dL/dc'), then dL/dh of the state before the step,
+        one (B, G H) x (G H, H_out) product. The loop's tensors are held time-major, (T, B, ...),
+        so that every step reads and writes contiguous blocks (views from ``unbind`` up front).
+        """
         direction = saved.direction
-        w_hh = self._weight(f"weight_hh{direction.suffix}")
-        w_hr = self._weight(f"weight_hr{direction.suffix}")
         b, t = d_out.shape[:2]
-        hid, g = self.hidden, self.gates
+        g, hid = self.gates, self.hidden
         steps = list(range(t)) if saved.reverse else list(range(t - 1, -1, -1))
-        coefficients = self._coefficients(saved)
-        delta = d_out.new_empty(b, t, g, hid)
-        dh = d_out[:, steps[0]].clone()
-        if dh_final is not None:
-            dh += dh_final
-        dc = d_out.new_zeros(b, hid) if dc_final is None else dc_final.clone()
-        keep_d_h = self.mode == "GRU" or w_hr is not None
-        d_h = d_out.new_empty(b, t, self.hidden_out) if keep_d_h else None  # dL/dh' per step
-        pass_through = None if self.keep is None else (~self.keep).to(self.dtype)  # (B, T, 1)
-        for k, s in enumerate(steps):
-            if d_h is not None:
-                d_h[:, s] = dh
-            if self.mode == "LSTM":
-                per_gate, into_c, forget = coefficients
-                dm = dh if w_hr is None else dh @ w_hr
-                dc = torch.addcmul(dc, dm, into_c[:, s])
-                torch.mul(dc.unsqueeze(1), per_gate[:, s, :3], out=delta[:, s, :3])
-                torch.mul(dm, per_gate[:, s, 3], out=delta[:, s, 3])
-                dc = dc * forget[:, s]
-                step_delta = delta[:, s]
-            elif self.mode == "GRU":
-                _, per_hh, through = coefficients
-                torch.mul(dh.unsqueeze(1), per_hh[:, s], out=delta[:, s])
-                step_delta = delta[:, s]
-            else:
-                torch.mul(dh, coefficients[0][:, s], out=delta[:, s, 0])
-                step_delta = delta[:, s]
-            if k + 1 == len(steps):
-                break
-            following = d_out[:, steps[k + 1]]
-            dh_next = torch.addmm(following, step_delta.reshape(b, g * hid), w_hh)
-            if self.mode == "GRU":
-                dh_next.addcmul_(dh, through[:, s])
-            elif pass_through is not None:  # past an example's length the state passes on
-                dh_next.addcmul_(dh, pass_through[:, s])
-            dh = dh_next
-        delta = delta.reshape(b, t, g * hid)
+        coefficients = [_time_major(c) for c in self._coefficients(saved)]
+        delta = d_out.new_empty(t, b, g, hid)
+        keep_d_h = self.mode == "GRU" or direction.m is not None
+        d_h = d_out.new_empty(t, b, self.hidden_out) if keep_d_h else None  # dL/dh' per step
+        outs = d_out.unbind(1)
+        dh = outs[steps[0]] if dh_final is None else outs[steps[0]] + dh_final
+        passing = None if self.keep is None else _time_major((~self.keep).to(self.dtype))
+        loop = _Loop(
+            steps,
+            outs,
+            delta.view(t, b, g * hid).unbind(0),
+            self._weight(f"weight_hh{direction.suffix}"),
+            None if d_h is None else d_h.unbind(0),
+            None if passing is None else passing.unbind(0),
+        )
+        if self.mode == "LSTM":
+            per_gate, into_c, forget = coefficients
+            dc = d_out.new_zeros(b, hid) if dc_final is None else dc_final
+            w_hr = self._weight(f"weight_hr{direction.suffix}")
+            loop.lstm(dh, dc, per_gate, into_c, forget, delta, w_hr)
+        elif self.mode == "GRU":
+            loop.gru(dh, coefficients[1], coefficients[2], delta)
+        else:
+            loop.rnn(dh, coefficients[0], delta)
+        delta = _batch_major(delta.view(t, b, g * hid))
         if self.mode == "GRU":
-            per_ih = coefficients[0]
             direction.delta_hh = delta
-            direction.delta_ih = (d_h.unsqueeze(2) * per_ih).reshape(b, t, g * hid)
+            per_ih = (d_h.unsqueeze(2) * coefficients[0]).view(t, b, g * hid)
+            direction.delta_ih = _batch_major(per_ih)
         else:
             direction.delta_ih = direction.delta_hh = delta
-        if w_hr is not None:
+        if direction.m is not None:
+            d_h = _batch_major(d_h)
             direction.delta_hr = d_h if self.keep is None else d_h * self.keep
+
+
+def _time_major(x: torch.Tensor) -> torch.Tensor:
+    """(B, T, ...) -> contiguous (T, B, ...)."""
+    return x.transpose(0, 1).contiguous()
+
+
+def _batch_major(x: torch.Tensor) -> torch.Tensor:
+    """(T, B, ...) -> contiguous (B, T, ...)."""
+    return x.transpose(0, 1).contiguous()
+
+
+@dataclass
+class _Loop:
+    """The sequential part of one direction's backward, one tight loop per cell type.
+
+    ``steps``: the steps, last processed first; ``outs``: (B, H_out) output gradients per
+    step; ``flat``: (B, G H) views of the gate gradients being filled; ``stored``: where to keep
+    dL/dh' of every step (None: not needed); ``passing``: (B, 1) 1 past an example's length.
+    The loops take time-major (T, B, ...) coefficient and gradient tensors.
+    """
+
+    steps: list[int]
+    outs: tuple[torch.Tensor, ...]
+    flat: tuple[torch.Tensor, ...]
+    w_hh: torch.Tensor
+    stored: tuple[torch.Tensor, ...] | None
+    passing: tuple[torch.Tensor, ...] | None
+
+    def _previous(self, k: int, s: int, dh: torch.Tensor) -> torch.Tensor:
+        """dL/dh of the state step s started from: its output gradient and the recursion."""
+        following = torch.addmm(self.outs[self.steps[k + 1]], self.flat[s], self.w_hh)
+        if self.passing is not None:  # past an example's length the state passes on
+            following.addcmul_(dh, self.passing[s])
+        return following
+
+    def lstm(
+        self,
+        dh: torch.Tensor,
+        dc: torch.Tensor,
+        per_gate: torch.Tensor,
+        into_c: torch.Tensor,
+        forget: torch.Tensor,
+        delta: torch.Tensor,
+        w_hr: torch.Tensor | None,
+    ) -> None:
+        ifg, o_gate = per_gate[:, :, :3].unbind(0), per_gate[:, :, 3].unbind(0)
+        into, keep_c = into_c.unbind(0), forget.unbind(0)
+        d_ifg, d_o = delta[:, :, :3].unbind(0), delta[:, :, 3].unbind(0)
+        last = len(self.steps) - 1
+        for k, s in enumerate(self.steps):
+            if self.stored is not None:
+                self.stored[s].copy_(dh)
+            dm = dh if w_hr is None else dh @ w_hr
+            dc = torch.addcmul(dc, dm, into[s])
+            torch.mul(dc.unsqueeze(1), ifg[s], out=d_ifg[s])
+            torch.mul(dm, o_gate[s], out=d_o[s])
+            if k == last:
+                return
+            dc = dc * keep_c[s]
+            dh = self._previous(k, s, dh)
+
+    def gru(
+        self, dh: torch.Tensor, per_hh: torch.Tensor, through: torch.Tensor, delta: torch.Tensor
+    ) -> None:
+        hidden_part, direct, deltas = per_hh.unbind(0), through.unbind(0), delta.unbind(0)
+        last = len(self.steps) - 1
+        for k, s in enumerate(self.steps):
+            self.stored[s].copy_(dh)
+            torch.mul(dh.unsqueeze(1), hidden_part[s], out=deltas[s])
+            if k == last:
+                return
+            following = torch.addmm(self.outs[self.steps[k + 1]], self.flat[s], self.w_hh)
+            dh = following.addcmul_(dh, direct[s])  # h' = n + z (h - n): dh z passes on
+
+    def rnn(self, dh: torch.Tensor, slope: torch.Tensor, delta: torch.Tensor) -> None:
+        slopes, deltas = slope.unbind(0), delta[:, :, 0].unbind(0)
+        last = len(self.steps) - 1
+        for k, s in enumerate(self.steps):
+            torch.mul(dh, slopes[s], out=deltas[s])
+            if k == last:
+                return
+            dh = self._previous(k, s, dh)
