@@ -10,7 +10,9 @@ stride, dilation, groups, padding mode), ``nn.Embedding``, ``nn.LayerNorm``, ``n
 ``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d`` (training mode: batch statistics treated as
 constants). ``register_rule`` adds or replaces a rule for another layer type.
 
-The batch dimension is dim 0 of every layer's input (``batch_first`` layouts).
+The batch dimension is dim 0 of every layer's input (``batch_first`` layouts), except where a
+rule says where its call holds the examples (``call_batch``: the recurrent layers of
+``grabkit.stats.recurrent``, whose ``batch_first=False`` inputs hold them in dim 1).
 """
 
 from __future__ import annotations
