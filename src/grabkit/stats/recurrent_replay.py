@@ -201,16 +201,19 @@ class _Replay:
         gates = pre.sigmoid()
         gates[:, :, 2] = pre[:, :, 2].tanh()
         i, f, g, o = gates.unbind(2)
-        cells = x.new_empty(b, t + 1, hid)  # c before step s in column s (s + 1 when reverse)
-        write_in = i * g
-        steps = range(t - 1, -1, -1) if reverse else range(t)
-        cells[:, t if reverse else 0] = c_init
-        for s in steps:
-            c_old = cells[:, s + 1 if reverse else s]
-            c_new = torch.addcmul(write_in[:, s], f[:, s], c_old)
-            if self.keep is not None:
-                c_new = torch.where(self.keep[:, s], c_new, c_old)
-            cells[:, s if reverse else s + 1] = c_new
+        # The cell state recursion, time-major so that each step reads and writes contiguous
+        # (B, H) blocks: column s holds c before step s (s + 1 when reverse).
+        cells = x.new_empty(t + 1, b, hid)
+        columns = cells.unbind(0)
+        write_in, forget = _time_major(i * g).unbind(0), _time_major(f).unbind(0)
+        keep = None if self.keep is None else _time_major(self.keep).unbind(0)
+        columns[t if reverse else 0].copy_(c_init)
+        for s in range(t - 1, -1, -1) if reverse else range(t):
+            c_old, c_new = (columns[s + 1], columns[s]) if reverse else (columns[s], columns[s + 1])
+            torch.addcmul(write_in[s], forget[s], c_old, out=c_new)
+            if keep is not None:
+                torch.where(keep[s], c_new, c_old, out=c_new)
+        cells = _batch_major(cells)
         c_prev, c_new = (cells[:, 1:], cells[:, :-1]) if reverse else (cells[:, :-1], cells[:, 1:])
         extra = (c_prev, c_new.tanh())  # (tanh c' is wrong past a length: unused there)
         if w_hr is not None:
