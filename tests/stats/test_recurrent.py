@@ -174,6 +174,28 @@ def test_recurrent_models_match_per_example_autograd(float64, reference_tools, n
     check(model, idx, reference_tools)
 
 
+class Siamese(nn.Module):
+    """One GRU called twice per forward (both halves of each example): its per-example gradient
+    is the sum over the calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.gru = nn.GRU(WIDTH, WIDTH, batch_first=True)
+        self.head = nn.Linear(2 * WIDTH, CLASSES)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        half = idx.shape[1] // 2
+        _, left = self.gru(self.embedding(idx[:, :half]))
+        _, right = self.gru(self.embedding(idx[:, half:]))
+        return self.head(torch.cat([left[0], right[0]], dim=1))
+
+
+def test_layer_called_twice(float64, reference_tools):
+    torch.manual_seed(7)
+    check(Siamese(), torch.randint(1, VOCAB, (3, 6)), reference_tools)
+
+
 def test_mean_reduced_loss(float64, reference_tools):
     torch.manual_seed(1)
     check(RecurrentLM("LSTM", tied=True), torch.randint(1, VOCAB, (3, 6)), reference_tools, "mean")
