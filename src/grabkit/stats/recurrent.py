@@ -10,13 +10,14 @@ and Dhr the gradient of the projected state. These are the outer-product factors
 layer over T positions (``grabkit.stats.factors.OuterProductFactor``), so norms, Gram matrices,
 dots, weighted sums and tied-parameter cross terms work unchanged.
 
-The fused kernels do not expose the gate gradients, so the forward hook keeps the call's input
-and initial state (references), the engine hooks the gradients of the output sequence and of the
-final states (h_n, and c_n for LSTM), and on the first read the layer is replayed step by step
-with plain torch ops (PyTorch's documented gate equations, same weights) under autograd, with
-zero "probe" tensors added to the gate pre-activations: the gradients of the probes, for the
-output gradients the hooks received, are the gate gradients of every step, layer and direction.
-The replay costs about one more forward and backward of the layer, on read only.
+The fused kernels do not expose the gate gradients, so the forward hook keeps the call's input,
+initial state and output sequence (references), the engine hooks the gradients of the output
+sequence and of the final states (h_n, and c_n for LSTM), and on the first read the layer is
+replayed with PyTorch's documented gate equations and the same weights, followed by
+backpropagation through time by hand (``grabkit.stats.recurrent_replay``): the gate gradients
+of every step, layer and direction. This costs about one more forward and backward of the
+layer, on read only. A batch-first output sequence is handed on as a contiguous tensor (the CPU
+kernel returns a transposed view), so that later layers can tell its batch dim when B == T.
 
 Supported: ``batch_first`` True and False (the examples are dim 1 of a sequence-first input),
 several layers, bidirectional, ``bias=False``, LSTM ``proj_size``, an initial state ``hx``, and
