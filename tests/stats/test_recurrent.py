@@ -319,3 +319,29 @@ def test_hook_mode_sampler_decides_as_dense_reference_on_an_lstm_lm(float64, tie
     assert list(iter(hooked)) == list(iter(dense))
     assert orders[1] != orders[2] or orders[0] != orders[1]  # the orders did change
     hooked.stats.close()
+
+
+class InPlaceAfter(nn.Module):
+    """The LSTM's output sequence is changed in place after the call (an in-place activation)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.lstm = nn.LSTM(WIDTH, WIDTH, batch_first=batch_first)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.batch_first = batch_first
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(idx)
+        if self.batch_first:
+            out = self.lstm(x)[0]
+        else:
+            out = self.lstm(x.transpose(0, 1))[0].transpose(0, 1)
+        out.mul_(3.0)
+        return self.head(out)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_output_changed_in_place_after_the_call(float64, reference_tools, batch_first):
+    torch.manual_seed(8)
+    check(InPlaceAfter(batch_first), torch.randint(1, VOCAB, (3, 5)), reference_tools)

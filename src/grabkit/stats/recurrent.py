@@ -11,13 +11,15 @@ layer over T positions (``grabkit.stats.factors.OuterProductFactor``), so norms,
 dots, weighted sums and tied-parameter cross terms work unchanged.
 
 The fused kernels do not expose the gate gradients, so the forward hook keeps the call's input,
-initial state and output sequence (references), the engine hooks the gradients of the output
-sequence and of the final states (h_n, and c_n for LSTM), and on the first read the layer is
-replayed with PyTorch's documented gate equations and the same weights, followed by
-backpropagation through time by hand (``grabkit.stats.recurrent_replay``): the gate gradients
-of every step, layer and direction. This costs about one more forward and backward of the
-layer, on read only. A batch-first output sequence is handed on as a contiguous tensor (the CPU
-kernel returns a transposed view), so that later layers can tell its batch dim when B == T.
+initial state and output sequence (references; an output changed in place afterwards, say by an
+in-place activation, is detected by its version counter and not used), the engine hooks the
+gradients of the output sequence and of the final states (h_n, and c_n for LSTM), and on the
+first read the layer is replayed with PyTorch's documented gate equations and the same
+weights, followed by backpropagation through time by hand (``grabkit.stats.recurrent_replay``):
+the gate gradients of every step, layer and direction. This costs about one more forward and
+backward of the layer, on read only. A batch-first output sequence is handed on as a contiguous
+tensor (the CPU kernel returns a transposed view), so that later layers can tell its batch dim
+when B == T.
 
 Supported: ``batch_first`` True and False (the examples are dim 1 of a sequence-first input),
 several layers, bidirectional, ``bias=False``, LSTM ``proj_size``, an initial state ``hx``, and
@@ -61,6 +63,8 @@ class _RecurrentCall(NamedTuple):
 
     x: (B, T, F) input, zeros past each example's length for packed input.
     output: (B, T, D H_out) the output sequence, likewise.
+    output_version: the output's version counter at the call, None for a copy made then (a
+        changed counter means it was modified in place afterwards: its values are not used).
     h0: (L D, B, H_out) initial hidden state or None (zeros). c0: (L D, B, H) LSTM cell state.
     lengths: (B,) steps per example for packed input, else None.
     packed: the PackedSequence layout of the call, else None.
@@ -68,6 +72,7 @@ class _RecurrentCall(NamedTuple):
 
     x: torch.Tensor
     output: torch.Tensor
+    output_version: int | None
     h0: torch.Tensor | None
     c0: torch.Tensor | None
     lengths: torch.Tensor | None
@@ -142,11 +147,11 @@ class RecurrentRule(LayerRule):
             layout = _PackedLayout(x.batch_sizes, x.sorted_indices, x.unsorted_indices)
             padded, lengths = pad_packed_sequence(_detached(x), batch_first=True)
             out, _ = pad_packed_sequence(_detached(sequence), batch_first=True)
-            return _RecurrentCall(padded, out, h0, c0, lengths.to(padded.device), layout)
+            return _RecurrentCall(padded, out, None, h0, c0, lengths.to(padded.device), layout)
         x, sequence = x.detach(), sequence.detach()
         if not module.batch_first:
             x, sequence = x.transpose(0, 1), sequence.transpose(0, 1)
-        return _RecurrentCall(x, sequence, h0, c0, None, None)
+        return _RecurrentCall(x, sequence, sequence._version, h0, c0, None, None)
 
     def factors(
         self,
@@ -159,8 +164,11 @@ class RecurrentRule(LayerRule):
         grads = self._batch_first_grads(module, call, output_grad)
         dtype = compute_dtype(torch.promote_types(call.x.dtype, module.weight_ih_l0.dtype))
         x = call.x.to(dtype)
+        output = call.output
+        if call.output_version is not None and output._version != call.output_version:
+            output = None  # changed in place after the call: recompute the last layer too
         with torch.no_grad():
-            directions = replay(module, x, call.h0, call.c0, call.lengths, call.output, grads)
+            directions = replay(module, x, call.h0, call.c0, call.lengths, output, grads)
         out: dict[str, ParameterFactor] = {}
         for d in directions:
             self._add(out, wanted, module, f"weight_ih{d.suffix}", d.x, d.delta_ih)

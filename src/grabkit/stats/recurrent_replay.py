@@ -70,7 +70,7 @@ def replay(
     h0: torch.Tensor | None,
     c0: torch.Tensor | None,
     lengths: torch.Tensor | None,
-    output: torch.Tensor,
+    output: torch.Tensor | None,
     grads: list[torch.Tensor | None],
 ) -> list[Direction]:
     """Every layer and direction of ``module`` with its gate gradients.
@@ -80,7 +80,9 @@ def replay(
         x: (B, T, F) the call's input, batch-first, zeros past each example's length.
         h0, c0: (L D, B, H_out) and (L D, B, H) initial states, or None (zeros).
         lengths: (B,) steps per example, or None (all T).
-        output: (B, T, D H_out) the call's output sequence (zeros past each example's length).
+        output: (B, T, D H_out) the call's output sequence (zeros past each example's length),
+            or None when it is not known to hold the values the call returned (then the last
+            layer is recomputed step by step as well).
         grads: gradients of [output (B, T, D H_out), h_n (L D, B, H_out), c_n (L D, B, H)]
             (c_n for LSTM only), None where an output got none.
     """
@@ -112,11 +114,11 @@ class _Replay:
         x: torch.Tensor,
         h0: torch.Tensor | None,
         c0: torch.Tensor | None,
-        output: torch.Tensor,
+        output: torch.Tensor | None,
         grads: list[torch.Tensor | None],
     ) -> list[Direction]:
         x = x.to(self.dtype)
-        output = output.to(self.dtype)
+        output = None if output is None else output.to(self.dtype)
         last = self.module.num_layers - 1
         width = self.hidden_out
         layers: list[list[_Saved]] = []
@@ -125,7 +127,7 @@ class _Replay:
             for reverse in range(self.directions):
                 index = layer * self.directions + reverse
                 init = self._initial(x, index, h0, c0)
-                if layer == last:
+                if layer == last and output is not None:
                     known = output[..., reverse * width : (reverse + 1) * width]
                     one = self._forward_known(x, layer, bool(reverse), init, known)
                 else:
@@ -134,9 +136,9 @@ class _Replay:
                 one.index = index
                 saved.append(one)
             layers.append(saved)
-            if layer < last:
+            if outputs:
                 x = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
-        self._backward(layers, output, grads)
+        self._backward(layers, x if output is None else output, grads)
         return [one.direction for saved in layers for one in saved]
 
     # -- forward -------------------------------------------------------------------------------
