@@ -345,3 +345,29 @@ class InPlaceAfter(nn.Module):
 def test_output_changed_in_place_after_the_call(float64, reference_tools, batch_first):
     torch.manual_seed(8)
     check(InPlaceAfter(batch_first), torch.randint(1, VOCAB, (3, 5)), reference_tools)
+
+
+class StatefulGRU(nn.Module):
+    """Starts from a hidden state kept in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.gru = nn.GRU(WIDTH, WIDTH, batch_first=True)
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("state", torch.randn(1, 1, WIDTH))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        start = self.state.expand(1, idx.shape[0], WIDTH)
+        return self.head(self.gru(self.embedding(idx), start)[0])
+
+
+def test_initial_state_changed_in_place_before_the_read(float64, reference_tools):
+    torch.manual_seed(9)
+    model = StatefulGRU()
+    idx = torch.randint(1, VOCAB, (3, 5))
+    reference = reference_rows(model, idx)
+    with PerSampleStats(model, "sum") as stats:
+        losses_of(model, idx).sum().backward()
+        model.state.add_(1.0)  # say, the next state written into the buffer
+        reference_tools.assert_matches(stats, reference)

@@ -66,6 +66,7 @@ class _RecurrentCall(NamedTuple):
     output_version: the output's version counter at the call, None for a copy made then (a
         changed counter means it was modified in place afterwards: its values are not used).
     h0: (L D, B, H_out) initial hidden state or None (zeros). c0: (L D, B, H) LSTM cell state.
+        Both copied at the call.
     lengths: (B,) steps per example for packed input, else None.
     packed: the PackedSequence layout of the call, else None.
     """
@@ -140,8 +141,9 @@ class RecurrentRule(LayerRule):
         x = self._input(args, kwargs)
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         h0, c0 = (hx if _is_lstm(module) else (hx, None)) if hx is not None else (None, None)
-        h0 = None if h0 is None else h0.detach()
-        c0 = None if c0 is None else c0.detach()
+        # copies (small): a state buffer updated in place after the call must not change them
+        h0 = None if h0 is None else h0.detach().clone()
+        c0 = None if c0 is None else c0.detach().clone()
         sequence = output[0]
         if isinstance(x, PackedSequence):
             layout = _PackedLayout(x.batch_sizes, x.sorted_indices, x.unsorted_indices)
