@@ -2,8 +2,9 @@
 
 Attach once to a model. During the forward pass a hook on each layer that owns trainable
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
-anyway) and puts a hook on the layer's output tensor, which receives the gradient of that output
-during ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
+anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
+layer's output sequence and final states), which receives the gradient of that output during
+``loss.backward()``. A hook on each trainable parameter receives this backward's batch
 gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
 dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
