@@ -6,6 +6,7 @@ without building a (B, d) tensor. ``GradientBatch`` is the interface orderings c
 ``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it.
 """
 
+from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
@@ -14,7 +15,6 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.hook_batch import HookGradientBatch
-from grabkit.stats.recurrent import RecurrentRule
 from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
 from grabkit.stats.step import StepStatistics
 
@@ -24,7 +24,6 @@ __all__ = [
     "HookGradientBatch",
     "LayerRule",
     "PerSampleStats",
-    "RecurrentRule",
     "StepStatistics",
     "flat_to_named",
     "named_to_flat",
