@@ -196,6 +196,21 @@ def test_layer_called_twice(float64, reference_tools):
     check(Siamese(), torch.randint(1, VOCAB, (3, 6)), reference_tools)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_float32_model(kind):
+    """float32 weights and activations: the replay runs in float32, close to the reference."""
+    torch.manual_seed(10)
+    model = RecurrentLM(kind, num_layers=2, bidirectional=True)
+    idx = torch.randint(1, VOCAB, (4, 6))
+    reference = reference_rows(model, idx)
+    with PerSampleStats(model, "sum") as stats:
+        losses_of(model, idx).sum().backward()
+        norms = stats.norms_squared()
+    expected = (reference * reference).sum(1)
+    assert norms.dtype == torch.float32
+    assert float(((norms - expected).abs() / expected).max()) < 1e-4
+
+
 def test_mean_reduced_loss(float64, reference_tools):
     torch.manual_seed(1)
     check(RecurrentLM("LSTM", tied=True), torch.randint(1, VOCAB, (3, 6)), reference_tools, "mean")
@@ -289,15 +304,15 @@ def test_final_states_only_and_frozen_layer(float64, reference_tools):
     check(model, torch.randint(1, VOCAB, (4, 5)), reference_tools)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_hook_mode_sampler_decides_as_dense_reference_on_an_lstm_lm(float64, tied):
+@pytest.mark.parametrize(("kind", "tied"), [("LSTM", False), ("LSTM", True), ("GRU", True)])
+def test_hook_mode_sampler_decides_as_dense_reference(float64, kind, tied):
     from grabkit.order import GraBSampler
 
     torch.manual_seed(6)
     n, batch, length = 12, 4, 5
     idx_all = torch.randint(1, VOCAB, (n, length))
-    model = RecurrentLM("LSTM", tied=tied, num_layers=2)
-    reference_model = RecurrentLM("LSTM", tied=tied, num_layers=2)  # unhooked copy
+    model = RecurrentLM(kind, tied=tied, num_layers=2)
+    reference_model = RecurrentLM(kind, tied=tied, num_layers=2)  # unhooked copy
     dataset = torch.utils.data.TensorDataset(idx_all)
     hooked = GraBSampler(dataset, model=model, balance_type="pair", loss_reduction="sum")
     dense = GraBSampler(dataset, dict(model.named_parameters()), balance_type="pair")
