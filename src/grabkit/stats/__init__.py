@@ -6,6 +6,7 @@ without building a (B, d) tensor. ``GradientBatch`` is the interface orderings c
 ``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it.
 """
 
+from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,

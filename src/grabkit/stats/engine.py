@@ -2,8 +2,9 @@
 
 Attach once to a model. During the forward pass a hook on each layer that owns trainable
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
-anyway) and puts a hook on the layer's output tensor, which receives the gradient of that output
-during ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
+anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
+layer's output sequence and final states), which receives the gradient of that output during
+``loss.backward()``. A hook on each trainable parameter receives this backward's batch
 gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
 dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
@@ -54,13 +55,19 @@ def _functorch_transform_active() -> bool:
 
 
 class _Call:
-    """One forward call of a tracked layer: what its rule kept, and its output's gradient."""
+    """One forward call of a tracked layer: what its rule kept, and its output's gradient.
 
-    __slots__ = ("captured", "output_grad")
+    For a rule with ``multiple_outputs``, ``output_grad`` is a list with one slot per tracked
+    output (None until the first of them receives a gradient) and ``batch_size`` is the number
+    of examples the rule found in the call.
+    """
 
-    def __init__(self, captured: object) -> None:
+    __slots__ = ("batch_size", "captured", "output_grad")
+
+    def __init__(self, captured: object, batch_size: int | None = None) -> None:
         self.captured = captured
-        self.output_grad: torch.Tensor | None = None
+        self.output_grad: torch.Tensor | list[torch.Tensor | None] | None = None
+        self.batch_size = batch_size
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -97,6 +104,32 @@ class _ModelBatch:
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+
+    def check_batch_dim(self, name: str, size: int, x: torch.Tensor | None, dim: int) -> None:
+        """Refuse a layer call that holds ``size`` examples (in dim ``dim`` of its input ``x``)
+        unless they are this batch's, and an ``x`` whose batch dim cannot be told from another
+        dim of the same size (the batch dim must be the outermost of them in memory)."""
+        where = "its input" if x is None else f"dim {dim} of its input of shape {tuple(x.shape)}"
+        if size != self.size:
+            raise ValueError(
+                f"layer {name!r} holds {size} examples in {where}, but the model's input has "
+                f"{self.size} (dim 0 of {self.shape}). PerSampleStats needs the examples in dim "
+                f"0 of the model's input and in the batch dim of every layer (check the layer's "
+                f"batch_first, and that the model's input is batch-first)."
+            )
+        if x is None or size == 1:
+            return
+        rivals = [k for k in range(x.dim()) if k != dim and x.shape[k] == size]
+        if any(x.stride(k) >= x.stride(dim) for k in rivals):
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} and strides "
+                f"{x.stride()} whose batch dim {dim} has the size of dim(s) {rivals} and is not "
+                f"the outermost of them in memory, so PerSampleStats cannot tell that it holds "
+                f"the examples (a sequence-first model input with T == B?). Feed the model "
+                f"batch-first inputs (a view such as x.transpose(0, 1) before a "
+                f"batch_first=False layer is fine), or use a batch size that differs from the "
+                f"other dims."
+            )
 
     def align(
         self, name: str, x: torch.Tensor, output: torch.Tensor
@@ -267,7 +300,7 @@ class PerSampleStats:
                     f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
                     f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
                     f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
-                    f"MultiheadAttention, transformers Conv1D, "
+                    f"MultiheadAttention, LSTM, GRU, RNN, transformers Conv1D, "
                     f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
                     f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
                     f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
@@ -348,6 +381,11 @@ class PerSampleStats:
     ) -> Any:
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
+        if layer.rule.multiple_outputs:
+            replaced = layer.rule.replace_output(module, output)
+            output = output if replaced is None else replaced
+            self._record_multiple_outputs(layer, module, args, kwargs, output)
+            return replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -363,6 +401,34 @@ class PerSampleStats:
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
         return expanded
+
+    def _record_multiple_outputs(
+        self,
+        layer: _TrackedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        """Record a call of a ``multiple_outputs`` rule: a hook on each output tensor it needs."""
+        tensors = layer.rule.output_tensors(module, output)
+        hooked = [
+            (slot, t)
+            for slot, t in enumerate(tensors)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not hooked:
+            return
+        if self._backward_seen and not _inside_backward():
+            self._new_step()
+        self._check_training_mode(layer, module)
+        x, dim, size = layer.rule.call_batch(module, args, kwargs)
+        if self._batch is not None:
+            self._batch.check_batch_dim(layer.name, size, x, dim)
+        call = _Call(layer.rule.capture(module, (args, kwargs, output)), batch_size=size)
+        layer.calls.append(call)
+        for slot, t in hooked:
+            t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
 
     def _layer_input(
         self,
@@ -416,6 +482,15 @@ class PerSampleStats:
         self._backward_seen = True
         self._statistics = None
 
+    def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
+        if call.output_grad is None:
+            call.output_grad = [None] * slots
+        previous = call.output_grad[slot]
+        grad = grad.detach()
+        call.output_grad[slot] = grad if previous is None else previous + grad
+        self._backward_seen = True
+        self._statistics = None
+
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
         # A copy: autograd may adopt this very tensor as .grad and later change it in place
         # (accumulation, clipping), which must not change this step's total.
@@ -442,7 +517,9 @@ class PerSampleStats:
         for layer in self._layers:
             for call in layer.calls:
                 if call.output_grad is not None:
-                    sizes.setdefault(layer.name, []).append(call.output_grad.shape[0])
+                    size = call.batch_size
+                    size = call.output_grad.shape[0] if size is None else size
+                    sizes.setdefault(layer.name, []).append(size)
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
@@ -485,7 +562,9 @@ class PerSampleStats:
             for call in layer.calls:
                 if call.output_grad is None:
                     continue
-                made = layer.rule.factors(layer.module, call.captured, call.output_grad, wanted)
+                grad = call.output_grad
+                grad = tuple(grad) if isinstance(grad, list) else grad
+                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
                 for local, factor in made.items():
                     full = layer.params[local]
                     previous = factors[full]
