@@ -384,7 +384,7 @@ class PerSampleStats:
         if layer.rule.multiple_outputs:
             replaced = layer.rule.replace_output(module, output)
             output = output if replaced is None else replaced
-            self._record_multiple_outputs(layer, module, args, kwargs, output)
+            self._record_multiple_outputs(layer, module, (args, kwargs, output))
             return replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
@@ -403,14 +403,11 @@ class PerSampleStats:
         return expanded
 
     def _record_multiple_outputs(
-        self,
-        layer: _TrackedLayer,
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
+        self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
     ) -> None:
-        """Record a call of a ``multiple_outputs`` rule: a hook on each output tensor it needs."""
+        """Record a call ``(args, kwargs, output)`` of a ``multiple_outputs`` rule: a hook on each
+        output tensor it needs."""
+        args, kwargs, output = whole_call
         tensors = layer.rule.output_tensors(module, output)
         hooked = [
             (slot, t)
@@ -425,7 +422,7 @@ class PerSampleStats:
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
         if self._batch is not None:
             self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(layer.rule.capture(module, (args, kwargs, output)), batch_size=size)
+        call = _Call(layer.rule.capture(module, whole_call), batch_size=size)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))

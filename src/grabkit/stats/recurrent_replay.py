@@ -192,20 +192,38 @@ class _Replay:
         flat_h = h_prev.reshape(b * t, -1)
         if self.mode == "GRU":
             gh = flat_h @ w_hh.T if b_hh is None else torch.addmm(b_hh, flat_h, w_hh.T)
-            gh = gh.view(b, t, -1)
-            gates = x.new_empty(b, t, 3, hid)
-            pre = (gi[..., : 2 * hid] + gh[..., : 2 * hid]).view(b, t, 2, hid)
-            rz = torch.sigmoid(pre, out=gates[:, :, :2])
-            hn = gh[..., 2 * hid :]
-            torch.tanh(torch.addcmul(gi[..., 2 * hid :], rz[:, :, 0], hn), out=gates[:, :, 2])
+            gates, hn = self._gru_gates(gi, gh.view(b, t, -1))
             return _Saved(direction, 0, reverse, gates, hn)
         pre = torch.addmm(gi.view(b * t, -1), flat_h, w_hh.T).view(b, t, 4, hid)
+        gates, extra = self._lstm_gates_and_cells(pre, reverse, c_init)
+        if w_hr is not None:
+            direction.m = gates[:, :, 3] * extra[1]
+        return _Saved(direction, 0, reverse, gates, extra)
+
+    def _gru_gates(self, gi: torch.Tensor, gh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """GRU gates (B, T, 3, H) (r, z, n) of every step from the input part ``gi`` and the
+        hidden part ``gh`` (B, T, 3 H); also ``hn`` (B, T, H), the hidden part of n."""
+        b, t = gi.shape[:2]
+        hid = self.hidden
+        gates = gi.new_empty(b, t, 3, hid)
+        pre = (gi[..., : 2 * hid] + gh[..., : 2 * hid]).view(b, t, 2, hid)
+        rz = torch.sigmoid(pre, out=gates[:, :, :2])
+        hn = gh[..., 2 * hid :]
+        torch.tanh(torch.addcmul(gi[..., 2 * hid :], rz[:, :, 0], hn), out=gates[:, :, 2])
+        return gates, hn
+
+    def _lstm_gates_and_cells(
+        self, pre: torch.Tensor, reverse: bool, c_init: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """LSTM gates (B, T, 4, H) (i, f, g, o) from their pre-activations, and (c before each
+        step, tanh of c after it), both (B, T, H), from the cell recursion."""
+        b, t, _, hid = pre.shape
         gates = pre.sigmoid()
         gates[:, :, 2] = pre[:, :, 2].tanh()
-        i, f, g, o = gates.unbind(2)
+        i, f, g, _ = gates.unbind(2)  # o enters only through the output
         # The cell state recursion, time-major so that each step reads and writes contiguous
         # (B, H) blocks: column s holds c before step s (s + 1 when reverse).
-        cells = x.new_empty(t + 1, b, hid)
+        cells = pre.new_empty(t + 1, b, hid)
         columns = cells.unbind(0)
         write_in, forget = _time_major(i * g).unbind(0), _time_major(f).unbind(0)
         keep = None if self.keep is None else _time_major(self.keep).unbind(0)
@@ -217,10 +235,7 @@ class _Replay:
                 torch.where(keep[s], c_new, c_old, out=c_new)
         cells = _batch_major(cells)
         c_prev, c_new = (cells[:, 1:], cells[:, :-1]) if reverse else (cells[:, :-1], cells[:, 1:])
-        extra = (c_prev, c_new.tanh())  # (tanh c' is wrong past a length: unused there)
-        if w_hr is not None:
-            direction.m = o * extra[1]
-        return _Saved(direction, 0, reverse, gates, extra)
+        return gates, (c_prev, c_new.tanh())  # (tanh c' is wrong past a length: unused there)
 
     def _forward(
         self, x: torch.Tensor, layer: int, reverse: bool, init: tuple[torch.Tensor, torch.Tensor]
