@@ -9,7 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from grabkit.stats import PerSampleStats
-from grabkit.stats.sketch import GradientSketch, SketchedStats, kronecker_factors
+from grabkit.stats.sketch import (
+    GradientSketch,
+    SketchedStats,
+    kronecker_factors,
+    kronecker_split,
+)
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -105,7 +110,7 @@ def test_kronecker_map_is_the_explicit_kronecker_product():
     m = sketch.map_for("w")
     explicit = torch.kron(m.p_out, m.p_in) / (m.k_out * m.k_in) ** 0.5
     torch.testing.assert_close(sketch.matrix(), explicit)
-    assert (m.k_out, m.k_in) == (2, 3)
+    assert m.k_out * m.k_in == 6
 
 
 def test_maps_depend_on_seed_and_name_only():
@@ -163,6 +168,12 @@ def test_parameter_used_outside_its_layer_is_refused():
         model(torch.randn(4, 3)).sum().backward()
         with pytest.raises(RuntimeError, match="used functionally"):
             stats.sketches()
+
+
+def test_the_wide_side_of_a_matrix_gets_the_narrow_factor():
+    assert kronecker_split(10000, 128, 1024) == (8, 128)
+    assert kronecker_split(784, 784, 1024) == (32, 32)
+    assert kronecker_split(128, 10000, 1024) == (128, 8)
 
 
 @pytest.mark.parametrize("dim", [0, -4, 1021, 2.5])

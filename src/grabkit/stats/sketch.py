@@ -12,10 +12,11 @@ into the same k coordinates, each computed from what the layer hooks hold
 * a parameter of two or more dims is viewed as a matrix of ``shape[0]`` rows (a Linear's or
   Conv's outputs, an Embedding's vocabulary) and ``numel / shape[0]`` columns, and
   S_p = (P_out kron P_in) / sqrt(k), with Gaussian P_out (k_out x rows), P_in (k_in x cols),
-  k = k_out k_in. For g_i = sum_t D_it A_it^T (Linear with any leading dims, Conv via unfold,
-  transformers' Conv1D) that is sum_t (P_out D_it) kron (P_in A_it): O(B T (k_out rows +
-  k_in cols + k)) per layer, with no per-example gradient formed. For an Embedding,
-  P_out onehot(idx) is a column of P_out (a gather);
+  k = k_out k_in (split per parameter at the least cost, ``kronecker_split``). For
+  g_i = sum_t D_it A_it^T (Linear with any leading dims, Conv via unfold, transformers'
+  Conv1D) that is sum_t (P_out D_it) kron (P_in A_it): O(B T (k_out rows + k_in cols + k))
+  per layer, with no per-example gradient formed. For an Embedding, P_out onehot(idx) is a
+  column of P_out (a gather);
 * a parameter of one dim (biases, normalisation affine parameters) goes through a CountSketch:
   coordinate j is added, with a random sign, to one random coordinate of the k: O(B n);
 * per-example gradients that a rule holds outright (the torch.func fallback) are mapped by the
@@ -26,20 +27,20 @@ Every map is drawn on the CPU in float32 from a generator seeded by (``seed``, p
 and then moved to the statistics' device and dtype: every rank and every resumed run draws the
 same maps, in any process.
 
-Guarantee (Johnson-Lindenstrauss style). Unbiased: E[<S g_i, S g_j>] = <g_i, g_j> for every pair.
-For a dense Gaussian map of width k the error of one inner product has standard deviation
-sqrt((|g_i|^2 |g_j|^2 + <g_i, g_j>^2) / k) <= sqrt(2 / k) |g_i| |g_j|, so with probability
+Guarantee (Johnson-Lindenstrauss style). Unbiased: E[<S g_i, S g_j>] = <g_i, g_j> for every
+pair. For a dense Gaussian map of width k the error of one inner product has standard deviation
+sqrt((|g_i|^2 |g_j|^2 + <g_i, g_j>^2) / k) <= sqrt(2 / k) |g_i| |g_j|, and with probability
 1 - delta all inner products among n vectors are within eps |g_i| |g_j| once
-k >= 8 ln(n / delta) / eps^2 (k = 1024 gives eps about 0.2 for n = 60,000 and delta = 0.01; the
-typical error of one product is sqrt(2 / k) = 0.044 |g_i| |g_j|). The independent maps of the
-different parameters add up exactly like one dense map. The Kronecker map of a matrix
-parameter is weaker for gradients of low rank: for rank one (one position, T = 1) the relative
-standard deviation is about sqrt(1/k_out + 1/k_in + 1/k) instead of sqrt(1/k) (so about
-1/k^(1/4) * sqrt(2): 0.25 at k = 1024 for a single layer), and it approaches the dense bound as
-the rank grows (many positions, or a running sum of many examples, which is what GraB's
-decisions read). The CountSketch part has the dense bound's variance up to the fourth moments
-of the coordinates. Larger ``dim`` buys accuracy at O(B k) more balancing work and O(W B k)
-communicated numbers per step.
+k >= 8 ln(n / delta) / eps^2: the typical error of one product is sqrt(2 / k) |g_i| |g_j|
+(0.044 at k = 1024, 0.088 at k = 256), and k = 1024 keeps all of n = 60,000 within about 0.2.
+The independent maps of the parameters add up like one dense map of width k (the cross terms
+between parameters have mean zero and the dense variance). The Kronecker map of a matrix
+parameter is weaker on gradients of low rank: for a rank-one gradient (one position, T = 1)
+the relative standard deviation is about sqrt(1/k_out + 1/k_in) instead of sqrt(1/k)
+(0.25 at 32 x 32); it approaches the dense figure as the rank grows (many positions, or
+GraB's running sum of many examples, which is what its decisions read). The CountSketch part
+has the dense variance up to the fourth moments of the coordinates. A larger ``dim`` buys
+accuracy at O(B k) more balancing work and O(W B k) numbers communicated per step.
 
 Shapes: B examples, T positions, G groups, k = ``dim`` sketch coordinates.
 """
@@ -71,6 +72,7 @@ __all__ = [
     "KroneckerMap",
     "SketchedStats",
     "kronecker_factors",
+    "kronecker_split",
 ]
 
 
@@ -90,6 +92,20 @@ def kronecker_factors(dim: int) -> tuple[int, int]:
             f"inaccurate; use a power of two or a square, e.g. {2 ** round(math.log2(dim))}."
         )
     return k_out, dim // k_out
+
+
+def kronecker_split(rows: int, cols: int, dim: int) -> tuple[int, int]:
+    """(k_out, k_in) for a (rows, cols) matrix parameter: k_out k_in = dim, at the least cost.
+
+    Projecting the output gradients costs B T rows k_out and the inputs B T cols k_in, so a
+    wide side gets the narrower factor (a language model's head: 10,000 rows, 128 columns,
+    dim 1024 -> 8 x 128, a quarter of the 32 x 32 cost). Neither factor goes below
+    sqrt(dim) / 4, which bounds the loss of accuracy on rank-one gradients (see above).
+    """
+    floor = max(1, math.isqrt(dim) // 4)
+    pairs = [(a, dim // a) for a in range(floor, dim // floor + 1) if dim % a == 0]
+    pairs = [(a, b) for a, b in pairs if b >= floor] or [kronecker_factors(dim)]
+    return min(pairs, key=lambda ab: (ab[0] * rows + ab[1] * cols, abs(ab[0] - ab[1])))
 
 
 def _seed_of(seed: int, name: str) -> int:
@@ -140,17 +156,22 @@ class KroneckerMap:
             d = d.reshape(b * t, q) @ self.p_out.T  # (B T, k_out)
         else:  # each group meets its own block of P_out's columns
             d = torch.einsum("ngq,kgq->ngk", d, self.p_out.view(self.k_out, g, q))
-        d = d.reshape(b, t * g, self.k_out)
-        out = d.transpose(1, 2) @ a.reshape(b, t * g, self.k_in)  # (B, k_out, k_in)
-        return out.reshape(b, -1) * self.scale
+        return self._outer_sum(d.reshape(b, t * g, self.k_out), a.reshape(b, t * g, self.k_in))
+
+    def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """(B, R, k_out), (B, R, k_in) -> (B, k): scale * sum_r left_r kron right_r."""
+        b = left.shape[0]
+        left = left * self.scale  # the narrow side takes the scale
+        if left.shape[1] == 1:  # one row per example: a broadcast product, no batched GEMM
+            return (left.reshape(b, -1, 1) * right.reshape(b, 1, -1)).reshape(b, -1)
+        return (left.transpose(1, 2) @ right).reshape(b, -1)
 
     def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
         """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
         b, t = factor.indices.shape
         rows = self.p_out.T.index_select(0, factor.indices.reshape(-1))  # (B T, k_out)
         cols = factor.output_grads.reshape(b * t, -1) @ self.p_in.T  # (B T, k_in)
-        out = rows.reshape(b, t, -1).transpose(1, 2) @ cols.reshape(b, t, -1)
-        return out.reshape(b, -1) * self.scale
+        return self._outer_sum(rows.reshape(b, t, -1), cols.reshape(b, t, -1))
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map (for checks: k times the parameter's size)."""
@@ -190,6 +211,9 @@ class CountSketchMap:
 
 _Map = KroneckerMap | CountSketchMap
 
+#: changes whenever the maps drawn for a (seed, name, shape, dim) change: saved states record it
+_MAPS_VERSION = 1
+
 
 class GradientSketch:
     """The fixed random map S: R^d -> R^k of a model's trainable parameters, applied to factors.
@@ -204,7 +228,7 @@ class GradientSketch:
     """
 
     def __init__(self, param_shapes: Mapping[str, torch.Size], dim: int, seed: int) -> None:
-        self.k_out, self.k_in = kronecker_factors(dim)
+        kronecker_factors(dim)  # validates dim
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
         self.dim, self.seed = dim, seed
@@ -214,7 +238,7 @@ class GradientSketch:
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"sketch_dim": self.dim, "sketch_split": [self.k_out, self.k_in]}
+        return {"sketch_dim": self.dim, "sketch_maps": _MAPS_VERSION}
 
     def map_for(self, name: str) -> _Map:
         """The map of parameter ``name``, on the CPU in float32."""
@@ -223,9 +247,9 @@ class GradientSketch:
             seed = _seed_of(self.seed, name)
             if len(shape) >= 2:
                 rows = int(shape[0])
-                self._cpu[name] = KroneckerMap(
-                    rows, shape.numel() // rows, self.k_out, self.k_in, seed
-                )
+                cols = shape.numel() // rows
+                k_out, k_in = kronecker_split(rows, cols, self.dim)
+                self._cpu[name] = KroneckerMap(rows, cols, k_out, k_in, seed)
             else:
                 self._cpu[name] = CountSketchMap(shape.numel(), self.dim, seed)
         return self._cpu[name]
@@ -271,11 +295,14 @@ class GradientSketch:
         ``dtype`` is the statistics' dtype (at least float32); factors in another dtype are
         mapped in their own compute dtype and the result cast.
         """
-        out = torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
+        out: torch.Tensor | None = None
         for name, factor in factors.items():
             if factor is not None:
-                out += self._factor(name, factor).to(dtype)
-        return out * scale if scale != 1.0 else out
+                part = self._factor(name, factor).to(dtype)
+                out = part if out is None else out.add_(part)
+        if out is None:
+            return torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
+        return out.mul_(scale) if scale != 1.0 else out
 
     def _factor(self, name: str, factor: ParameterFactor) -> torch.Tensor:
         if isinstance(factor, SumFactor):  # tied parameter: S_p is linear, sum the uses
