@@ -21,7 +21,9 @@ Distributed use follows ``DistributedSampler``: the epoch's global order is padd
 drawn afresh each epoch from (seed, epoch) (or, with ``drop_last=True``, truncated) to a multiple
 of ``num_replicas``; rank r yields positions r, r + W, ... Every rank steps its own batch and the
 ranks all-gather the gradients, so all of them decide as one process would on the global batch
-in global visit order. Padding duplicates are not balanced.
+in global visit order. Padding duplicates are not balanced. In hook mode the ranks exchange
+sketches (``statistics="sketch"``: (B, k) per rank, whatever the model's size); exact hook
+statistics cannot be gathered, so that combination raises at construction.
 
 Resuming. ``state_dict()`` records the position (epoch, yielded count) as a snapshot and shares
 the ordering state (running sums, placements, stepped count) live, as ``model.state_dict()``
