@@ -60,11 +60,26 @@ class TiedLM(nn.Module):
         return self.head(self.ln(x + torch.tanh(self.mix(x)))).mean(dim=1)
 
 
+class Fallback(nn.Module):
+    """Layers without a rule, through ``torch_func_fallback``: per-example gradients held
+    outright for a 3-dim weight (Bilinear) and a vector (PReLU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bilinear, self.act = nn.Bilinear(3, 3, 5), nn.PReLU(5)
+        self.head = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.bilinear(x, x)))
+
+
 def case(kind: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     if kind == "sequence":
         model, x = SequenceMLP(), torch.randn(B, T, 3, generator=gen)
+    elif kind == "fallback":
+        model, x = Fallback(), torch.randn(B, 3, generator=gen)
     elif kind == "conv":
         model, x = GroupedConv(), torch.randn(B, 4, 5, 5, generator=gen)
     else:
@@ -88,11 +103,12 @@ def autograd_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("kind", ["sequence", "conv", "tied"])
+@pytest.mark.parametrize("kind", ["sequence", "conv", "tied", "fallback"])
 def test_hook_sketch_equals_explicit_map_on_autograd_gradients(kind, reduction):
     model, x, y = case(kind)
     reference = autograd_gradients(model, x, y)  # before hooks: no step recorded
-    with SketchedStats(model, dim=64, seed=3, loss_reduction=reduction) as stats:
+    options = {"torch_func_fallback": True} if kind == "fallback" else {}
+    with SketchedStats(model, dim=64, seed=3, loss_reduction=reduction, **options) as stats:
         losses = loss_per_example(model(x), y)
         (losses.mean() if reduction == "mean" else losses.sum()).backward()
         sketches = stats.sketches()
