@@ -150,28 +150,30 @@ class KroneckerMap:
                 f"a layer factors this parameter as {g} group(s) of {q} x {p}, which does not "
                 f"fit its sketch's {self.rows} x {self.cols} matrix view"
             )
-        a = factor.inputs.reshape(b * t * g, p) @ self.p_in.T  # (B T G, k_in)
-        d = factor.output_grads.reshape(b * t, g, q)
+        right = _project(factor.inputs.reshape(b, t * g, p), self.p_in)  # (B, k_in, T G)
         if g == 1:
-            d = d.reshape(b * t, q) @ self.p_out.T  # (B T, k_out)
+            left = _project(factor.output_grads.reshape(b, t, q), self.p_out)  # (B, k_out, T)
         else:  # each group meets its own block of P_out's columns
-            d = torch.einsum("ngq,kgq->ngk", d, self.p_out.view(self.k_out, g, q))
-        return self._outer_sum(d.reshape(b, t * g, self.k_out), a.reshape(b, t * g, self.k_in))
-
-    def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """(B, R, k_out), (B, R, k_in) -> (B, k): scale * sum_r left_r kron right_r."""
-        b = left.shape[0]
-        left = left * self.scale  # the narrow side takes the scale
-        if left.shape[1] == 1:  # one row per example: a broadcast product, no batched GEMM
-            return (left.reshape(b, -1, 1) * right.reshape(b, 1, -1)).reshape(b, -1)
-        return (left.transpose(1, 2) @ right).reshape(b, -1)
+            d = factor.output_grads
+            left = torch.einsum("btgq,kgq->bktg", d, self.p_out.view(self.k_out, g, q))
+            left = left.reshape(b, self.k_out, t * g)
+        return self._outer_sum(left, right)
 
     def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
         """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
         b, t = factor.indices.shape
         rows = self.p_out.T.index_select(0, factor.indices.reshape(-1))  # (B T, k_out)
-        cols = factor.output_grads.reshape(b * t, -1) @ self.p_in.T  # (B T, k_in)
-        return self._outer_sum(rows.reshape(b, t, -1), cols.reshape(b, t, -1))
+        left = rows.reshape(b, t, self.k_out).transpose(1, 2)  # (B, k_out, T)
+        right = _project(factor.output_grads.reshape(b, t, -1), self.p_in)  # (B, k_in, T)
+        return self._outer_sum(left, right)
+
+    def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """(B, k_out, R), (B, k_in, R) -> (B, k): scale * sum_r left_r kron right_r."""
+        b = left.shape[0]
+        left = left * self.scale  # the narrow side takes the scale
+        if left.shape[2] == 1:  # one row per example: a broadcast product, no batched GEMM
+            return (left * right.transpose(1, 2)).reshape(b, -1)
+        return (left @ right.transpose(1, 2)).reshape(b, -1)
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map (for checks: k times the parameter's size)."""
@@ -318,6 +320,20 @@ class GradientSketch:
             return m.dense(factor.grads)
         identity = torch.eye(factor.batch_size, device=tensor.device, dtype=tensor.dtype)
         return m.dense(factor.weighted_sum(identity))  # any other form, materialised
+
+
+def _project(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(B, R, f) rows and a (k, f) projection -> (B, k, R) = P x_r for every row.
+
+    Never copies ``x``: output gradients often arrive with each example stored transposed (a
+    language model's head behind ``cross_entropy(logits.transpose(1, 2), ...)``), where folding
+    B and R into one GEMM would first copy all B R f numbers. One row per example folds (a
+    single GEMM, no copy needed).
+    """
+    b, r, f = x.shape
+    if r == 1:
+        return (x.reshape(b, f) @ p.T).unsqueeze(2)
+    return torch.matmul(p, x.transpose(1, 2))
 
 
 def _first_tensor(factor: ParameterFactor) -> torch.Tensor:
