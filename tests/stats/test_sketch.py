@@ -186,10 +186,19 @@ def test_parameter_used_outside_its_layer_is_refused():
             stats.sketches()
 
 
-def test_the_wide_side_of_a_matrix_gets_the_narrow_factor():
-    assert kronecker_split(10000, 128, 1024) == (8, 128)
+def test_split_is_accurate_first_then_cheap():
     assert kronecker_split(784, 784, 1024) == (32, 32)
-    assert kronecker_split(128, 10000, 1024) == (128, 8)
+    assert kronecker_split(10, 784, 1024) == (16, 64)  # the 10 outputs exactly
+    assert kronecker_split(10000, 128, 1024) == (16, 64)  # half the cost of 32 x 32
+    assert kronecker_split(128, 10000, 1024) == (64, 16)
+
+
+def test_a_side_no_wider_than_its_factor_is_exact():
+    sketch = GradientSketch({"w": torch.Size([10, 784])}, dim=1024, seed=0)
+    p_out = sketch.map_for("w").p_out.double()
+    torch.testing.assert_close(
+        p_out.T @ p_out, 16 * torch.eye(10, dtype=torch.float64), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("dim", [0, -4, 1021, 2.5])
