@@ -163,6 +163,9 @@ def test_misuse_is_explained():
     with pytest.raises(ValueError, match="sketch_dim"):
         GraBSampler(range(N), model=model, statistics="sketch", sketch_dim=1021)
     sampler = GraBSampler(range(N), model=model, balance_type="adamean", statistics="sketch")
+    list(sampler)
+    with pytest.raises(ValueError, match="cannot take per-example gradients"):
+        sampler.step(torch.randn(4, sum(p.numel() for p in model.parameters())))
     with pytest.raises(TypeError, match="update_v"):
         sampler.update_v(torch.ones(sum(p.numel() for p in model.parameters())))
     sampler.close()

@@ -136,9 +136,9 @@ class GraBSampler(Sampler[int]):
             example's gradient from the same hooks (``grabkit.stats.sketch``: unbiased inner
             products, error about sqrt(2 / k) |g_i| |g_j|), balanced as dense rows. Sketches
             let every ordering run in hook mode (those that need coordinates see the sketch's),
-            cost O(B k) per layer instead of exact pair's Gram, and make distributed hook mode
-            possible (the ranks all-gather (B, k)). The maps are seeded by ``seed``, so every
-            rank and a resumed run use the same ones.
+            cost O(B T sqrt(k) (d_in + d_out)) per layer instead of exact pair's Gram, and make
+            distributed hook mode possible (the ranks all-gather (B, k)). The maps are seeded
+            by ``seed``, so every rank and a resumed run use the same ones.
         sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
     """
 
@@ -356,6 +356,12 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
+        if grads is not None and self.sketch_dim is not None:
+            raise ValueError(
+                'this sampler balances sketches (statistics="sketch"), k numbers per example, so '
+                "it cannot take per-example gradients in step(); call step() without arguments "
+                "after the backward(s)."
+            )
         pieces = step_pieces(grads, self.source, self._step_dim if grads is None else self.dim)
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
