@@ -124,6 +124,7 @@ def single_process(config: dict, world_size: int) -> list[list[int]]:
     return orders
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_ranks_decide_like_one_process_on_the_global_batch(world_size, monkeypatch):
