@@ -77,7 +77,8 @@ def gather_rows(
     """All-gather the ranks' rows into the global batch, rows in global visit order.
 
     Args:
-        batch: this rank's B rows (dense: hook statistics cannot be gathered).
+        batch: this rank's B rows: dense gradients, projected ones, or hook sketches
+            (``statistics="sketch"``); exact hook statistics cannot be gathered.
         positions: (B,) this rank's local positions of those rows.
         stepped: the local position of the first row (must agree across ranks).
     Returns:
@@ -85,8 +86,10 @@ def gather_rows(
     """
     if not isinstance(batch, DenseGradientBatch):
         raise NotImplementedError(
-            "distributed GraB with hook statistics is not supported yet; pass the dense "
-            "(or projected) per-example gradients to step() on every rank."
+            f"distributed GraB cannot gather a {type(batch).__name__}: exact hook statistics "
+            "would need the (B, d) per-example gradients of every rank. Build the sampler "
+            'with statistics="sketch" (the ranks exchange (B, k) sketches), or pass the '
+            "dense (or projected) per-example gradients to step() on every rank."
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

@@ -21,7 +21,9 @@ Distributed use follows ``DistributedSampler``: the epoch's global order is padd
 drawn afresh each epoch from (seed, epoch) (or, with ``drop_last=True``, truncated) to a multiple
 of ``num_replicas``; rank r yields positions r, r + W, ... Every rank steps its own batch and the
 ranks all-gather the gradients, so all of them decide as one process would on the global batch
-in global visit order. Padding duplicates are not balanced.
+in global visit order. Padding duplicates are not balanced. In hook mode the ranks exchange
+sketches (``statistics="sketch"``: (B, k) per rank, whatever the model's size); exact hook
+statistics cannot be gathered, so that combination raises at construction.
 
 Resuming. ``state_dict()`` records the position (epoch, yielded count) as a snapshot and shares
 the ordering state (running sums, placements, stepped count) live, as ``model.state_dict()``
@@ -55,6 +57,7 @@ from grabkit.order.configure import (
     merge_grab_sampler_keywords,
     param_dim,
     positive_int,
+    statistics_choice,
 )
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
@@ -128,6 +131,15 @@ class GraBSampler(Sampler[int]):
                     optimizer.zero_grad()
         stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
             ``{"torch_func_fallback": True}``).
+        statistics: hook mode: ``"exact"`` (default: per-example inner products from the
+            hooks, exact; one process) or ``"sketch"``: a (B, k) random sketch S g_i of every
+            example's gradient from the same hooks (``grabkit.stats.sketch``: unbiased inner
+            products, error about sqrt(2 / k) |g_i| |g_j|), balanced as dense rows. Sketches
+            let every ordering run in hook mode (those that need coordinates see the sketch's),
+            cost O(B T sqrt(k) (d_in + d_out)) per layer instead of exact pair's Gram, and make
+            distributed hook mode possible (the ranks all-gather (B, k)). The maps are seeded
+            by ``seed``, so every rank and a resumed run use the same ones.
+        sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
     """
 
     def __init__(
@@ -158,6 +170,8 @@ class GraBSampler(Sampler[int]):
         loss_reduction: str = "mean",
         block_policy: BlockPolicy | None = None,
         stats_options: dict[str, Any] | None = None,
+        statistics: str = "exact",
+        sketch_dim: int | None = None,
         **options: Any,
     ) -> None:
         self.n = dataset_size(data_source)
@@ -189,11 +203,25 @@ class GraBSampler(Sampler[int]):
         )  # fmt: skip
         self.projection_kind = given["projection"]
         self.stats, self._owns_stats = stats, model is not None and stats is None
+        self.statistics = statistics
+        self.sketch_dim = statistics_choice(
+            statistics, sketch_dim, self._owns_stats, self.projection_kind
+        )
+        if self._owns_stats and self.sketch_dim is None and self.num_replicas > 1:
+            raise ValueError(
+                f"hook mode with exact statistics runs on one process, but this sampler has "
+                f"num_replicas={self.num_replicas}: the ranks would have to exchange (B, d) "
+                f'per-example gradients. Pass statistics="sketch" (the ranks exchange (B, k) '
+                f"sketches; sketch_dim=k), or pass per-example gradients to step()."
+            )
         if self._owns_stats:
             self.stats = attach_statistics(
-                model, loss_reduction, self.ordering, self.projection_kind, stats_options
-            )
+                model, loss_reduction, self.ordering, self.projection_kind, stats_options,
+                sketch_dim=self.sketch_dim, seed=self.seed,
+            )  # fmt: skip
         self.source = None if self.stats is None else HookSource(self.stats)
+        # the width step() checks: k of the sketch in sketch mode, else d of the parameters
+        self._step_dim = self.dim if self.sketch_dim is None else self.sketch_dim
         self._config = plain_config(
             n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
             balance_type=self.balance_type, seed=self.seed, drop_last=self.drop_last,
@@ -203,6 +231,8 @@ class GraBSampler(Sampler[int]):
             random_first_epoch=self.ordering.random_first_epoch,
             options=self.ordering.option_values,
         )  # fmt: skip
+        if self.sketch_dim is not None:  # recorded only in sketch mode: exact states load as before
+            self._config.update(statistics="sketch", **self.stats.sketch.config)
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
@@ -326,7 +356,13 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        pieces = step_pieces(grads, self.source, self.dim)
+        if grads is not None and self.sketch_dim is not None:
+            raise ValueError(
+                'this sampler balances sketches (statistics="sketch"), k numbers per example, so '
+                "it cannot take per-example gradients in step(); call step() without arguments "
+                "after the backward(s)."
+            )
+        pieces = step_pieces(grads, self.source, self._step_dim if grads is None else self.dim)
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
@@ -375,6 +411,12 @@ class GraBSampler(Sampler[int]):
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
+        if self.sketch_dim is not None:
+            raise TypeError(
+                'update_v() scales gradient coordinates, but statistics="sketch" balances '
+                "sketches, whose coordinates are random combinations of the gradient's; use "
+                'statistics="exact" with per-example gradients passed to step() for "adamean".'
+            )
         if not hasattr(self.ordering, "update_v"):
             raise TypeError(
                 f'update_v() is for balance_type="adamean", but this sampler uses '

@@ -2,9 +2,11 @@
 
 ``GraBSampler.step(grads)`` turns what it is given into a list of ``GradientBatch`` pieces, in
 visit order, with ``batches_from``: one dense piece for gradients passed in, or, in hook mode,
-one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A new source of
-statistics (sketches, another engine) plugs in here by offering ``batches()``, ``clear()``,
-``discard()`` and ``close()``.
+one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A statistics
+object plugs in by offering ``gradient_batch()`` (and, to keep every micro-batch of an
+accumulated step, ``step_listeners``, ``backward_seen`` and ``statistics()``, as
+``grabkit.stats.PerSampleStats`` and ``grabkit.stats.SketchedStats`` do); another kind of source
+by offering ``batches()``, ``clear()``, ``discard()`` and ``close()``.
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ class PerSampleStats:
         torch_func_fallback: layers with trainable parameters but no rule get their per-example
             gradients by ``torch.func`` (materialised for that layer only; see
             ``grabkit.stats.fallback``) instead of an error at attach time.
+        keep_batch_gradients: keep each backward's batch gradient (a copy per parameter, for
+            ``total()``, ``weighted_sum`` and ``statistics()``). With False only the parameters'
+            names are noted (to catch a parameter used outside its layer) and only
+            ``step_factors()`` can be read: the sketches of ``grabkit.stats.sketch`` need no more.
         batch_norm_constant_statistics: BatchNorm in training mode raises by default (its
             batch statistics couple the examples, so per-example gradients are not defined).
             With True it runs, and g_i is *defined* as each layer's per-example share of the
@@ -231,6 +235,7 @@ class PerSampleStats:
         *,
         torch_func_fallback: bool = False,
         batch_norm_constant_statistics: bool = False,
+        keep_batch_gradients: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -254,6 +259,10 @@ class PerSampleStats:
         }
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
+        self.keep_batch_gradients = bool(keep_batch_gradients)
+        #: counts every change of the recorded statistics (a gradient arrived, a step began), so
+        #: a reader can cache what it computed from them
+        self.generation = 0
         self._layers = self._find_layers(model, names, self.torch_func_fallback)
         self._handles: list[Any] = []
         self._warned: set[nn.Module] = set()
@@ -347,8 +356,9 @@ class PerSampleStats:
                 listener()  # before the finished step's data is dropped
         for layer in getattr(self, "_layers", []):
             layer.calls = []
-        self._param_grads: dict[str, torch.Tensor] = {}
+        self._param_grads: dict[str, torch.Tensor | None] = {}
         self._backward_seen = False
+        self.generation = getattr(self, "generation", 0) + 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
 
@@ -478,6 +488,7 @@ class PerSampleStats:
         call.output_grad = grad if call.output_grad is None else call.output_grad + grad
         self._backward_seen = True
         self._statistics = None
+        self.generation += 1
 
     def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
         if call.output_grad is None:
@@ -489,13 +500,17 @@ class PerSampleStats:
         self._statistics = None
 
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._backward_seen = True
+        self._statistics = None
+        self.generation += 1
+        if not self.keep_batch_gradients:
+            self._param_grads[name] = None  # noted: the gradient came (see the layer check)
+            return
         # A copy: autograd may adopt this very tensor as .grad and later change it in place
         # (accumulation, clipping), which must not change this step's total.
         previous = self._param_grads.get(name)
         grad = grad.detach()
         self._param_grads[name] = grad.clone() if previous is None else previous + grad
-        self._backward_seen = True
-        self._statistics = None
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -549,7 +564,12 @@ class PerSampleStats:
                         f"freeze the parameter."
                     )
 
-    def _build(self) -> StepStatistics:
+    def step_factors(self) -> tuple[dict[str, ParameterFactor | None], int, float]:
+        """(name -> merged factor or None, batch size B, scale) of the latest backward.
+
+        The factors hold g_i / scale (``scale`` is B for a mean-reduced loss); a parameter used
+        by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
+        """
         self._check_gradients_came_through_layers()
         batch_size = self._batch_size()
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
@@ -566,6 +586,16 @@ class PerSampleStats:
                     full = layer.params[local]
                     previous = factors[full]
                     factors[full] = factor if previous is None else combine(previous, factor)
+        return factors, batch_size, scale
+
+    def _build(self) -> StepStatistics:
+        if not self.keep_batch_gradients:
+            raise RuntimeError(
+                "this PerSampleStats was built with keep_batch_gradients=False, so it keeps no "
+                "batch gradient and answers step_factors() only; build it with "
+                "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
+            )
+        factors, batch_size, scale = self.step_factors()
         batch_gradients = {
             name: self._param_grads[name].to(self.dtype)
             if name in self._param_grads
