@@ -23,7 +23,7 @@ import torch.distributed as dist
 from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.compat import GRAB_SAMPLER_KEYWORDS, GRAB_SAMPLER_PROJECTIONS
 from grabkit.order.orderings import ORDERINGS, Ordering
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
 __all__ = [
     "DEFAULT_SKETCH_DIM",
@@ -292,7 +292,11 @@ DEFAULT_SKETCH_DIM = 1024
 
 
 def statistics_choice(
-    statistics: str, sketch_dim: int | None, hook_mode: bool, projection: Any
+    statistics: str,
+    sketch_dim: int | None,
+    hook_mode: bool,
+    projection: Any,
+    num_replicas: int = 1,
 ) -> int | None:
     """Check ``statistics=`` / ``sketch_dim=``; the sketch width in sketch mode, else None."""
     if statistics not in STATISTICS:
@@ -304,6 +308,13 @@ def statistics_choice(
             raise ValueError(
                 f'sketch_dim={sketch_dim!r} is for statistics="sketch", but this sampler reads '
                 'exact statistics; pass statistics="sketch" or drop sketch_dim.'
+            )
+        if hook_mode and num_replicas > 1:
+            raise ValueError(
+                f"hook mode with exact statistics runs on one process, but this sampler has "
+                f"num_replicas={num_replicas}: the ranks would have to exchange (B, d) "
+                f'per-example gradients. Pass statistics="sketch" (the ranks exchange (B, k) '
+                f"sketches; sketch_dim=k), or pass per-example gradients to step()."
             )
         return None
     if not hook_mode:
@@ -361,3 +372,23 @@ def attach_statistics(
     from grabkit.stats import PerSampleStats
 
     return PerSampleStats(model, loss_reduction=loss_reduction, **(stats_options or {}))
+
+
+def flat_second_moment(
+    ordering: Ordering, sketch_dim: int | None, second_moment: torch.Tensor | Mapping[str, Any]
+) -> torch.Tensor:
+    """``update_v``'s argument as a flat (d,) tensor, after checking that the ordering scales
+    gradient coordinates (``"adamean"``) and sees real ones (not a sketch's)."""
+    if sketch_dim is not None:
+        raise TypeError(
+            'update_v() scales gradient coordinates, but statistics="sketch" balances '
+            "sketches, whose coordinates are random combinations of the gradient's; use "
+            'statistics="exact" with per-example gradients passed to step() for "adamean".'
+        )
+    if not hasattr(ordering, "update_v"):
+        raise TypeError(
+            f'update_v() is for balance_type="adamean", but this sampler uses "{ordering.name}".'
+        )
+    if isinstance(second_moment, Mapping):
+        second_moment = named_to_flat(second_moment)
+    return second_moment.reshape(-1)

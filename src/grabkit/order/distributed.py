@@ -6,6 +6,14 @@ ranks' rows of a step into global visit order (rank r's row i is global position
 widths agree (a width mismatch would otherwise abort inside ``all_gather``).
 ``check_agreement`` runs once, before anything is yielded, so ranks built with another seed or
 ordering fail loudly instead of overlapping or blocking in a later collective.
+
+How a ``GraBSampler`` runs on several ranks. It follows ``DistributedSampler``: the epoch's global
+order is padded with examples drawn afresh each epoch from (seed, epoch) (or, with
+``drop_last=True``, truncated) to a multiple of ``num_replicas``; rank r yields positions r, r + W,
+... Every rank steps its own batch and the ranks all-gather the gradients, so all of them decide as
+one process would on the global batch in global visit order. Padding duplicates are not balanced. In
+hook mode the ranks exchange sketches (``statistics="sketch"``: (B, k) per rank, whatever the
+model's size); exact hook statistics cannot be gathered, so that combination raises at construction.
 """
 
 from __future__ import annotations

@@ -89,9 +89,20 @@ class HookSource:
         self.pending = []
 
 
-def step_pieces(grads: Any, source: HookSource | None, dim: int | None) -> list[GradientBatch]:
+def step_pieces(
+    grads: Any, source: HookSource | None, dim: int | None, sketch_dim: int | None = None
+) -> list[GradientBatch]:
     """A step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
-    backward since the last step), each checked to be ``dim`` numbers long (when known)."""
+    backward since the last step), each checked to be ``dim`` numbers long (when known), or
+    ``sketch_dim`` long when the hooks sketch (then ``grads`` must be None)."""
+    if grads is not None and sketch_dim is not None:
+        raise ValueError(
+            'this sampler balances sketches (statistics="sketch"), k numbers per example, so '
+            "it cannot take per-example gradients in step(); call step() without arguments "
+            "after the backward(s)."
+        )
+    if grads is None and sketch_dim is not None:
+        dim = sketch_dim
     if grads is not None:
         pieces = [dense_batch(grads)]
     elif source is None:
