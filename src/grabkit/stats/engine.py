@@ -300,6 +300,7 @@ class PerSampleStats:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._new_step()
+        self._spare_grads = {}
 
     def __enter__(self) -> PerSampleStats:
         return self
@@ -314,10 +315,19 @@ class PerSampleStats:
                 listener()  # before the finished step's data is dropped
         for layer in getattr(self, "_layers", []):
             layer.calls = []
+        copies = getattr(self, "_param_grads", {})
+        readers = getattr(self, "_readers", [])
         self._param_grads: dict[str, torch.Tensor] = {}
         self._backward_seen = False
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        # StepStatistics built on this step (weakly): while one lives, its copies are its own
+        self._readers: list[weakref.ref[StepStatistics]] = []
+        if all(reader() is None for reader in readers):
+            # Nothing outside the engine holds the finished step's gradient copies: the next
+            # backward copies into them instead of into fresh memory (a fresh tensor the size of
+            # a large layer costs more in page faults than the copy itself, on the CPU).
+            self._spare_grads: dict[str, torch.Tensor] = copies
 
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -421,7 +431,19 @@ class PerSampleStats:
         # (accumulation, clipping), which must not change this step's total.
         previous = self._param_grads.get(name)
         grad = grad.detach()
-        self._param_grads[name] = grad.clone() if previous is None else previous + grad
+        if previous is not None:
+            self._param_grads[name] = previous + grad
+        else:
+            spare = self._spare_grads.pop(name, None)
+            if (
+                spare is not None
+                and spare.shape == grad.shape
+                and spare.dtype == grad.dtype
+                and spare.device == grad.device
+            ):
+                self._param_grads[name] = spare.copy_(grad)
+            else:
+                self._param_grads[name] = grad.clone()
         self._backward_seen = True
         self._statistics = None
 
@@ -435,6 +457,7 @@ class PerSampleStats:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:
             self._statistics = self._build()
+            self._readers.append(weakref.ref(self._statistics))
         return self._statistics
 
     def _batch_size(self) -> int:
