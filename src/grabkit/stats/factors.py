@@ -107,6 +107,16 @@ class PerExampleFactor:
         rows = weights.to(self.grads.dtype).T @ self.grads  # (k, n)
         return _deliver(rows.reshape(weights.shape[1], *self.param_shape), out)
 
+    def add_weighted_sum_to(self, weights: torch.Tensor, target: torch.Tensor) -> None:
+        """In place: ``target`` (k, *param_shape) += ``weighted_sum(weights)``, by one GEMM
+        accumulating into it where its rows can be viewed flat in the factors' dtype."""
+        k = weights.shape[1]
+        w = weights.to(self.grads.dtype).T  # (k, B)
+        if k and target.dtype == self.grads.dtype and target[0].is_contiguous():
+            target.view(k, -1).addmm_(w, self.grads)
+        else:
+            target.add_((w @ self.grads).reshape(target.shape).to(target.dtype))
+
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, PerExampleFactor):
             raise TypeError(f"cannot merge PerExampleFactor with {type(other).__name__}")
@@ -174,6 +184,23 @@ class OuterProductFactor:
         """(B, T, G, f) -> (G, B T, f): one row per (example, position), grouped first."""
         return t.reshape(-1, self.groups, t.shape[-1]).transpose(0, 1)
 
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one group: (B T, p) inputs and (B T, q) output gradients, as 2-D views.
+
+        Plain matrix products on these run as single GEMMs, without the batched-matmul
+        dispatch the grouped (G, N, f) layout needs.
+        """
+        return (
+            self.inputs.reshape(-1, self.in_features),
+            self.output_grads.reshape(-1, self.out_features),
+        )
+
+    def _per_example(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(B T, k) values per (example, position) -> (B, k) sums over the positions."""
+        if self.positions == 1:
+            return per_row
+        return per_row.reshape(self.batch_size, self.positions, -1).sum(dim=1)
+
     # -- reads -----------------------------------------------------------------------------------
     def norms_squared(self) -> torch.Tensor:
         if self.positions == 1 and self.strategy != "materialise":  # ||d a^T||^2 = |d|^2 |a|^2
@@ -190,10 +217,14 @@ class OuterProductFactor:
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
         if self._use_ghost(b * b):
-            a = self._rows(self.inputs)  # (G, N, p)
-            d = self._rows(self.output_grads)  # (G, N, q)
-            pairs = (a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))  # (G, N, N)
-            return pairs.sum(dim=0).reshape(b, t, b, t).sum(dim=(1, 3))
+            if self.groups == 1:
+                a, d = self._flat()  # (N, p), (N, q)
+                pairs = torch.mm(a, a.T).mul_(torch.mm(d, d.T))  # (N, N)
+            else:
+                a = self._rows(self.inputs)  # (G, N, p)
+                d = self._rows(self.output_grads)  # (G, N, q)
+                pairs = ((a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))).sum(dim=0)
+            return pairs if t == 1 else pairs.reshape(b, t, b, t).sum(dim=(1, 3))
         grads = self._materialised()
         return grads @ grads.T
 
@@ -201,25 +232,28 @@ class OuterProductFactor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
         v = vectors.to(self.inputs.dtype).reshape(k, g, q, p)  # a view: vectors are not copied
-        a = self._rows(self.inputs)  # (G, N, p)
-        d = self._rows(self.output_grads)  # (G, N, q)
         if g == 1 and k == 1:  # one GEMM, contracting the wider side first
+            a, d = self._flat()  # (N, p), (N, q)
             if p <= q:
-                per_row = ((d[0] @ v[0, 0]) * a[0]).sum(dim=-1).unsqueeze(0)  # (1, N)
+                per_row = torch.mm(d, v[0, 0]).mul_(a).sum(dim=1, keepdim=True)  # (N, 1)
             else:
-                per_row = ((a[0] @ v[0, 0].T) * d[0]).sum(dim=-1).unsqueeze(0)
-        elif g == 1 and q <= p and v.is_contiguous():
+                per_row = torch.mm(a, v[0, 0].T).mul_(d).sum(dim=1, keepdim=True)
+            return self._per_example(per_row)
+        if g == 1 and q <= p and v.is_contiguous():
             # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D. (Rows
             # cut from a longer flat vector are not contiguous; the batched forms below read
             # them in place rather than copying them.)
-            projected = a[0] @ v.reshape(k * q, p).T
-            per_row = (projected.view(-1, k, q) * d[0].unsqueeze(1)).sum(dim=-1).T  # (k, N)
-        elif p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q
+            a, d = self._flat()
+            projected = torch.mm(a, v.reshape(k * q, p).T)
+            return self._per_example((projected.view(-1, k, q) * d.unsqueeze(1)).sum(dim=-1))
+        a = self._rows(self.inputs)  # (G, N, p)
+        d = self._rows(self.output_grads)  # (G, N, q)
+        if p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q
             per_row = ((d.unsqueeze(0) @ v) * a.unsqueeze(0)).sum(dim=-1).sum(dim=1)
         else:
             per_row = ((a.unsqueeze(0) @ v.transpose(-1, -2)) * d.unsqueeze(0)).sum(dim=-1)
             per_row = per_row.sum(dim=1)
-        return per_row.reshape(k, self.batch_size, self.positions).sum(dim=2).T
+        return self._per_example(per_row.T)  # (k, N) -> (B, k)
 
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
@@ -227,26 +261,52 @@ class OuterProductFactor:
         w = weights.to(self.inputs.dtype)
         if self.positions > 1:
             w = w.repeat_interleave(self.positions, dim=0)  # (N, k): one weight per row
-        a = self._rows(self.inputs)  # (G, N, p)
-        d = self._rows(self.output_grads)  # (G, N, q)
         if g == 1 and k == 1:  # one GEMM straight into the parameter layout
-            if q <= p:
-                lhs, rhs = (d[0] * w).T, a[0]
-            else:
-                lhs, rhs = d[0].T, a[0] * w
-            if out is not None and out.is_contiguous() and out.dtype == a.dtype:
+            lhs, rhs = self._single_sum_operands(w)
+            if out is not None and out.is_contiguous() and out.dtype == lhs.dtype:
                 return torch.mm(lhs, rhs, out=out.view(q, p)).view(out.shape)
             return _deliver((lhs @ rhs).reshape(1, *self.param_shape), out)
         if g == 1 and q <= p:
             # One GEMM for all k: [w_1 D, .., w_k D]^T A -> (k q, p), already in parameter layout.
-            scaled = (d[0].unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
-            return _deliver((scaled.T @ a[0]).reshape(k, *self.param_shape), out)
+            a, d = self._flat()
+            scaled = (d.unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
+            return _deliver((scaled.T @ a).reshape(k, *self.param_shape), out)
+        a = self._rows(self.inputs)  # (G, N, p)
+        d = self._rows(self.output_grads)  # (G, N, q)
         w = w.T[:, None, :, None]  # (k, 1, N, 1)
         if q <= p:  # scale the narrower side by the weights
             blocks = (d.unsqueeze(0) * w).transpose(-1, -2) @ a.unsqueeze(0)  # (k, G, q, p)
         else:
             blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
         return _deliver(blocks.reshape(k, *self.param_shape), out)
+
+    def _single_sum_operands(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, N) and (N, p) whose product is sum_n w_n D_n A_n^T, for (N, 1) row weights ``w``
+        (one group): the narrower side carries the weights."""
+        a, d = self._flat()  # (N, p), (N, q)
+        if self.out_features <= self.in_features:
+            return (d * w).T, a
+        return d.T, a * w
+
+    def add_weighted_sum_to(self, weights: torch.Tensor, target: torch.Tensor) -> None:
+        """In place: ``target`` (k, *param_shape) += ``weighted_sum(weights)``.
+
+        One GEMM accumulating straight into ``target`` for a single weight column on one group;
+        otherwise the sum is formed and added.
+        """
+        if (
+            self.groups == 1
+            and weights.shape[1] == 1
+            and target.dtype == self.inputs.dtype
+            and target.is_contiguous()
+        ):
+            w = weights.to(self.inputs.dtype)
+            if self.positions > 1:
+                w = w.repeat_interleave(self.positions, dim=0)  # (N, 1): one weight per row
+            lhs, rhs = self._single_sum_operands(w)
+            target.view(self.out_features, self.in_features).addmm_(lhs, rhs)
+            return
+        target.add_(self.weighted_sum(weights).to(target.dtype))
 
     def two_valued_sum(
         self,
