@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grabkit.stats.factors import ParameterFactor, combine
+from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
@@ -104,7 +104,7 @@ class _ModelBatch:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
         if x.dim() > 0 and x.shape[0] == b:
-            if self._is_shared(x) and x.dim() < len(self.shape) and b in self.shape[1:]:
+            if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
                     f"from the model's input {self.shape}, whose batch size {b} also appears "
@@ -514,7 +514,7 @@ class PerSampleStats:
                     previous = factors[full]
                     factors[full] = factor if previous is None else combine(previous, factor)
         batch_gradients = {
-            name: self._param_grads[name].to(self.dtype)
+            name: as_dtype(self._param_grads[name], self.dtype)
             if name in self._param_grads
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
             for name, shape in self.param_shapes.items()

@@ -27,6 +27,7 @@ __all__ = [
     "ParameterFactor",
     "PerExampleFactor",
     "SumFactor",
+    "as_dtype",
     "combine",
     "compute_dtype",
 ]
@@ -48,6 +49,11 @@ def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in at least float32 (half / bfloat16 activations under autocast)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` already has it (reads run every step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class ParameterFactor(Protocol):
@@ -91,7 +97,7 @@ class PerExampleFactor:
     def __init__(self, grads: torch.Tensor, param_shape: torch.Size) -> None:
         self.batch_size = grads.shape[0]
         self.param_shape = torch.Size(param_shape)
-        self.grads = grads.reshape(self.batch_size, -1).to(compute_dtype(grads.dtype))  # (B, n)
+        self.grads = as_dtype(grads.reshape(self.batch_size, -1), compute_dtype(grads.dtype))
 
     def norms_squared(self) -> torch.Tensor:
         return (self.grads * self.grads).sum(dim=1)
@@ -100,18 +106,18 @@ class PerExampleFactor:
         return self.grads @ self.grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
-        flat = vectors.reshape(vectors.shape[0], -1).to(self.grads.dtype)  # (k, n)
+        flat = as_dtype(vectors.reshape(vectors.shape[0], -1), self.grads.dtype)  # (k, n)
         return self.grads @ flat.T
 
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = weights.to(self.grads.dtype).T @ self.grads  # (k, n)
+        rows = as_dtype(weights, self.grads.dtype).T @ self.grads  # (k, n)
         return _deliver(rows.reshape(weights.shape[1], *self.param_shape), out)
 
     def add_weighted_sum_to(self, weights: torch.Tensor, target: torch.Tensor) -> None:
         """In place: ``target`` (k, *param_shape) += ``weighted_sum(weights)``, by one GEMM
         accumulating into it where its rows can be viewed flat in the factors' dtype."""
         k = weights.shape[1]
-        w = weights.to(self.grads.dtype).T  # (k, B)
+        w = as_dtype(weights, self.grads.dtype).T  # (k, B)
         if k and target.dtype == self.grads.dtype and target[0].is_contiguous():
             target.view(k, -1).addmm_(w, self.grads)
         else:
@@ -159,8 +165,8 @@ class OuterProductFactor:
             raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
         self.strategy = strategy
         dtype = compute_dtype(torch.promote_types(inputs.dtype, output_grads.dtype))
-        self.inputs = inputs.to(dtype)
-        self.output_grads = output_grads.to(dtype)
+        self.inputs = as_dtype(inputs, dtype)
+        self.output_grads = as_dtype(output_grads, dtype)
         self.batch_size, self.positions, self.groups, self.in_features = inputs.shape
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
@@ -231,7 +237,7 @@ class OuterProductFactor:
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        v = vectors.to(self.inputs.dtype).reshape(k, g, q, p)  # a view: vectors are not copied
+        v = as_dtype(vectors, self.inputs.dtype).reshape(k, g, q, p)  # a view, not a copy
         if g == 1 and k == 1:  # one GEMM, contracting the wider side first
             a, d = self._flat()  # (N, p), (N, q)
             if p <= q:
@@ -258,7 +264,7 @@ class OuterProductFactor:
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         g, p, q = self.groups, self.in_features, self.out_features
-        w = weights.to(self.inputs.dtype)
+        w = as_dtype(weights, self.inputs.dtype)
         if self.positions > 1:
             w = w.repeat_interleave(self.positions, dim=0)  # (N, k): one weight per row
         if g == 1 and k == 1:  # one GEMM straight into the parameter layout
@@ -300,7 +306,7 @@ class OuterProductFactor:
             and target.dtype == self.inputs.dtype
             and target.is_contiguous()
         ):
-            w = weights.to(self.inputs.dtype)
+            w = as_dtype(weights, self.inputs.dtype)
             if self.positions > 1:
                 w = w.repeat_interleave(self.positions, dim=0)  # (N, 1): one weight per row
             lhs, rhs = self._single_sum_operands(w)
