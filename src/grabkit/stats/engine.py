@@ -29,6 +29,7 @@ from torch import nn
 
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
+from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
@@ -219,6 +220,7 @@ class PerSampleStats:
         self.param_shapes: dict[str, torch.Size] = {
             name: p.shape for name, p in model.named_parameters() if p.requires_grad
         }
+        self._layout = FlatLayout(self.param_shapes)
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self._layers = self._find_layers(model, names, self.torch_func_fallback)
@@ -520,8 +522,9 @@ class PerSampleStats:
             for name, shape in self.param_shapes.items()
         }
         return StepStatistics(
-            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale
-        )
+            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale,
+            layout=self._layout,
+        )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 over the trainable parameters."""

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from grabkit.stats.factors import OuterProductFactor, ParameterFactor
+from grabkit.stats.gradient_batch import FlatLayout
 
 __all__ = ["StepStatistics"]
 
@@ -34,6 +35,7 @@ class StepStatistics:
         batch_size: B.
         scale: the factors hold g_i / scale (B for a mean-reduced loss: autograd's output
             gradients carry its 1/B); reads multiply it back on their small results.
+        layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
         dtype / device: of the parameters (inputs are cast to it; statistics are returned in
             at least float32).
     """
@@ -47,8 +49,12 @@ class StepStatistics:
         dtype: torch.dtype,
         device: torch.device,
         scale: float = 1.0,
+        *,
+        layout: FlatLayout | None = None,
     ) -> None:
         self.param_shapes = dict(param_shapes)
+        #: the flat layout of ``param_shapes`` (an engine passes its own, shared by every step)
+        self.layout = FlatLayout(self.param_shapes) if layout is None else layout
         self.factors = dict(factors)
         self.batch_gradients = dict(batch_gradients)
         self.batch_size = batch_size
