@@ -26,7 +26,8 @@ class StaleMean:
     """The mean of the per-example gradients observed in the previous epoch (zero at first).
 
     ``add`` takes a batch sum and a count; ``roll`` makes this epoch's mean the stale one. An
-    epoch that observed nothing keeps the previous mean.
+    epoch that observed nothing keeps the previous mean. The running sum is its own tensor,
+    updated in place (no new tensor the size of the model per batch); a loaded one is copied.
     """
 
     def __init__(self) -> None:
@@ -38,7 +39,10 @@ class StaleMean:
         return torch.zeros_like(like) if self.value is None else self.value
 
     def add(self, total: torch.Tensor, count: int) -> None:
-        self.running_sum = total.clone() if self.running_sum is None else self.running_sum + total
+        if self.running_sum is None:
+            self.running_sum = total.clone()
+        else:
+            self.running_sum.add_(total)
         self.count += count
 
     def roll(self) -> None:
@@ -50,7 +54,9 @@ class StaleMean:
         return {"value": self.value, "running_sum": self.running_sum, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value, self.running_sum = state["value"], state["running_sum"]
+        running_sum = state["running_sum"]
+        self.value = state["value"]
+        self.running_sum = None if running_sum is None else running_sum.clone()
         self.count = int(state["count"])
 
 
