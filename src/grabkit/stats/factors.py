@@ -92,17 +92,30 @@ class PerExampleFactor:
 
     Used for parameters whose size is a small multiple of a layer's width (biases, affine
     parameters of normalisation layers), where materialising B copies costs little.
+
+    ``output_of``: the weight factor of the same layer call when ``grads`` are exactly its output
+    gradients (a Linear bias on plain vectors): the Gram matrix of both is then the same (B, B)
+    matrix, computed once (``OuterProductFactor.output_gram``).
     """
 
-    def __init__(self, grads: torch.Tensor, param_shape: torch.Size) -> None:
+    def __init__(
+        self,
+        grads: torch.Tensor,
+        param_shape: torch.Size,
+        *,
+        output_of: OuterProductFactor | None = None,
+    ) -> None:
         self.batch_size = grads.shape[0]
         self.param_shape = torch.Size(param_shape)
         self.grads = as_dtype(grads.reshape(self.batch_size, -1), compute_dtype(grads.dtype))
+        self._output_of = output_of
 
     def norms_squared(self) -> torch.Tensor:
         return (self.grads * self.grads).sum(dim=1)
 
     def gram(self) -> torch.Tensor:
+        if self._output_of is not None:
+            return self._output_of.output_gram()
         return self.grads @ self.grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
@@ -130,6 +143,7 @@ class PerExampleFactor:
         merged.batch_size = self.batch_size
         merged.param_shape = self.param_shape
         merged.grads = self.grads + other.grads
+        merged._output_of = None
         return merged
 
 
@@ -170,6 +184,7 @@ class OuterProductFactor:
         self.batch_size, self.positions, self.groups, self.in_features = inputs.shape
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
+        self._output_gram: torch.Tensor | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
     def _use_ghost(self, pairs: int) -> bool:
@@ -220,9 +235,26 @@ class OuterProductFactor:
         grads = self._materialised()
         return (grads * grads).sum(dim=1)
 
+    def output_gram(self) -> torch.Tensor:
+        """(B, B) <D_i, D_j> for one position and one group, computed once: the Gram matrix of
+        a bias whose per-example gradients are these output gradients, and a factor of this
+        weight's own ghost Gram matrix."""
+        if self.positions != 1 or self.groups != 1:
+            raise ValueError(
+                f"output_gram() needs one position and one group, but this factor has "
+                f"{self.positions} positions and {self.groups} groups"
+            )
+        if self._output_gram is None:
+            d = self.output_grads.reshape(self.batch_size, self.out_features)
+            self._output_gram = torch.mm(d, d.T)
+        return self._output_gram
+
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
         if self._use_ghost(b * b):
+            if self.groups == 1 and t == 1:
+                a = self.inputs.reshape(b, self.in_features)
+                return torch.mm(a, a.T).mul_(self.output_gram())  # (B, B)
             if self.groups == 1:
                 a, d = self._flat()  # (N, p), (N, q)
                 pairs = torch.mm(a, a.T).mul_(torch.mm(d, d.T))  # (N, N)

@@ -173,7 +173,10 @@ class LinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            out["bias"] = PerExampleFactor(_summed_over_positions(output_grad), module.bias.shape)
+            weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
+            out["bias"] = PerExampleFactor(
+                _summed_over_positions(output_grad), module.bias.shape, output_of=weight
+            )
         return out
 
 
