@@ -197,9 +197,19 @@ class OuterProductFactor:
         return ghost < materialised
 
     def _materialised(self) -> torch.Tensor:
-        """(B, G q p) per-example gradients of this layer (transient)."""
+        """(B, G q p) per-example gradients of this layer (transient).
+
+        For one group the entries may come transposed, (p, q) per example: the batched GEMM
+        runs faster with the wider side last, and norms and Gram matrices do not see the order.
+        """
+        b, p, q = self.batch_size, self.in_features, self.out_features
+        if self.groups == 1:
+            a = self.inputs.reshape(b, -1, p)
+            d = self.output_grads.reshape(b, -1, q)
+            grads = torch.bmm(a.transpose(1, 2), d) if q >= p else torch.bmm(d.transpose(1, 2), a)
+            return grads.reshape(b, -1)
         grads = torch.einsum("btgq,btgp->bgqp", self.output_grads, self.inputs)
-        return grads.reshape(self.batch_size, -1)
+        return grads.reshape(b, -1)
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """(B, T, G, f) -> (G, B T, f): one row per (example, position), grouped first."""
@@ -400,8 +410,10 @@ class EmbeddingFactor:
         output_grads: (B, T, dim) gradients of the looked-up vectors (zero at ``padding_idx``).
         param_shape: (num_embeddings, dim).
 
-    Never materialised (B x num_embeddings x dim would be the largest tensor in the model):
-    <g_i, g_j> = sum_{t, s} [idx_it == idx_js] (D_it . D_js).
+    Never materialised over the whole table (B x num_embeddings x dim would be the largest tensor
+    in the model): <g_i, g_j> = sum_{t, s} [idx_it == idx_js] (D_it . D_js), or on the CPU, when
+    smaller, from each example's gradient restricted to the U rows the batch looked up (B x U x
+    dim, U < T^2 and at most 2^24 numbers).
     """
 
     def __init__(
@@ -419,8 +431,28 @@ class EmbeddingFactor:
 
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
+        if b > 1 and self.indices.stride(0) == 0:
+            # Every example looked up the same rows (positions shared by the batch, expanded):
+            # <g_i, g_j> = <D_i, M D_j> with M[t, s] = [idx_t == idx_s], B T^2 dim multiply-adds
+            # instead of (B T)^2 dim.
+            first = self.indices[0]
+            same = (first[:, None] == first[None, :]).to(self.output_grads.dtype)  # (T, T)
+            mixed = torch.matmul(same, self.output_grads)  # (B, T, dim)
+            return self.output_grads.reshape(b, -1) @ mixed.reshape(b, -1).T
         idx = self.indices.reshape(-1)  # (N,)
         d = self.output_grads.reshape(b * t, -1)  # (N, dim)
+        if idx.device.type == "cpu":
+            rows, inverse = torch.unique(idx, return_inverse=True)
+            u, dim = rows.numel(), d.shape[1]
+            if u < t * t and u * b * dim <= _EMBEDDING_GRAM_CHUNK_ENTRIES:
+                # Each example's gradient on the U rows looked up in the batch: (B, U dim),
+                # B^2 U dim multiply-adds instead of (B T)^2 dim (a host sync finds U, so
+                # devices keep the form below).
+                example = torch.arange(b, device=idx.device).repeat_interleave(t)
+                per_example = d.new_zeros(b * u, dim)
+                per_example.index_add_(0, example * u + inverse, d)
+                flat = per_example.view(b, u * dim)
+                return flat @ flat.T
         rows_per_chunk = max(t, (_EMBEDDING_GRAM_CHUNK_ENTRIES // max(1, b * t)) // t * t)
         pieces = []
         for start in range(0, b * t, rows_per_chunk):
