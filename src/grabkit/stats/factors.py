@@ -513,10 +513,18 @@ class SumFactor:
     def _pairs(self) -> list[tuple[ParameterFactor, ParameterFactor]]:
         return [(u, v) for k, u in enumerate(self.parts) for v in self.parts[k + 1 :]]
 
+    def _cross_diagonal(self, u: ParameterFactor, v: ParameterFactor) -> torch.Tensor:
+        """(B,) entries <g_i^u, g_i^v>: per-example blocks only where a ghost form allows."""
+        if isinstance(u, EmbeddingFactor) and _is_plain_linear(v):
+            return _embedding_linear_cross_diagonal(u, v)
+        if isinstance(v, EmbeddingFactor) and _is_plain_linear(u):
+            return _embedding_linear_cross_diagonal(v, u)
+        return self._cross(u, v).diagonal()
+
     def norms_squared(self) -> torch.Tensor:
         total = sum(part.norms_squared() for part in self.parts)
         for u, v in self._pairs():
-            total = total + 2 * self._cross(u, v).diagonal()
+            total = total + 2 * self._cross_diagonal(u, v)
         return total
 
     def gram(self) -> torch.Tensor:
@@ -556,6 +564,18 @@ def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.
     d = v.output_grads.reshape(-1, v.out_features).to(dtype)  # (N_v, V)
     pairs = (e @ a.T) * d.index_select(1, idx).T  # (N_u, N_v)
     return pairs.reshape(b, -1, b, v.positions).sum(dim=(1, 3))
+
+
+def _embedding_linear_cross_diagonal(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
+    """(B,) <g_i^u, g_i^v>, the diagonal of ``_embedding_linear_cross``: per example,
+    sum_{t, s} D_is[idx_it] (E_it . A_is) over T_u x T_v pairs only (no (B T)^2 products)."""
+    dtype = torch.promote_types(u.output_grads.dtype, v.inputs.dtype)
+    b = u.batch_size
+    e = u.output_grads.reshape(b, u.positions, -1).to(dtype)  # (B, T_u, d)
+    a = v.inputs.reshape(b, v.positions, v.in_features).to(dtype)  # (B, T_v, d)
+    d = v.output_grads.reshape(b, v.positions, v.out_features).to(dtype)  # (B, T_v, V)
+    picked = torch.gather(d, 2, u.indices.unsqueeze(1).expand(b, v.positions, u.positions))
+    return (torch.bmm(e, a.transpose(1, 2)) * picked.transpose(1, 2)).sum(dim=(1, 2))
 
 
 def _dtype_of(factor: ParameterFactor) -> torch.dtype:

@@ -81,4 +81,3 @@ class HookGradientBatch:
                 f"{tuple(weights.shape)}"
             )
         return columns
-
