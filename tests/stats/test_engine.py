@@ -384,3 +384,15 @@ def test_flat_layout_cuts_views_once_per_buffer():
     torch.testing.assert_close(layout.views(strided)["w"], strided[:, :6].reshape(2, 2, 3))
     del views, flat
     assert layout._cuts == []  # a buffer that is gone is forgotten with its views
+
+
+def test_total_added_in_place_equals_total():
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        step(model)
+        batch = stats.gradient_batch()
+        target = torch.ones(batch.dim)
+        batch.add_total_to(target)
+        torch.testing.assert_close(target, batch.total() + 1)
+        with pytest.raises(ValueError, match="`target` should have shape"):
+            batch.add_total_to(torch.zeros(1, batch.dim))

@@ -379,6 +379,7 @@ def balance_combinations(
     depth: int = 0,
     sequential: bool = True,
     before_update: Callable[[torch.Tensor], None] | None = None,
+    record_batch: Callable[[GradientBatch], None] | None = None,
     policy: BlockPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
@@ -403,6 +404,9 @@ def balance_combinations(
         before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
             that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
             the batch's rows (formed while each block is in cache on the dense CPU path).
+        record_batch: on the one-transfer path (devices, hook statistics), called with
+            ``batch`` instead of ``before_update(batch.total())``, at the same point: for a
+            consumer that adds the batch's sum into a running sum without forming it.
         policy: the dense CPU block shape (``BlockPolicy``); ``rows=0`` takes the one-transfer
             path as device batches do. The decisions do not depend on it.
     Returns:
@@ -419,7 +423,9 @@ def balance_combinations(
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
             products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
-        if before_update is not None:
+        if record_batch is not None:
+            record_batch(batch)
+        elif before_update is not None:
             before_update(batch.total())
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
     X = batch.matrix

@@ -4,7 +4,10 @@ Attach once to a model. During the forward pass a hook on each layer that owns t
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
 anyway) and puts a hook on the layer's output tensor, which receives the gradient of that output
 during ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
-gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
+gradient before it is accumulated into ``.grad`` and copies it (``.grad`` may be changed in place
+later), into the previous step's copy when no statistics of that step are still held: one
+tensor the size of the trainable parameters lives between steps instead of a fresh one being
+allocated, and page-faulted in, at every backward. Nothing else runs during the step: norms,
 dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
 

@@ -50,6 +50,14 @@ class HookGradientBatch:
     def total(self) -> torch.Tensor:
         return self.statistics.total()
 
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += ``total()``, with no (d,) temporary."""
+        if target.shape != (self.dim,):
+            raise ValueError(
+                f"`target` should have shape ({self.dim},), but got {tuple(target.shape)}"
+            )
+        self.statistics.add_total_to(target)
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         columns = self._columns(weights)
         flat = torch.empty(columns.shape[1], self.dim, dtype=self.dtype, device=self.device)

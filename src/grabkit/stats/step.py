@@ -92,6 +92,14 @@ class StepStatistics:
         return flat
 
     @torch.no_grad()
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += sum_i g_i in the flat layout, one pass per parameter
+        (no (d,) temporary: a running sum of batch gradients reads each stored gradient once)."""
+        for name, _, offset, n in self.layout.entries:
+            piece = target[offset : offset + n]
+            piece.add_(self.batch_gradients[name].reshape(-1), alpha=self.scale)
+
+    @torch.no_grad()
     def total_named(self) -> dict[str, torch.Tensor]:
         """{name: sum_i g_i}."""
         return {name: g * self.scale for name, g in self.batch_gradients.items()}

@@ -45,6 +45,18 @@ class StaleMean:
             self.running_sum.add_(total)
         self.count += count
 
+    def add_batch(self, batch: GradientBatch, count: int) -> None:
+        """``add(batch.total(), count)``, adding hook statistics' batch gradient straight into
+        the running sum (``add_total_to``: no (d,) temporary) where the batch can."""
+        add_to = getattr(batch, "add_total_to", None)
+        if self.running_sum is None:
+            self.running_sum = batch.total()  # a fresh tensor: this sum's own
+        elif add_to is not None:
+            add_to(self.running_sum)
+        else:
+            self.running_sum.add_(batch.total())
+        self.count += count
+
     def roll(self) -> None:
         if self.count:
             self.value = self.running_sum / self.count
@@ -87,6 +99,11 @@ class CentredBalance(Ordering):
         """Update running statistics with a batch known to be finite: ``total`` (d,) is the sum
         of its ``count`` raw gradients."""
 
+    def record_batch(self, batch: GradientBatch, count: int) -> None:
+        """``record`` for a batch balanced without a transform on the one-transfer path (hook
+        statistics): subclasses may take the sum from ``batch`` without forming it."""
+        self.record(batch.total(), count)
+
     def extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -116,6 +133,9 @@ class CentredBalance(Ordering):
             before_update=lambda total: self.record(
                 total if vectors is batch else batch.total(), batch.size
             ),
+            record_batch=(lambda _: self.record_batch(batch, batch.size))
+            if vectors is batch
+            else None,
             policy=self.policy,
         )
         self.placement.place(indices.tolist(), signs[:, 0])

@@ -38,6 +38,9 @@ class MeanBalance(CentredBalance):
     def record(self, total: torch.Tensor, count: int) -> None:
         self.mean.add(total, count)
 
+    def record_batch(self, batch: GradientBatch, count: int) -> None:
+        self.mean.add_batch(batch, count)
+
     def extra_state(self) -> dict[str, Any]:
         return {"mean": self.mean.state_dict()}
 
