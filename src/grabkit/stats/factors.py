@@ -9,7 +9,10 @@ without a (B, d) tensor for the whole model:
 * ``PerExampleFactor``:   g_i given outright (biases, normalisation affine parameters: small).
 
 A factor also ``merge``\\ s with the factor of another call of the same layer (a layer used twice
-in one forward), because the per-example gradient is then the sum over both calls.
+in one forward), because the per-example gradient is then the sum over both calls. Optionally it
+offers ``add_weighted_sum_to(weights, target)`` (the weighted sum added into ``target`` in place,
+as running sums are updated every step); ``StepStatistics`` falls back to ``weighted_sum`` and an
+addition for factors without it.
 
 Shapes: B examples, T positions per example (1 for plain vectors), G groups, p inputs and q
 outputs per group, k vectors. Parameters are addressed through their own shape ``param_shape``.

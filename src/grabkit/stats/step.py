@@ -35,9 +35,9 @@ class StepStatistics:
         batch_size: B.
         scale: the factors hold g_i / scale (B for a mean-reduced loss: autograd's output
             gradients carry its 1/B); reads multiply it back on their small results.
-        layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
         dtype / device: of the parameters (inputs are cast to it; statistics are returned in
             at least float32).
+        layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
     """
 
     def __init__(
@@ -72,7 +72,7 @@ class StepStatistics:
             and name in self.batch_gradients
             and f.in_features * f.out_features >= _TWO_VALUED_MIN_ENTRIES
         }
-
+        # the factors of the parameters that got a gradient, walked by every read
         self._present = [(name, f) for name, f in self.factors.items() if f is not None]
 
     def _zeros(self, *shape: int) -> torch.Tensor:
