@@ -25,8 +25,10 @@ the first step) minus its RSS before them, i.e. what the training steps themselv
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
 
-Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm]`` (default
-1 torch thread; ``--quick`` runs the MLP only, few rounds, random data).
+Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm,gpt]
+[--contenders=plain,hook-pair,hook-mean] [--rounds=N]`` (default 1 torch thread; ``--quick`` runs
+the MLP only, few rounds, random data). An A/B of two checkouts runs this command alternately
+with ``PYTHONPATH`` pointing at each one's ``src``.
 """
 
 from __future__ import annotations
@@ -579,6 +581,12 @@ def main(argv: list[str]) -> None:
         default=None,
         help="comma-separated: mlp,lm,gpt,lstm (default all; --quick: mlp)",
     )
+    parser.add_argument(
+        "--contenders",
+        default=None,
+        help="comma-separated subset of the MLP / LM contenders (plain is always timed), e.g. "
+        "plain,hook-pair,hook-mean for an A/B of the hook path between two checkouts",
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -587,11 +595,14 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     print(machine_description())
     kinds = ["plain", "hook-pair", "hook-mean", "func-pair", "func-mean"]
-    missing = opacus_available()
+    wanted = None if args.contenders is None else {"plain", *args.contenders.split(",")}
+    missing = opacus_available() if wanted is None or "opacus-pair" in wanted else "not asked for"
     if missing is None:
         kinds.append("opacus-pair")
     else:
         print(f"\nopacus not measured: {missing}")
+    if wanted is not None:
+        kinds = [k for k in kinds if k in wanted]
     workloads = args.workloads or ("mlp" if args.quick else "mlp,lm,gpt,lstm")
     for workload in workloads.split(","):
         if workload == "gpt":

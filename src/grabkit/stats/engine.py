@@ -5,7 +5,10 @@ parameters keeps a reference to the layer's input (a tensor autograd keeps for t
 anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
 layer's output sequence and final states), which receives the gradient of that output during
 ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
-gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
+gradient before it is accumulated into ``.grad`` and copies it (``.grad`` may be changed in place
+later), into the previous step's copy when no statistics of that step are still held: one
+tensor the size of the trainable parameters lives between steps instead of a fresh one being
+allocated, and page-faulted in, at every backward. Nothing else runs during the step: norms,
 dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
 
@@ -28,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from grabkit.stats.factors import ParameterFactor, combine
+from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
+from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
@@ -137,7 +141,7 @@ class _ModelBatch:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
         if x.dim() > 0 and x.shape[0] == b:
-            if self._is_shared(x) and x.dim() < len(self.shape) and b in self.shape[1:]:
+            if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
                     f"from the model's input {self.shape}, whose batch size {b} also appears "
@@ -257,6 +261,7 @@ class PerSampleStats:
         self.param_shapes: dict[str, torch.Size] = {
             name: p.shape for name, p in model.named_parameters() if p.requires_grad
         }
+        self._layout = FlatLayout(self.param_shapes)
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self.keep_batch_gradients = bool(keep_batch_gradients)
@@ -342,6 +347,7 @@ class PerSampleStats:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._new_step()
+        self._spare_grads = {}
 
     def __enter__(self) -> PerSampleStats:
         return self
@@ -356,11 +362,20 @@ class PerSampleStats:
                 listener()  # before the finished step's data is dropped
         for layer in getattr(self, "_layers", []):
             layer.calls = []
+        copies = getattr(self, "_param_grads", {})
+        readers = getattr(self, "_readers", [])
         self._param_grads: dict[str, torch.Tensor | None] = {}
         self._backward_seen = False
         self.generation = getattr(self, "generation", 0) + 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        # StepStatistics built on this step (weakly): while one lives, its copies are its own
+        self._readers: list[weakref.ref[StepStatistics]] = []
+        if all(reader() is None for reader in readers):
+            # Nothing outside the engine holds the finished step's gradient copies: the next
+            # backward copies into them instead of into fresh memory (a fresh tensor the size of
+            # a large layer costs more in page faults than the copy itself, on the CPU).
+            self._spare_grads: dict[str, torch.Tensor] = copies
 
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -510,7 +525,19 @@ class PerSampleStats:
         # (accumulation, clipping), which must not change this step's total.
         previous = self._param_grads.get(name)
         grad = grad.detach()
-        self._param_grads[name] = grad.clone() if previous is None else previous + grad
+        if previous is not None:
+            self._param_grads[name] = previous + grad
+            return
+        spare = self._spare_grads.pop(name, None)
+        if (
+            spare is not None
+            and spare.shape == grad.shape
+            and spare.dtype == grad.dtype
+            and spare.device == grad.device
+        ):
+            self._param_grads[name] = spare.copy_(grad)
+        else:
+            self._param_grads[name] = grad.clone()
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -522,6 +549,7 @@ class PerSampleStats:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:
             self._statistics = self._build()
+            self._readers.append(weakref.ref(self._statistics))
         return self._statistics
 
     def _batch_size(self) -> int:
@@ -597,14 +625,15 @@ class PerSampleStats:
             )
         factors, batch_size, scale = self.step_factors()
         batch_gradients = {
-            name: self._param_grads[name].to(self.dtype)
+            name: as_dtype(self._param_grads[name], self.dtype)
             if name in self._param_grads
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
             for name, shape in self.param_shapes.items()
         }
         return StepStatistics(
-            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale
-        )
+            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale,
+            layout=self._layout,
+        )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 over the trainable parameters."""

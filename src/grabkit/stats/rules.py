@@ -199,10 +199,19 @@ class LinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, module.out_features).sum(dim=1)
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
+            out["bias"] = PerExampleFactor(
+                _summed_over_positions(output_grad), module.bias.shape, output_of=weight
+            )
         return out
+
+
+def _summed_over_positions(output_grad: torch.Tensor) -> torch.Tensor:
+    """(B, ..., f) -> (B, f): a bias's per-example gradient (the (B, f) tensor itself, no
+    copy, when there is one position per example)."""
+    if output_grad.dim() == 2:
+        return output_grad
+    return output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1]).sum(dim=1)
 
 
 class TransposedLinearRule(LayerRule):
@@ -229,9 +238,7 @@ class TransposedLinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, out_features).sum(dim=1)
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            out["bias"] = PerExampleFactor(_summed_over_positions(output_grad), module.bias.shape)
         return out
 
 
