@@ -190,32 +190,40 @@ class StepStatistics:
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
-            factor = self.factors[name]
-            signed = None
-            if two_valued is not None and name in self._large_outer_products:
-                rows, a, b = two_valued
-                total = self.batch_gradients[name]
-                signed = factor.two_valued_sum(
-                    rows, a - b, total, b, out=target, accumulate=accumulate
-                )
-            if signed is not None:
-                sums[name] = signed
-            elif accumulate:
-                if factor is not None:
-                    add_to = getattr(factor, "add_weighted_sum_to", None)
-                    if add_to is not None:
-                        add_to(w, target)  # in place, no temporary where the factor allows
-                    else:
-                        target.add_(factor.weighted_sum(w).to(target.dtype))
-                sums[name] = target
-            elif factor is None:
-                zeros = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
-                sums[name] = zeros if target is None else target.copy_(zeros)
-            elif target is not None:
-                sums[name] = factor.weighted_sum(w, out=target)
-            else:
-                sums[name] = factor.weighted_sum(w).to(self.dtype)
+            sums[name] = self._weighted_sum_of(name, shape, w, two_valued, target, accumulate)
         return sums
+
+    def _weighted_sum_of(
+        self,
+        name: str,
+        shape: torch.Size,
+        w: torch.Tensor,
+        two_valued: tuple[torch.Tensor, float, float] | None,
+        target: torch.Tensor | None,
+        accumulate: bool,
+    ) -> torch.Tensor:
+        """One parameter's (k, *shape) sum_i w[i, j] g_i (see ``weighted_sum_stacked``)."""
+        factor = self.factors[name]
+        if two_valued is not None and name in self._large_outer_products:
+            rows, a, b = two_valued
+            total = self.batch_gradients[name]
+            signed = factor.two_valued_sum(rows, a - b, total, b, out=target, accumulate=accumulate)
+            if signed is not None:
+                return signed
+        if accumulate:
+            if factor is not None:
+                add_to = getattr(factor, "add_weighted_sum_to", None)
+                if add_to is not None:
+                    add_to(w, target)  # in place, no temporary where the factor allows
+                else:
+                    target.add_(factor.weighted_sum(w).to(target.dtype))
+            return target
+        if factor is None:
+            zeros = torch.zeros(w.shape[1], *shape, dtype=self.dtype, device=self.device)
+            return zeros if target is None else target.copy_(zeros)
+        if target is not None:
+            return factor.weighted_sum(w, out=target)
+        return factor.weighted_sum(w).to(self.dtype)
 
     @staticmethod
     def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
