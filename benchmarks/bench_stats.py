@@ -386,7 +386,7 @@ def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> N
         print(f"| {k} | {v * 1e3:.2f} | {v / costs['plain step']:.2f} |")
 
 
-# -- gpt: the small GPT of issue 10 ---------------------------------------------------------------
+# -- gpt: a small GPT, tied or untied --------------------------------------------------------------
 GPT_VOCAB, GPT_WIDTH, GPT_LAYERS, GPT_LENGTH, GPT_BATCH = 2000, 128, 2, 64, 16
 
 
