@@ -127,11 +127,19 @@ def test_worker_prefetch_needs_the_handed_back_snapshot(tmp_path, callback, exac
     assert same is exact
 
 
-def test_ddp_is_refused_instead_of_a_silent_distributed_sampler_wrapper(tmp_path):
+def test_a_one_process_sampler_is_refused_under_ddp(tmp_path):
+    """Exact hook statistics (or any sampler of another world size) under DDP: refused at fit
+    start, naming the fix (tests/integrations/test_lightning_ddp.py runs the sketch mode)."""
     module, sampler, _ = grab_setup()
     ddp = trainer(tmp_path, devices=2, strategy="ddp")
-    with pytest.raises(NotImplementedError, match="DistributedSamplerWrapper"):
+    with pytest.raises(ValueError, match=r'num_replicas=1.*statistics="sketch".*setup\(\)'):
         GraBCallback(sampler).setup(ddp, module, "fit")
+
+
+def test_noise_scale_is_refused_under_ddp(tmp_path):
+    ddp = trainer(tmp_path, devices=2, strategy="ddp")
+    with pytest.raises(NotImplementedError, match=r"world_size=2.*no_sync"):
+        NoiseScaleCallback().setup(ddp, Module(), "fit")
 
 
 # -- adaptive accumulation ------------------------------------------------------------------------

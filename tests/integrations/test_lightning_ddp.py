@@ -81,19 +81,21 @@ class Classifier(L.LightningModule):
         )  # fmt: skip
 
 
-def fit(out: Path, ckpt_path: Path | None = None) -> list[dict]:
+def fit(out: Path, ckpt_path: Path | None = None, module=None, callback=None, **options):
     """One ``ddp_spawn`` fit of two CPU processes; what each rank saw, by rank."""
     out.mkdir(parents=True, exist_ok=True)
     saver = L.callbacks.ModelCheckpoint(
         dirpath=str(out), filename="{step}", every_n_train_steps=2, save_top_k=-1
     )
-    trainer = L.Trainer(
+    settings = dict(
         accelerator="cpu", devices=W, strategy="ddp_spawn", use_distributed_sampler=False,
         max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATE, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=str(out), callbacks=[GraBCallback(), saver],
+        default_root_dir=str(out),
     )  # fmt: skip
-    trainer.fit(Classifier(str(out)), ckpt_path=ckpt_path)
+    settings.update(options)
+    trainer = L.Trainer(callbacks=[callback or GraBCallback(), saver], **settings)
+    trainer.fit(module or Classifier(str(out)), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
 
 
@@ -144,9 +146,29 @@ def test_mid_epoch_resume_from_the_lightning_checkpoint_is_exact(full_run, monke
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     resumed = fit(out.parent / "resumed", ckpt_path=out / f"step={RESUME_STEP}.ckpt")
     done = RESUME_STEP * ACCUMULATE - N // (W * B)  # microbatches of epoch 1 trained before
-    for rank, again in zip(full, resumed):
+    for rank, again in zip(full, resumed, strict=True):
         assert again["orders"] == rank["orders"]
         first = [idx for e, idx in rank["seen"] if e == 1]
         assert [idx for e, idx in again["seen"] if e == 1] == first[done:]
         for name, value in rank["params"].items():
             assert torch.equal(again["params"][name], value), name
+
+
+class EveryRankZero(Classifier):
+    """Builds every rank's sampler as rank 0 (as a script that hard-codes the rank would)."""
+
+    def setup(self, stage: str) -> None:
+        self.sampler = sampler_for(self.net, num_replicas=W, rank=0)
+
+
+def test_a_wrapped_or_misranked_sampler_is_refused(tmp_path, monkeypatch):
+    """The silent failures: Lightning's DistributedSamplerWrapper around the GraB sampler
+    (the ranks visit other examples than GraB's order says) and ranks built alike, which would
+    visit the same examples."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    wrapped = r"wrapped the GraBSampler in DistributedSamplerWrapper.*use_distributed_sampler=False"
+    with pytest.raises(Exception, match=wrapped):
+        fit(tmp_path / "wrapped", use_distributed_sampler=True)
+    misranked = r"rank 1 but its GraBSampler was built with rank=0|another rank's"
+    with pytest.raises(Exception, match=misranked):
+        fit(tmp_path / "misranked", module=EveryRankZero(str(tmp_path)))

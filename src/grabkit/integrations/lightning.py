@@ -94,8 +94,8 @@ def _topology_error(sampler: GraBSampler, trainer: Any) -> str | None:
     if sampler.rank != rank:
         return (
             f"GraBCallback: this process is rank {rank} but its GraBSampler was built with "
-            f"rank={sampler.rank} (a sampler built before the processes started and copied to "
-            f"each); {_BUILD_IN_SETUP}."
+            f"rank={sampler.rank}, so two ranks would visit the same examples; leave "
+            f"num_replicas and rank to the process group: {_BUILD_IN_SETUP}."
         )
     return None
 
