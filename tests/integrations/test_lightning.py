@@ -88,21 +88,33 @@ def test_batch_sampler_form(tmp_path):
     assert batches.sampler.orders_history == plain_grab_loop()[0]
 
 
-def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0):
+def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0, every="step"):
     module, sampler, loader = grab_setup(num_workers)
+    cadence = {"every_n_train_steps": 2} if every == "step" else {"every_n_epochs": 1}
     saver = L.callbacks.ModelCheckpoint(
-        dirpath=str(root), filename="{step}", every_n_train_steps=2, save_top_k=-1
+        dirpath=str(root), filename=f"{{{every}}}", save_top_k=-1, **cadence
     )
     fit = trainer(root, [callback_cls(sampler), saver], max_epochs=3, enable_checkpointing=True)
     fit.fit(module, loader, ckpt_path=ckpt_path)
     return module, sampler
 
 
-def test_mid_epoch_resume_from_lightning_checkpoint_is_bitwise(tmp_path):
-    step = 8  # 3 updates per epoch: mid-epoch, after an epoch boundary
+@pytest.mark.parametrize("step", [8, 6])  # 3 updates per epoch: mid-epoch 2; epoch 1's last
+def test_resume_from_lightning_checkpoint_is_bitwise(tmp_path, step):
     full_module, full_sampler = _checkpointed_fit(tmp_path, GraBCallback)
     module, sampler = _checkpointed_fit(
         tmp_path / "again", GraBCallback, tmp_path / f"step={step}.ckpt"
+    )
+    assert torch.equal(sampler.order, full_sampler.order)
+    for name, value in params(module.net).items():
+        assert torch.equal(value, params(full_module.net)[name]), name
+
+
+def test_resume_from_an_epoch_end_checkpoint_is_bitwise(tmp_path):
+    """Saved in on_train_epoch_end: Lightning resumes with the next epoch, so must GraB."""
+    full_module, full_sampler = _checkpointed_fit(tmp_path, GraBCallback, every="epoch")
+    module, sampler = _checkpointed_fit(
+        tmp_path / "again", GraBCallback, tmp_path / "epoch=0.ckpt", every="epoch"
     )
     assert torch.equal(sampler.order, full_sampler.order)
     for name, value in params(module.net).items():

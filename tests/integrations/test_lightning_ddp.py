@@ -28,7 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 W, N, B, K, SEED, EPOCHS = 2, 48, 4, 64, 7, 3  # 6 microbatches of B per rank and epoch
 ACCUMULATE = 2  # 3 optimizer steps per epoch
-RESUME_STEP = 4  # one optimizer step into epoch 1
 
 
 def data() -> TensorDataset:
@@ -141,11 +140,12 @@ def test_ranks_share_the_one_process_grab_order_and_visit_every_example_once(ful
         assert torch.equal(value, ranks[1]["params"][name]), name
 
 
-def test_mid_epoch_resume_from_the_lightning_checkpoint_is_exact(full_run, monkeypatch):
+@pytest.mark.parametrize("step", [4, 6])  # one optimizer step into epoch 1; its last step
+def test_resume_from_the_lightning_checkpoint_is_exact(full_run, monkeypatch, step):
     out, full = full_run
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
-    resumed = fit(out.parent / "resumed", ckpt_path=out / f"step={RESUME_STEP}.ckpt")
-    done = RESUME_STEP * ACCUMULATE - N // (W * B)  # microbatches of epoch 1 trained before
+    resumed = fit(out.parent / f"resumed{step}", ckpt_path=out / f"step={step}.ckpt")
+    done = step * ACCUMULATE - N // (W * B)  # microbatches of epoch 1 trained before
     for rank, again in zip(full, resumed, strict=True):
         assert again["orders"] == rank["orders"]
         first = [idx for e, idx in rank["seen"] if e == 1]

@@ -129,8 +129,8 @@ def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
     return (
         "GraBCallback: the train DataLoader does not draw from this callback's GraBSampler (it "
         f"uses {type(drawn).__name__}); pass the same sampler to DataLoader(sampler=...) and to "
-        "GraBCallback (or hold it on the LightningModule and use GraBCallback()), and keep "
-        "Trainer(use_distributed_sampler=True) from replacing it."
+        "GraBCallback (or hold it on the LightningModule and use GraBCallback()); under several "
+        "processes pass Trainer(use_distributed_sampler=False) so that Lightning keeps it."
     )
 
 
@@ -152,13 +152,15 @@ class GraBCallback(Callback):
     one-process sampler), no sampler or several, and at train start a loader that does not draw
     from it (Lightning's ``DistributedSamplerWrapper`` included).
 
-    Checkpoints. The state is taken with the prefetched batches handed back (yielded := stepped),
-    at an optimizer step. Lightning writes the callback state of rank 0 only, and every rank
-    loads it: under several processes that state is every rank's, since each ``step()`` is a
-    collective that checks that all ranks stepped the same number of local examples, and the
-    sketches are gathered, so the ordering state, order and position counters are the same on
-    every rank; only the ``rank`` recorded in its configuration differs, and each rank loads it
-    as its own.
+    Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
+    stepped), at an optimizer step; a state saved after an epoch's last step resumes with the
+    next epoch, as Lightning does (a ``DataLoader(drop_last=True)`` whose last batch is partial
+    is not covered: its resume would draw the dropped rest). Lightning writes the callback state
+    of rank 0 only, and every rank loads it: under several processes that state is every rank's,
+    since each ``step()`` is a collective that checks that all ranks stepped the same number of
+    local examples, and the sketches are gathered, so the ordering state, order and position
+    counters are the same on every rank; only the ``rank`` recorded in its configuration
+    differs, and each rank loads it as its own.
 
     Args:
         sampler: the ``GraBSampler`` (or ``GraBBatchSampler``) of the train ``DataLoader``;
@@ -220,6 +222,10 @@ class GraBCallback(Callback):
         if isinstance(config, Mapping) and config.get("num_replicas") == self.sampler.num_replicas:
             state["config"] = {**config, "rank": self.sampler.rank}  # rank 0's is every rank's
         self.sampler.load_state_dict(state)
+        if int(state["live"]["stepped"]) >= self.sampler.num_samples:
+            # saved after the epoch's last step: Lightning resumes with the next epoch and draws
+            # from the loader once, so pass the (empty) rest of this one now
+            iter(self.sampler)
         self._pending = None
 
 
