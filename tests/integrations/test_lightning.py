@@ -88,6 +88,33 @@ def test_batch_sampler_form(tmp_path):
     assert batches.sampler.orders_history == plain_grab_loop()[0]
 
 
+class GraBData(L.LightningDataModule):
+    """Builds the sampler in setup(), as under DDP (where the process group is up by then)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.data = module, dataset()
+
+    def setup(self, stage):
+        self.sampler = GraBSampler(self.data, model=self.module.net, seed=0, record_orders=True)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, sampler=self.sampler, batch_size=B)
+
+
+def test_callback_finds_the_sampler_built_in_setup(tmp_path):
+    module = Module()
+    data = GraBData(module)
+    trainer(tmp_path, [GraBCallback()]).fit(module, datamodule=data)
+    assert data.sampler.orders_history == plain_grab_loop()[0]
+
+
+def test_callback_without_a_sampler_to_find_is_refused(tmp_path):
+    module, _, loader = grab_setup()
+    with pytest.raises(ValueError, match=r"found 0 GraBSamplers.*setup\(\)"):
+        trainer(tmp_path, [GraBCallback()]).fit(module, loader)
+
+
 def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0, every="step"):
     module, sampler, loader = grab_setup(num_workers)
     cadence = {"every_n_train_steps": 2} if every == "step" else {"every_n_epochs": 1}

@@ -5,8 +5,9 @@ process group), Lightning is told not to wrap it, and every rank steps its local
 each backward. The orders of both ranks must equal a one-process sketch-mode ``GraBSampler``
 stepped on the same global microbatches (float64, so DDP's averaged update is the one-process
 update), every example must be visited once per epoch across the ranks, and a resume from
-Lightning's checkpoint (rank 0's callback state, loaded by every rank) mid-epoch must end with
-the same orders and parameters as the uninterrupted run.
+Lightning's checkpoint (rank 0's callback state, loaded by every rank), mid-epoch or after an
+epoch's last step, must visit the same batches and end with the same orders and parameters as
+the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -150,6 +151,7 @@ def test_resume_from_the_lightning_checkpoint_is_exact(full_run, monkeypatch, st
         assert again["orders"] == rank["orders"]
         first = [idx for e, idx in rank["seen"] if e == 1]
         assert [idx for e, idx in again["seen"] if e == 1] == first[done:]
+        assert [idx for e, idx in again["seen"] if e == 2] == [i for e, i in rank["seen"] if e == 2]
         for name, value in rank["params"].items():
             assert torch.equal(again["params"][name], value), name
 
