@@ -88,21 +88,60 @@ def test_batch_sampler_form(tmp_path):
     assert batches.sampler.orders_history == plain_grab_loop()[0]
 
 
-def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0):
+class GraBData(L.LightningDataModule):
+    """Builds the sampler in setup(), as under DDP (where the process group is up by then)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.data = module, dataset()
+
+    def setup(self, stage):
+        self.sampler = GraBSampler(self.data, model=self.module.net, seed=0, record_orders=True)
+
+    def train_dataloader(self):
+        return DataLoader(self.data, sampler=self.sampler, batch_size=B)
+
+
+def test_callback_finds_the_sampler_built_in_setup(tmp_path):
+    module = Module()
+    data = GraBData(module)
+    trainer(tmp_path, [GraBCallback()]).fit(module, datamodule=data)
+    assert data.sampler.orders_history == plain_grab_loop()[0]
+
+
+def test_callback_without_a_sampler_to_find_is_refused(tmp_path):
+    module, _, loader = grab_setup()
+    with pytest.raises(ValueError, match=r"found 0 GraBSamplers.*setup\(\)"):
+        trainer(tmp_path, [GraBCallback()]).fit(module, loader)
+
+
+def _checkpointed_fit(root, callback_cls, ckpt_path=None, num_workers=0, every="step"):
     module, sampler, loader = grab_setup(num_workers)
+    cadence = {"every_n_train_steps": 2} if every == "step" else {"every_n_epochs": 1}
     saver = L.callbacks.ModelCheckpoint(
-        dirpath=str(root), filename="{step}", every_n_train_steps=2, save_top_k=-1
+        dirpath=str(root), filename=f"{{{every}}}", save_top_k=-1, **cadence
     )
     fit = trainer(root, [callback_cls(sampler), saver], max_epochs=3, enable_checkpointing=True)
     fit.fit(module, loader, ckpt_path=ckpt_path)
     return module, sampler
 
 
-def test_mid_epoch_resume_from_lightning_checkpoint_is_bitwise(tmp_path):
-    step = 8  # 3 updates per epoch: mid-epoch, after an epoch boundary
+@pytest.mark.parametrize("step", [8, 6])  # 3 updates per epoch: mid-epoch 2; epoch 1's last
+def test_resume_from_lightning_checkpoint_is_bitwise(tmp_path, step):
     full_module, full_sampler = _checkpointed_fit(tmp_path, GraBCallback)
     module, sampler = _checkpointed_fit(
         tmp_path / "again", GraBCallback, tmp_path / f"step={step}.ckpt"
+    )
+    assert torch.equal(sampler.order, full_sampler.order)
+    for name, value in params(module.net).items():
+        assert torch.equal(value, params(full_module.net)[name]), name
+
+
+def test_resume_from_an_epoch_end_checkpoint_is_bitwise(tmp_path):
+    """Saved in on_train_epoch_end: Lightning resumes with the next epoch, so must GraB."""
+    full_module, full_sampler = _checkpointed_fit(tmp_path, GraBCallback, every="epoch")
+    module, sampler = _checkpointed_fit(
+        tmp_path / "again", GraBCallback, tmp_path / "epoch=0.ckpt", every="epoch"
     )
     assert torch.equal(sampler.order, full_sampler.order)
     for name, value in params(module.net).items():
@@ -127,11 +166,19 @@ def test_worker_prefetch_needs_the_handed_back_snapshot(tmp_path, callback, exac
     assert same is exact
 
 
-def test_ddp_is_refused_instead_of_a_silent_distributed_sampler_wrapper(tmp_path):
+def test_a_one_process_sampler_is_refused_under_ddp(tmp_path):
+    """Exact hook statistics (or any sampler of another world size) under DDP: refused at fit
+    start, naming the fix (tests/integrations/test_lightning_ddp.py runs the sketch mode)."""
     module, sampler, _ = grab_setup()
     ddp = trainer(tmp_path, devices=2, strategy="ddp")
-    with pytest.raises(NotImplementedError, match="DistributedSamplerWrapper"):
+    with pytest.raises(ValueError, match=r'num_replicas=1.*setup\(\).*statistics="sketch"'):
         GraBCallback(sampler).setup(ddp, module, "fit")
+
+
+def test_noise_scale_is_refused_under_ddp(tmp_path):
+    ddp = trainer(tmp_path, devices=2, strategy="ddp")
+    with pytest.raises(NotImplementedError, match=r"world_size=2.*no_sync"):
+        NoiseScaleCallback().setup(ddp, Module(), "fit")
 
 
 # -- adaptive accumulation ------------------------------------------------------------------------

@@ -10,9 +10,10 @@
   ``accumulate_grad_batches``); its state goes into Lightning's checkpoint through
   ``Callback.state_dict``, taken with the prefetched batches handed back, so a mid-epoch resume
   (``trainer.fit(..., ckpt_path=...)``) trains exactly the rest of the epoch in GraB's order.
-  Under more than one process it raises: Lightning would wrap the sampler in
-  ``DistributedSamplerWrapper``, whose order no longer follows GraB and whose ranks would
-  credit gradients to the wrong examples.
+  Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``) build the sampler with
+  ``statistics="sketch"`` in ``setup()``, pass ``Trainer(use_distributed_sampler=False)`` and
+  ``GraBCallback()`` (see the class); any other sampler, or Lightning's
+  ``DistributedSamplerWrapper`` around it, raises at fit start.
 * ``AdaptiveAccumulationCallback``: for a LightningModule whose ``configure_optimizers`` returns
   an ``AdaptiveAccumulationWrapper`` (a GQC wrapper). It passes each batch's ``count`` to the
   wrapper, moves ``gradient_clip_val`` from Lightning (which would clip every microbatch) to the
@@ -20,7 +21,7 @@
   on real updates. Keep ``accumulate_grad_batches=1``: the wrapper decides the window.
 * ``NoiseScaleCallback``: ``AccumulationNoiseScale`` with Lightning's ``accumulate_grad_batches``
   windows, closed in ``on_before_optimizer_step`` (before Lightning clips) and logged with
-  ``pl_module.log`` as ``noise_scale/*``.
+  ``pl_module.log`` as ``noise_scale/*``. One process only (raises under DDP).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from torch.utils.data import DistributedSampler
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import rewound_state
@@ -55,57 +57,176 @@ def batch_count(batch: Any) -> float:
     )
 
 
-def _single_process(trainer: Any, what: str) -> None:
+def _single_process(trainer: Any, what: str, why: str) -> None:
     if trainer.world_size > 1:
         raise NotImplementedError(
             f"{what} runs in one process only, but this Trainer has world_size="
-            f"{trainer.world_size}: Lightning would wrap the GraB sampler in a "
-            "DistributedSamplerWrapper, whose order no longer follows GraB, and every rank would "
-            "credit its gradients to the wrong examples. Train with devices=1, or use "
-            "GraBSampler with dense per-example gradients in your own DDP loop."
+            f"{trainer.world_size}: {why} Train with devices=1."
         )
+
+
+def _as_grab_sampler(sampler: Any) -> GraBSampler:
+    if isinstance(sampler, GraBBatchSampler):
+        sampler = sampler.sampler  # the state and the steps are its sampler's
+    if not isinstance(sampler, GraBSampler):
+        raise TypeError(f"GraBCallback needs a GraBSampler, but got {type(sampler).__name__}")
+    return sampler
+
+
+_BUILD_IN_SETUP = (
+    "build it in the LightningModule's (or DataModule's) setup(), where the process group is up "
+    'and GraBSampler takes num_replicas and rank from it, with statistics="sketch" (hook '
+    "statistics the ranks can exchange), and use GraBCallback() without a sampler"
+)
+
+
+def _topology_error(sampler: GraBSampler, trainer: Any) -> str | None:
+    """Why ``sampler`` cannot serve this rank of the Trainer, or None."""
+    world, rank = trainer.world_size, trainer.global_rank
+    if sampler.num_replicas != world:
+        return (
+            f"GraBCallback: the Trainer runs {world} process(es) but the GraBSampler was built "
+            f"with num_replicas={sampler.num_replicas} (statistics={sampler.statistics!r}), so the "
+            "ranks would visit overlapping examples and credit gradients to the wrong ones; "
+            + (_BUILD_IN_SETUP if world > 1 else "build it with num_replicas=1")
+            + "."
+        )
+    if sampler.rank != rank:
+        return (
+            f"GraBCallback: this process is rank {rank} but its GraBSampler was built with "
+            f"rank={sampler.rank}, so two ranks would visit the same examples; leave "
+            f"num_replicas and rank to the process group: {_BUILD_IN_SETUP}."
+        )
+    return None
+
+
+def _held_samplers(*owners: Any) -> list[GraBSampler]:
+    """The distinct GraB samplers held as attributes of the LightningModule / DataModule."""
+    found: list[GraBSampler] = []
+    for owner in owners:
+        for value in vars(owner).values() if owner is not None else ():
+            if isinstance(value, (GraBSampler, GraBBatchSampler)):
+                sampler = _as_grab_sampler(value)
+                if not any(sampler is s for s in found):
+                    found.append(sampler)
+    return found
+
+
+def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
+    """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
+    drawn = getattr(loader, "sampler", None)
+    candidates = [drawn, getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
+    if any(s is sampler for s in candidates):
+        return None
+    inner = getattr(getattr(drawn, "dataset", None), "_sampler", None)  # Lightning's wrapper
+    if isinstance(drawn, DistributedSampler) and inner is sampler:
+        return (
+            f"GraBCallback: Lightning wrapped the GraBSampler in {type(drawn).__name__}, whose "
+            "order no longer follows GraB and whose ranks would credit gradients to the wrong "
+            "examples; pass Trainer(use_distributed_sampler=False): the GraBSampler already "
+            "splits every epoch across the ranks."
+        )
+    return (
+        "GraBCallback: the train DataLoader does not draw from this callback's GraBSampler (it "
+        f"uses {type(drawn).__name__}); pass the same sampler to DataLoader(sampler=...) and to "
+        "GraBCallback (or hold it on the LightningModule and use GraBCallback()); under several "
+        "processes pass Trainer(use_distributed_sampler=False) so that Lightning keeps it."
+    )
 
 
 class GraBCallback(Callback):
     """Step a hook-mode ``GraBSampler`` after every backward; its state in the checkpoint.
 
+    One process: pass the sampler of the train ``DataLoader`` (built with ``model=`` the
+    LightningModule or its network). Several processes (``strategy="ddp"`` / ``"ddp_spawn"``):
+    build the sampler with ``statistics="sketch"`` in the LightningModule's (or DataModule's)
+    ``setup()``, where the process group is up (it takes ``num_replicas`` and ``rank`` from it),
+    hold it as an attribute, return a ``DataLoader`` over it from ``train_dataloader()``, pass
+    ``Trainer(use_distributed_sampler=False)`` and ``GraBCallback()``: at fit start the callback
+    finds the one ``GraBSampler`` the module (or DataModule) holds. Every rank then steps its
+    local batch after every backward (hooks on the network inside DDP), the ranks all-gather
+    their sketches and decide as one process on the global batch (``grabkit.order.distributed``).
+
+    Raised at fit start (on every rank): a sampler whose ``num_replicas`` / ``rank`` are not the
+    Trainer's (exact hook statistics cannot be gathered, so an exact-mode sampler is a
+    one-process sampler), no sampler or several, and at train start a loader that does not draw
+    from it (Lightning's ``DistributedSamplerWrapper`` included).
+
+    Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
+    stepped), at an optimizer step; a state saved after an epoch's last step resumes with the
+    next epoch, as Lightning does (a ``DataLoader(drop_last=True)`` whose last batch is partial
+    is not covered: its resume would draw the dropped rest). Lightning writes the callback state
+    of rank 0 only, and every rank loads it: under several processes that state is every rank's,
+    since each ``step()`` is a collective that checks that all ranks stepped the same number of
+    local examples, and the sketches are gathered, so the ordering state, order and position
+    counters are the same on every rank; only the ``rank`` recorded in its configuration
+    differs, and each rank loads it as its own.
+
     Args:
-        sampler: the ``GraBSampler`` of the train ``DataLoader`` (built with ``model=`` the
-            LightningModule or its network).
+        sampler: the ``GraBSampler`` (or ``GraBBatchSampler``) of the train ``DataLoader``;
+            None: the one the LightningModule or DataModule holds at fit start.
     """
 
-    def __init__(self, sampler: GraBSampler | GraBBatchSampler) -> None:
-        if isinstance(sampler, GraBBatchSampler):
-            sampler = sampler.sampler  # the state and the steps are its sampler's
-        if not isinstance(sampler, GraBSampler):
-            raise TypeError(f"GraBCallback needs a GraBSampler, but got {type(sampler).__name__}")
-        self.sampler = sampler
+    def __init__(self, sampler: GraBSampler | GraBBatchSampler | None = None) -> None:
+        self.sampler = None if sampler is None else _as_grab_sampler(sampler)
+        self._pending: dict[str, Any] | None = None  # a state loaded before the sampler exists
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit":
-            _single_process(trainer, "GraBCallback")
+        sampler = self.sampler
+        if stage == "fit" and sampler is not None and sampler.num_replicas != trainer.world_size:
+            raise ValueError(_topology_error(sampler, trainer))  # the same on every rank
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        message = None
+        if self.sampler is None:
+            held = _held_samplers(pl_module, trainer.datamodule)
+            if len(held) == 1:
+                self.sampler = held[0]
+            else:
+                message = (
+                    f"GraBCallback() found {len(held)} GraBSamplers held as attributes of the "
+                    "LightningModule and DataModule at fit start; build exactly one in setup() "
+                    "(self.sampler = GraBSampler(...)), or pass it: GraBCallback(sampler)."
+                )
+        if message is None:
+            message = _topology_error(self.sampler, trainer)
+        if not trainer.strategy.reduce_boolean_decision(message is None, all=True):
+            raise ValueError(message or "GraBCallback: another rank's GraBSampler was refused.")
+        if self._pending is not None:
+            self._load(self._pending)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        loader = trainer.train_dataloader
-        samplers = [getattr(loader, "sampler", None)]
-        samplers.append(getattr(getattr(loader, "batch_sampler", None), "sampler", None))
-        if not any(s is self.sampler for s in samplers):
-            raise ValueError(
-                "GraBCallback: the train DataLoader does not draw from this callback's "
-                f"GraBSampler (it uses {type(samplers[0]).__name__}); pass the same sampler to "
-                "DataLoader(sampler=...) and to GraBCallback, and keep Trainer("
-                "use_distributed_sampler=...) from replacing it."
-            )
+        message = _loader_error(trainer.train_dataloader, self.sampler)
+        if message is not None:
+            raise ValueError(message)
 
     def on_after_backward(self, trainer, pl_module) -> None:
         self.sampler.step()  # this microbatch's examples, with their own gradients
 
     def state_dict(self) -> dict[str, Any]:
+        if self.sampler is None:
+            return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
         return {"sampler": rewound_state(self.sampler.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state_dict["sampler"])
+        if "sampler" not in state_dict:
+            return
+        self._pending = state_dict
+        if self.sampler is not None:
+            self._load(state_dict)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict["sampler"])
+        config = state.get("config")
+        if isinstance(config, Mapping) and config.get("num_replicas") == self.sampler.num_replicas:
+            state["config"] = {**config, "rank": self.sampler.rank}  # rank 0's is every rank's
+        self.sampler.load_state_dict(state)
+        if int(state["live"]["stepped"]) >= self.sampler.num_samples:
+            # saved after the epoch's last step: Lightning resumes with the next epoch and draws
+            # from the loader once, so pass the (empty) rest of this one now
+            iter(self.sampler)
+        self._pending = None
 
 
 def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> None:
@@ -189,6 +310,11 @@ class NoiseScaleCallback(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
+        _single_process(
+            trainer, "NoiseScaleCallback",
+            "under DDP the last microbatch of a window is all-reduced and the others are not "
+            "(no_sync), so the microbatch gradients it compares would mix local and global ones.",
+        )  # fmt: skip
         if trainer.accumulate_grad_batches < 2:
             raise ValueError(
                 "NoiseScaleCallback compares microbatch gradients with their mean, so it needs "
