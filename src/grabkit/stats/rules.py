@@ -170,6 +170,13 @@ def _as_sequence(t: torch.Tensor, features: int) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, 1, features)
 
 
+def _summed_positions(t: torch.Tensor, features: int) -> torch.Tensor:
+    """(B, ..., f) -> (B, f) summed over the middle dims: a bias's per-example gradient. One
+    position is a view (a sum over one element would copy, for the same numbers)."""
+    positions = t.reshape(t.shape[0], -1, features)
+    return positions[:, 0] if positions.shape[1] == 1 else positions.sum(dim=1)
+
+
 def _require_batched(module: nn.Module, layer_input: torch.Tensor, min_dim: int) -> None:
     if layer_input.dim() < min_dim:
         raise ValueError(
@@ -199,8 +206,7 @@ class LinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, module.out_features).sum(dim=1)
+            per_example = _summed_positions(output_grad, module.out_features)
             out["bias"] = PerExampleFactor(per_example, module.bias.shape)
         return out
 
@@ -229,8 +235,7 @@ class TransposedLinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, out_features).sum(dim=1)
+            per_example = _summed_positions(output_grad, out_features)
             out["bias"] = PerExampleFactor(per_example, module.bias.shape)
         return out
 
