@@ -145,6 +145,8 @@ class KroneckerMap:
         p_out: (k_out, rows), p_in: (k_in, cols): Gaussian, or with orthogonal columns of norm
             sqrt(k) where k >= the side's dim (``_side``); E[P^T P] = k I either way.
         scale: 1 / sqrt(k_out k_in).
+        p_out_t / p_in_t: contiguous copies of the transposes, (rows, k_out) and (cols, k_in):
+            vectors are projected by a plain (B, f) @ (f, k) product.
     """
 
     def __init__(self, rows: int, cols: int, k_out: int, k_in: int, seed: int) -> None:
@@ -153,10 +155,16 @@ class KroneckerMap:
         self.p_out = _side(k_out, rows, gen)
         self.p_in = _side(k_in, cols, gen)
         self.scale = 1.0 / math.sqrt(k_out * k_in)
+        self._transpose()
+
+    def _transpose(self) -> None:
+        self.p_out_t = self.p_out.T.contiguous()
+        self.p_in_t = self.p_in.T.contiguous()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> KroneckerMap:
         self.p_out = self.p_out.to(device=device, dtype=dtype)
         self.p_in = self.p_in.to(device=device, dtype=dtype)
+        self._transpose()
         return self
 
     def dense(self, grads: torch.Tensor) -> torch.Tensor:
@@ -172,6 +180,26 @@ class KroneckerMap:
     def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
         """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
         return self._outer_sum(*self.embedding_sides(factor))
+
+    def add_outer_product(
+        self, out: torch.Tensor, factor: OuterProductFactor, scale: float, overwrite: bool
+    ) -> bool:
+        """(B, k) ``out`` += (or, with ``overwrite``, =) ``scale`` times the ``outer_product``
+        sketch, when the factor is one position of one group (a plain Linear): two
+        (B, f) @ (f, k) products and one fused outer product. Returns False, doing nothing,
+        for any other factor."""
+        b, t, g, p = factor.inputs.shape
+        if t * g != 1 or factor.out_features != self.rows or p != self.cols:
+            return False
+        left = torch.mm(factor.output_grads.reshape(b, self.rows), self.p_out_t)  # (B, k_out)
+        right = torch.mm(factor.inputs.reshape(b, p), self.p_in_t)  # (B, k_in)
+        left3, right3 = left.view(b, self.k_out, 1), right.view(b, 1, self.k_in)
+        out3 = out.view(b, self.k_out, self.k_in)
+        if overwrite:
+            torch.mul(left3.mul_(self.scale * scale), right3, out=out3)
+        else:
+            out3.addcmul_(left3, right3, value=self.scale * scale)
+        return True
 
     def outer_product_sides(self, factor: OuterProductFactor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, k_out, R) P_out D_ir and (B, k_in, R) P_in A_ir (R = T G rows per example, the
@@ -209,14 +237,16 @@ class KroneckerMap:
             return (left * right.transpose(1, 2)).reshape(b, -1)
         return (left @ right.transpose(1, 2)).reshape(b, -1)
 
-    def add_outer_sum(self, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-        """In place: (B, k) ``out`` += the ``_outer_sum`` of the two sides, without a (B, k)
-        temporary."""
+    def add_outer_sum(
+        self, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+    ) -> None:
+        """In place: (B, k) ``out`` += ``scale`` times the ``_outer_sum`` of the two sides,
+        without a (B, k) temporary."""
         out3 = out.view(out.shape[0], self.k_out, self.k_in)
         if left.shape[2] == 1:
-            out3.addcmul_(left, right.transpose(1, 2), value=self.scale)
+            out3.addcmul_(left, right.transpose(1, 2), value=self.scale * scale)
         else:
-            out3.baddbmm_(left, right.transpose(1, 2), alpha=self.scale)
+            out3.baddbmm_(left, right.transpose(1, 2), alpha=self.scale * scale)
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map in float64 (for checks: k times the parameter's
@@ -342,13 +372,15 @@ class GradientSketch:
         ``dtype`` is the statistics' dtype (at least float32); factors in another dtype are
         mapped in their own compute dtype and the result cast.
 
-        One (B, k) result is accumulated in place: a Kronecker part adds its outer products
-        with one fused op (no (B, k) temporary per layer), and the per-example gradients of
-        every CountSketched parameter (biases) go through one concatenated scatter-add, so the
-        step costs a few small ops per layer (what dominates small models, whose projections
-        are cheap).
+        One (B, k) result is accumulated in place, ``scale`` folded into each part: the first
+        Kronecker part of a plain Linear writes it (no zero fill), every Kronecker part adds its
+        outer products with one fused op (no (B, k) temporary per layer), and the per-example
+        gradients of every CountSketched parameter (biases) go through one concatenated
+        scatter-add, so a step costs a few small ops per layer (what dominates small models,
+        whose projections are cheap).
         """
-        out = torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
+        out = torch.empty(batch_size, self.dim, device=device, dtype=dtype)
+        written = False  # whether ``out`` holds a sum yet (else its contents are undefined)
         counted: list[tuple[str, torch.Tensor]] = []  # CountSketched (name, (B, n) grads)
         for name, factor in factors.items():
             if factor is None:
@@ -358,20 +390,31 @@ class GradientSketch:
                 tensor = _first_tensor(factor)
                 if tensor.dtype == dtype and tensor.device == out.device:
                     m = self._map_on(name, tensor.device, tensor.dtype)
-            if isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor):
-                m.add_outer_sum(out, *m.outer_product_sides(factor))
-            elif isinstance(m, KroneckerMap) and isinstance(factor, EmbeddingFactor):
-                m.add_outer_sum(out, *m.embedding_sides(factor))
-            elif isinstance(m, CountSketchMap) and isinstance(factor, PerExampleFactor):
+            if isinstance(m, CountSketchMap) and isinstance(factor, PerExampleFactor):
                 counted.append((name, factor.grads))
+                continue
+            plain = isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor)
+            if plain and m.add_outer_product(out, factor, scale, overwrite=not written):
+                written = True
+                continue
+            if not written:
+                out.zero_()
+                written = True
+            if isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor):
+                m.add_outer_sum(out, *m.outer_product_sides(factor), scale)
+            elif isinstance(m, KroneckerMap) and isinstance(factor, EmbeddingFactor):
+                m.add_outer_sum(out, *m.embedding_sides(factor), scale)
             else:  # a tied parameter's sum of uses, another dtype, another form
-                out.add_(self._factor(name, factor).to(dtype))
+                out.add_(self._factor(name, factor).to(dtype), alpha=scale)
+        if not written:
+            out.zero_()
         if counted:
             buckets, signs = self._counted_maps(tuple(n for n, _ in counted), device, dtype)
             grads = [g for _, g in counted]
+            signs = signs * scale if scale != 1.0 else signs
             signed = torch.cat(grads, dim=1).mul_(signs) if len(grads) > 1 else grads[0] * signs
             out.index_add_(1, buckets, signed)  # (an alpha would take a slow path)
-        return out.mul_(scale) if scale != 1.0 else out
+        return out
 
     def _counted_maps(
         self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
