@@ -142,12 +142,14 @@ class SignRule:
         self.largest_seen = 0.0  # for the scale-aware c: max |<s, z>| in this epoch
         self.generator = torch.Generator().manual_seed(0)
         self.pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
+        self._saved: dict | None = None  # state_dict() until the state next changes
 
     def start_epoch(self, seed: int, epoch: int) -> None:
         """Reseed the walk's random stream from (seed, epoch) and reset the scale estimate."""
         self.generator.manual_seed(_mix(seed, epoch, 0x5EED))
         self.pool = torch.empty(0, dtype=torch.float64)
         self.largest_seen = 0.0
+        self._saved = None
 
     def uniforms(self, count: int) -> np.ndarray | None:
         """``count`` U[0, 1) draws for the next decisions (None for the deterministic rule).
@@ -157,6 +159,7 @@ class SignRule:
         """
         if not self.probabilistic:
             return None
+        self._saved = None
         while self.pool.numel() < count:
             block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64)
             self.pool = torch.cat([self.pool, block])
@@ -169,6 +172,7 @@ class SignRule:
             return 1.0 if value < 0.0 else -1.0  # grab-sampler's convention: ties -> -1
         if self.c is None:
             self.largest_seen = max(self.largest_seen, abs(value))
+            self._saved = None
             c = self.largest_seen
         else:
             c = self.c
@@ -176,16 +180,22 @@ class SignRule:
         return 1.0 if uniform < p_plus else -1.0
 
     def state_dict(self) -> dict:
-        return {
-            "largest_seen": self.largest_seen,
-            "generator": self.generator.get_state(),
-            "pool": self.pool.clone(),
-        }
+        """A snapshot of the rule's state (the same object until the state next changes: the
+        sampler publishes it after every step, and the deterministic rule changes only when an
+        epoch starts)."""
+        if self._saved is None:
+            self._saved = {
+                "largest_seen": self.largest_seen,
+                "generator": self.generator.get_state(),
+                "pool": self.pool.clone(),
+            }
+        return self._saved
 
     def load_state_dict(self, state: dict) -> None:
         self.largest_seen = float(state["largest_seen"])
         self.generator.set_state(state["generator"])
         self.pool = state["pool"].to(torch.float64).clone()
+        self._saved = None
 
 
 def _mix(*parts: int) -> int:
