@@ -15,8 +15,13 @@
   ranks (2 and 4) by wrapping ``torch.distributed.all_gather``: sketched hook mode under DDP
   against the dense path (``step(per-example gradients)``) on the MLP (d = 666,330), B = 64.
 
-Usage: ``python benchmarks/run.py sketch [--quick] [--parts=speed,quality,train,comm]``
-(1 torch thread; ``--quick``: few rounds, no LM, small data, results not written).
+* breakdown (``--parts=breakdown``, not in the default run): CPU medians of the parts of the
+  sketched MLP pair step (engine factors, sketch read, balancing, publishing) inside the loop.
+
+Usage: ``python benchmarks/run.py sketch [--quick] [--parts=speed,quality,train,comm]
+[--workloads=mlp,lm] [--rounds=N] [--print-only]`` (1 torch thread; ``--quick``: few rounds, no
+LM, small data, results not written; ``--print-only``: real data, results not written, e.g. for
+an A/B of two checkouts run alternately).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +45,7 @@ from grabkit.stats.sketch import GradientSketch
 HERE = Path(__file__).resolve().parent
 MNIST = HERE.parents[1] / "shared" / "data" / "mnist"
 RESULTS = HERE / "results" / "sketch.md"
+WARMUP_STEPS = 20
 COMMAND = "python benchmarks/run.py sketch"
 
 
@@ -75,6 +82,53 @@ def speed(workload: str, rounds: int, quick: bool) -> list[str]:
             f"| {label} | {wall[label] * 1e3:.2f} | {wall[label] / wall['plain']:.2f} | "
             f"{cpu[label] * 1e3:.2f} | {cpu[label] / cpu['plain']:.2f} |"
         )
+    return lines
+
+
+def breakdown(steps: int, quick: bool) -> list[str]:
+    """Where the sketched MLP step's time goes: CPU medians of its parts inside the training
+    loop, each sketched step right after a plain model's step (caches as in ``speed``)."""
+    fresh, (batches, n, source) = build("mlp", synthetic=quick, rounds=steps)
+    plain, loop = Loop("plain", fresh(), n, batches), Loop("plain", fresh(), n, batches)
+    loop.sampler = GraBSampler(range(n), model=loop.model, balance_type="pair", statistics="sketch")
+    iter(loop.sampler)
+    times: dict[str, list[float]] = {}
+
+    def timed(label: str, fn):
+        def run(*args, **kwargs):
+            start = time.process_time()
+            result = fn(*args, **kwargs)
+            times.setdefault(label, []).append(time.process_time() - start)
+            return result
+
+        return run
+
+    stats, sampler = loop.sampler.stats, loop.sampler
+    parts = {
+        "`sampler.step()` in all": (sampler, "step"),
+        "- engine `step_factors()` (per-layer factors)": (stats.engine, "step_factors"),
+        "- sketch of the factors (`GradientSketch.apply`)": (stats.sketch, "apply"),
+        "- pair balancing of the (64, k) rows (`observe`)": (
+            sampler.ordering,
+            "observe",
+        ),
+        "- publishing the live state (`_publish`)": (sampler, "_publish"),
+    }
+    for label, (owner, name) in parts.items():
+        setattr(owner, name, timed(label, getattr(owner, name)))
+    plain_step, sketch_step = timed("plain step", plain.step), timed("sketched step", loop.step)
+    for _ in range(steps):
+        plain_step()
+        sketch_step()
+    lines = [
+        f"MLP, {source}, k = 1024, pair: CPU ms, medians of {steps - WARMUP_STEPS} steps.",
+        "",
+        "| part | ms per step |",
+        "|---|---:|",
+    ]
+    for label in ["plain step", "sketched step", *parts]:
+        lines.append(f"| {label} | {statistics.median(times[label][WARMUP_STEPS:]) * 1e3:.3f} |")
+    loop.sampler.close()
     return lines
 
 
@@ -252,6 +306,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", default="speed,quality,train,comm")
     parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--workloads", default="mlp,lm")
+    parser.add_argument("--print-only", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     parts = args.parts.split(",")
@@ -267,10 +323,16 @@ def main(argv: list[str]) -> None:
     print("\n".join(out), flush=True)
     if "speed" in parts:
         out += ["", "## Step cost against a plain step", ""]
-        for workload in ("mlp",) if args.quick else ("mlp", "lm"):
+        for workload in ("mlp",) if args.quick else args.workloads.split(","):
             rounds = args.rounds or (3 if args.quick else (20 if workload == "mlp" else 6))
             out += [*speed(workload, rounds, args.quick), ""]
             print("\n".join(out[-8:]), flush=True)
+    if "breakdown" in parts:
+        out += ["", "## Where the sketched MLP step's time goes", ""]
+        out += breakdown(
+            args.rounds * 10 if args.rounds else (60 if args.quick else 600), args.quick
+        )
+        print("\n".join(out[-12:]), flush=True)
     has_mnist = MNIST.is_dir()
     if "quality" in parts:
         out += ["", "## Herding quality: sketched against exact", ""]
@@ -288,7 +350,7 @@ def main(argv: list[str]) -> None:
         out += ["", "## Communication per step", ""]
         out += communication([2] if args.quick else [2, 4], batch=64)
     text = "\n".join(out) + "\n"
-    if args.quick:
+    if args.quick or args.print_only:
         print(text)
     else:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -46,14 +46,18 @@ def run_against_reference(
         assert order == expected, f"{kind}: epoch {epoch + 1} order differs"
 
 
-@pytest.fixture(params=["cpu-blocks", "cpu-3-row-blocks", "cpu-1-row-blocks", "one-transfer"])
+@pytest.fixture(
+    params=["cpu-one-gram", "cpu-blocks", "cpu-3-row-blocks", "cpu-1-row-blocks", "one-transfer"]
+)
 def balancing_path(request):
     """Run a test through every CPU block shape and the one-transfer (device) path."""
     return {
-        "cpu-blocks": BlockPolicy(),
+        "cpu-one-gram": BlockPolicy(),  # short rows: pair's differences all at once
+        "cpu-blocks": BlockPolicy(one_gram_macs=0),
         "one-transfer": BlockPolicy(rows=0),
-        "cpu-3-row-blocks": BlockPolicy(rows=3),
-        "cpu-1-row-blocks": BlockPolicy(max_bytes=1),  # what long gradients get: one row a block
+        "cpu-3-row-blocks": BlockPolicy(rows=3, one_gram_macs=0),
+        # what long gradients get: one row a block
+        "cpu-1-row-blocks": BlockPolicy(max_bytes=1, one_gram_macs=0),
     }[request.param]
 
 

@@ -74,15 +74,30 @@ class BlockPolicy:
         observe_rows: the sampler hands an ordering at most this many rows at a time, for the
             orderings whose decisions do not depend on how a visit sequence is cut, so the
             host transfer of a (B, B) Gram matrix stays small.
+        one_gram_macs: ``balance_dense_vectors`` takes all k vectors of a batch (k pair
+            differences of d numbers) at once when their Gram matrix costs at most this many
+            multiply-adds (k^2 d): short rows, such as (B, k) sketches, where the Python of a
+            block costs more than the Gram's extra arithmetic. 0 always cuts blocks.
     """
 
     rows: int = 16
     max_bytes: int = 4 << 20
     observe_rows: int = 1024
+    one_gram_macs: int = 1 << 21
 
     def block_rows(self, row_bytes: int) -> int:
         """How many vectors of ``row_bytes`` bytes a dense CPU block takes (at least one)."""
         return max(1, min(self.rows, self.max_bytes // row_bytes))
+
+    def one_gram(self, count: int, dim: int) -> bool:
+        """Whether ``count`` dense CPU vectors of ``dim`` numbers are balanced in one piece: one
+        (count, count) Gram matrix, one host copy, one update (``balance_dense_vectors``)."""
+        return self.rows > 0 and count * count * dim <= self.one_gram_macs
+
+    def vector_rows(self, count: int, dim: int, element_size: int) -> int:
+        """How many of ``count`` vectors of ``dim`` numbers ``balance_dense_vectors`` asks for
+        at once (what a scratch buffer for them must hold)."""
+        return count if self.one_gram(count, dim) else self.block_rows(dim * element_size)
 
 
 DEFAULT_POLICY = BlockPolicy()
@@ -127,12 +142,14 @@ class SignRule:
         self.largest_seen = 0.0  # for the scale-aware c: max |<s, z>| in this epoch
         self.generator = torch.Generator().manual_seed(0)
         self.pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
+        self._saved: dict | None = None  # state_dict() until the state next changes
 
     def start_epoch(self, seed: int, epoch: int) -> None:
         """Reseed the walk's random stream from (seed, epoch) and reset the scale estimate."""
         self.generator.manual_seed(_mix(seed, epoch, 0x5EED))
         self.pool = torch.empty(0, dtype=torch.float64)
         self.largest_seen = 0.0
+        self._saved = None
 
     def uniforms(self, count: int) -> np.ndarray | None:
         """``count`` U[0, 1) draws for the next decisions (None for the deterministic rule).
@@ -142,6 +159,7 @@ class SignRule:
         """
         if not self.probabilistic:
             return None
+        self._saved = None
         while self.pool.numel() < count:
             block = torch.rand(UNIFORM_BLOCK, generator=self.generator, dtype=torch.float64)
             self.pool = torch.cat([self.pool, block])
@@ -154,6 +172,7 @@ class SignRule:
             return 1.0 if value < 0.0 else -1.0  # grab-sampler's convention: ties -> -1
         if self.c is None:
             self.largest_seen = max(self.largest_seen, abs(value))
+            self._saved = None
             c = self.largest_seen
         else:
             c = self.c
@@ -161,16 +180,22 @@ class SignRule:
         return 1.0 if uniform < p_plus else -1.0
 
     def state_dict(self) -> dict:
-        return {
-            "largest_seen": self.largest_seen,
-            "generator": self.generator.get_state(),
-            "pool": self.pool.clone(),
-        }
+        """A snapshot of the rule's state (the same object until the state next changes: the
+        sampler publishes it after every step, and the deterministic rule changes only when an
+        epoch starts)."""
+        if self._saved is None:
+            self._saved = {
+                "largest_seen": self.largest_seen,
+                "generator": self.generator.get_state(),
+                "pool": self.pool.clone(),
+            }
+        return self._saved
 
     def load_state_dict(self, state: dict) -> None:
         self.largest_seen = float(state["largest_seen"])
         self.generator.set_state(state["generator"])
         self.pool = state["pool"].to(torch.float64).clone()
+        self._saved = None
 
 
 def _mix(*parts: int) -> int:
@@ -452,13 +477,34 @@ def balance_dense_vectors(
         accumulators: (1, d) running signed sum, updated in place once all blocks were finite.
     Returns:
         signs (count,).
+
+    When ``policy.one_gram(count, d)`` the vectors come in one piece (``policy.vector_rows``):
+    their (count, count) Gram matrix and their products with the sum go to the host as one
+    copy, the signs are decided there, and the sum moves by one update.
     """
-    shape = (count, accumulators.shape[1])
+    d = accumulators.shape[1]
+    if policy.one_gram(count, d):
+        return _balance_with_one_gram(vectors(0, count), accumulators, rule)
+    shape = (count, d)
     zero = np.zeros((count, 0))
     balancer = _DenseCpuBalance(
         vectors, shape, accumulators, rule, None, None, zero, 0, None, policy
     )
     signs, _ = balancer.run()
+    return signs[:, 0]
+
+
+def _balance_with_one_gram(
+    Z: torch.Tensor, accumulators: torch.Tensor, rule: SignRule
+) -> np.ndarray:
+    """Signs (k,) of the (k, d) CPU vectors ``Z`` against the (1, d) running sum, which moves by
+    sum_i eps_i z_i once every product was found finite."""
+    products = torch.cat([accumulators @ Z.T, Z @ Z.T]).numpy()  # (1 + k, k)
+    if not np.isfinite(products).all():
+        raise ValueError(NON_FINITE_HELP)
+    uniforms = rule.uniforms(Z.shape[0])
+    signs, _, coef = _run_flat_recursion(products[0], products[1:], rule, uniforms)
+    accumulators.addmm_(torch.from_numpy(coef).to(accumulators.dtype), Z)
     return signs[:, 0]
 
 

@@ -207,11 +207,12 @@ class LinearRule(LayerRule):
 
 
 def _summed_over_positions(output_grad: torch.Tensor) -> torch.Tensor:
-    """(B, ..., f) -> (B, f): a bias's per-example gradient (the (B, f) tensor itself, no
-    copy, when there is one position per example)."""
+    """(B, ..., f) -> (B, f): a bias's per-example gradient (a view, no copy, when there is one
+    position per example: a sum over one element would copy, for the same numbers)."""
     if output_grad.dim() == 2:
         return output_grad
-    return output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1]).sum(dim=1)
+    positions = output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1])
+    return positions[:, 0] if positions.shape[1] == 1 else positions.sum(dim=1)
 
 
 class TransposedLinearRule(LayerRule):

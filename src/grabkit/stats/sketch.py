@@ -145,6 +145,8 @@ class KroneckerMap:
         p_out: (k_out, rows), p_in: (k_in, cols): Gaussian, or with orthogonal columns of norm
             sqrt(k) where k >= the side's dim (``_side``); E[P^T P] = k I either way.
         scale: 1 / sqrt(k_out k_in).
+        p_out_t / p_in_t: contiguous copies of the transposes, (rows, k_out) and (cols, k_in):
+            vectors are projected by a plain (B, f) @ (f, k) product.
     """
 
     def __init__(self, rows: int, cols: int, k_out: int, k_in: int, seed: int) -> None:
@@ -153,10 +155,16 @@ class KroneckerMap:
         self.p_out = _side(k_out, rows, gen)
         self.p_in = _side(k_in, cols, gen)
         self.scale = 1.0 / math.sqrt(k_out * k_in)
+        self._transpose()
+
+    def _transpose(self) -> None:
+        self.p_out_t = self.p_out.T.contiguous()
+        self.p_in_t = self.p_in.T.contiguous()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> KroneckerMap:
         self.p_out = self.p_out.to(device=device, dtype=dtype)
         self.p_in = self.p_in.to(device=device, dtype=dtype)
+        self._transpose()
         return self
 
     def dense(self, grads: torch.Tensor) -> torch.Tensor:
@@ -167,6 +175,35 @@ class KroneckerMap:
 
     def outer_product(self, factor: OuterProductFactor) -> torch.Tensor:
         """(B, k) sketch of g_i = sum_t D_it A_it^T (per group), from the factor's A and D."""
+        return self._outer_sum(*self.outer_product_sides(factor))
+
+    def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
+        """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
+        return self._outer_sum(*self.embedding_sides(factor))
+
+    def add_outer_product(
+        self, out: torch.Tensor, factor: OuterProductFactor, scale: float, overwrite: bool
+    ) -> bool:
+        """(B, k) ``out`` += (or, with ``overwrite``, =) ``scale`` times the ``outer_product``
+        sketch, when the factor is one position of one group (a plain Linear): two
+        (B, f) @ (f, k) products and one fused outer product. Returns False, doing nothing,
+        for any other factor."""
+        b, t, g, p = factor.inputs.shape
+        if t * g != 1 or factor.out_features != self.rows or p != self.cols:
+            return False
+        left = torch.mm(factor.output_grads.reshape(b, self.rows), self.p_out_t)  # (B, k_out)
+        right = torch.mm(factor.inputs.reshape(b, p), self.p_in_t)  # (B, k_in)
+        left3, right3 = left.view(b, self.k_out, 1), right.view(b, 1, self.k_in)
+        out3 = out.view(b, self.k_out, self.k_in)
+        if overwrite:
+            torch.mul(left3.mul_(self.scale * scale), right3, out=out3)
+        else:
+            out3.addcmul_(left3, right3, value=self.scale * scale)
+        return True
+
+    def outer_product_sides(self, factor: OuterProductFactor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, k_out, R) P_out D_ir and (B, k_in, R) P_in A_ir (R = T G rows per example, the
+        map's scale not applied) for g_i = sum_t D_it A_it^T (per group)."""
         b, t, g, p = factor.inputs.shape
         q = factor.out_features
         if g * q != self.rows or p != self.cols:
@@ -181,15 +218,16 @@ class KroneckerMap:
             d = factor.output_grads
             left = torch.einsum("btgq,kgq->bktg", d, self.p_out.reshape(self.k_out, g, q))
             left = left.reshape(b, self.k_out, t * g)
-        return self._outer_sum(left, right)
+        return left, right
 
-    def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
-        """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
+    def embedding_sides(self, factor: EmbeddingFactor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, k_out, T) gathered columns of P_out and (B, k_in, T) P_in D_it, as
+        ``outer_product_sides``."""
         b, t = factor.indices.shape
         rows = self.p_out.T.index_select(0, factor.indices.reshape(-1))  # (B T, k_out)
         left = rows.reshape(b, t, self.k_out).transpose(1, 2)  # (B, k_out, T)
         right = _project(factor.output_grads.reshape(b, t, -1), self.p_in)  # (B, k_in, T)
-        return self._outer_sum(left, right)
+        return left, right
 
     def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         """(B, k_out, R), (B, k_in, R) -> (B, k): scale * sum_r left_r kron right_r."""
@@ -198,6 +236,17 @@ class KroneckerMap:
         if left.shape[2] == 1:  # one row per example: a broadcast product, no batched GEMM
             return (left * right.transpose(1, 2)).reshape(b, -1)
         return (left @ right.transpose(1, 2)).reshape(b, -1)
+
+    def add_outer_sum(
+        self, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
+    ) -> None:
+        """In place: (B, k) ``out`` += ``scale`` times the ``_outer_sum`` of the two sides,
+        without a (B, k) temporary."""
+        out3 = out.view(out.shape[0], self.k_out, self.k_in)
+        if left.shape[2] == 1:
+            out3.addcmul_(left, right.transpose(1, 2), value=self.scale * scale)
+        else:
+            out3.baddbmm_(left, right.transpose(1, 2), alpha=self.scale * scale)
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map in float64 (for checks: k times the parameter's
@@ -262,6 +311,7 @@ class GradientSketch:
         self.param_shapes = {name: torch.Size(s) for name, s in param_shapes.items()}
         self._cpu: dict[str, _Map] = {}
         self._moved: dict[tuple[str, torch.device, torch.dtype], _Map] = {}
+        self._concatenated: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def config(self) -> dict[str, Any]:
@@ -321,15 +371,64 @@ class GradientSketch:
 
         ``dtype`` is the statistics' dtype (at least float32); factors in another dtype are
         mapped in their own compute dtype and the result cast.
+
+        One (B, k) result is accumulated in place, ``scale`` folded into each part: the first
+        Kronecker part of a plain Linear writes it (no zero fill), every Kronecker part adds its
+        outer products with one fused op (no (B, k) temporary per layer), and the per-example
+        gradients of every CountSketched parameter (biases) go through one concatenated
+        scatter-add, so a step costs a few small ops per layer (what dominates small models,
+        whose projections are cheap).
         """
-        out: torch.Tensor | None = None
+        out = torch.empty(batch_size, self.dim, device=device, dtype=dtype)
+        written = False  # whether ``out`` holds a sum yet (else its contents are undefined)
+        counted: list[tuple[str, torch.Tensor]] = []  # CountSketched (name, (B, n) grads)
         for name, factor in factors.items():
-            if factor is not None:
-                part = self._factor(name, factor).to(dtype)
-                out = part if out is None else out.add_(part)
-        if out is None:
-            return torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
-        return out.mul_(scale) if scale != 1.0 else out
+            if factor is None:
+                continue
+            m = None
+            if not isinstance(factor, SumFactor):
+                tensor = _first_tensor(factor)
+                if tensor.dtype == dtype and tensor.device == out.device:
+                    m = self._map_on(name, tensor.device, tensor.dtype)
+            if isinstance(m, CountSketchMap) and isinstance(factor, PerExampleFactor):
+                counted.append((name, factor.grads))
+                continue
+            plain = isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor)
+            if plain and m.add_outer_product(out, factor, scale, overwrite=not written):
+                written = True
+                continue
+            if not written:
+                out.zero_()
+                written = True
+            if isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor):
+                m.add_outer_sum(out, *m.outer_product_sides(factor), scale)
+            elif isinstance(m, KroneckerMap) and isinstance(factor, EmbeddingFactor):
+                m.add_outer_sum(out, *m.embedding_sides(factor), scale)
+            else:  # a tied parameter's sum of uses, another dtype, another form
+                out.add_(self._factor(name, factor).to(dtype), alpha=scale)
+        if not written:
+            out.zero_()
+        if counted:
+            buckets, signs = self._counted_maps(tuple(n for n, _ in counted), device, dtype)
+            grads = [g for _, g in counted]
+            signs = signs * scale if scale != 1.0 else signs
+            signed = torch.cat(grads, dim=1).mul_(signs) if len(grads) > 1 else grads[0] * signs
+            out.index_add_(1, buckets, signed)  # (an alpha would take a slow path)
+        return out
+
+    def _counted_maps(
+        self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CountSketch buckets (N,) and signs (N,) of several parameters side by side (N
+        their sizes added), built once per set of names, device and dtype."""
+        key = (names, device, dtype)
+        if key not in self._concatenated:
+            maps = [self._map_on(name, device, dtype) for name in names]
+            self._concatenated[key] = (
+                torch.cat([m.buckets for m in maps]),
+                torch.cat([m.signs for m in maps]),
+            )
+        return self._concatenated[key]
 
     def _factor(self, name: str, factor: ParameterFactor) -> torch.Tensor:
         if isinstance(factor, SumFactor):  # tied parameter: S_p is linear, sum the uses

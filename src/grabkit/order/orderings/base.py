@@ -210,6 +210,7 @@ class IndexTensor:
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.int64)
+        self._host = self.buffer.numpy()  # the same memory: written without a torch op per step
         self.done = 0
 
     def reset(self) -> None:
@@ -222,9 +223,9 @@ class IndexTensor:
         if self.buffer.numel() < count:
             grown = torch.empty(max(count, 2 * self.buffer.numel()), dtype=torch.int64)
             grown[: self.done] = self.buffer[: self.done]
-            self.buffer = grown
+            self.buffer, self._host = grown, grown.numpy()
         if count > self.done:
-            self.buffer[self.done : count] = torch.tensor(items[self.done :], dtype=torch.int64)
+            self._host[self.done : count] = items[self.done :]
         self.done = count
         return self.buffer[:count]
 

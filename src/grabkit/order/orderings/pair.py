@@ -126,7 +126,9 @@ class PairBalance(Ordering):
             raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
         shift = 1 if self.pending is not None else 0  # z_j = X[2j - shift] - X[2j + 1 - shift]
         scratch = torch.empty(
-            self.policy.block_rows(self.acc[0].nbytes), X.shape[1], dtype=self.acc.dtype
+            self.policy.vector_rows(k, X.shape[1], self.acc.element_size()),
+            X.shape[1],
+            dtype=self.acc.dtype,
         )
 
         def differences(lo: int, hi: int) -> torch.Tensor:
