@@ -385,36 +385,64 @@ class GradientSketch:
         for name, factor in factors.items():
             if factor is None:
                 continue
-            m = None
-            if not isinstance(factor, SumFactor):
-                tensor = _first_tensor(factor)
-                if tensor.dtype == dtype and tensor.device == out.device:
-                    m = self._map_on(name, tensor.device, tensor.dtype)
+            m = self._direct_map(name, factor, out)
             if isinstance(m, CountSketchMap) and isinstance(factor, PerExampleFactor):
                 counted.append((name, factor.grads))
                 continue
-            plain = isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor)
-            if plain and m.add_outer_product(out, factor, scale, overwrite=not written):
-                written = True
-                continue
-            if not written:
-                out.zero_()
-                written = True
-            if isinstance(m, KroneckerMap) and isinstance(factor, OuterProductFactor):
-                m.add_outer_sum(out, *m.outer_product_sides(factor), scale)
-            elif isinstance(m, KroneckerMap) and isinstance(factor, EmbeddingFactor):
-                m.add_outer_sum(out, *m.embedding_sides(factor), scale)
-            else:  # a tied parameter's sum of uses, another dtype, another form
-                out.add_(self._factor(name, factor).to(dtype), alpha=scale)
+            written = self._add_factor(out, written, name, factor, m, scale)
         if not written:
             out.zero_()
         if counted:
-            buckets, signs = self._counted_maps(tuple(n for n, _ in counted), device, dtype)
-            grads = [g for _, g in counted]
-            signs = signs * scale if scale != 1.0 else signs
-            signed = torch.cat(grads, dim=1).mul_(signs) if len(grads) > 1 else grads[0] * signs
-            out.index_add_(1, buckets, signed)  # (an alpha would take a slow path)
+            self._add_counted(out, counted, scale)
         return out
+
+    def _direct_map(
+        self, name: str, factor: ParameterFactor, out: torch.Tensor
+    ) -> KroneckerMap | CountSketchMap | None:
+        """The parameter's map when its factor can be added straight into ``out`` (same dtype
+        and device, not a tied sum), else None."""
+        if isinstance(factor, SumFactor):
+            return None
+        tensor = _first_tensor(factor)
+        if tensor.dtype != out.dtype or tensor.device != out.device:
+            return None
+        return self._map_on(name, tensor.device, tensor.dtype)
+
+    def _add_factor(
+        self,
+        out: torch.Tensor,
+        written: bool,
+        name: str,
+        factor: ParameterFactor,
+        m: KroneckerMap | CountSketchMap | None,
+        scale: float,
+    ) -> bool:
+        """Add ``scale * S_p g_i^(p)`` of one parameter into ``out`` (B, k), or write it there
+        when nothing is ``written`` yet; returns True (``out`` now holds a sum)."""
+        kronecker = isinstance(m, KroneckerMap)
+        outer = isinstance(factor, OuterProductFactor)
+        if kronecker and outer and m.add_outer_product(out, factor, scale, overwrite=not written):
+            return True  # a plain Linear's sketch, written or added in place
+        if not written:
+            out.zero_()
+        if kronecker and outer:
+            m.add_outer_sum(out, *m.outer_product_sides(factor), scale)
+        elif kronecker and isinstance(factor, EmbeddingFactor):
+            m.add_outer_sum(out, *m.embedding_sides(factor), scale)
+        else:  # a tied parameter's sum of uses, another dtype, another form
+            out.add_(self._factor(name, factor).to(out.dtype), alpha=scale)
+        return True
+
+    def _add_counted(
+        self, out: torch.Tensor, counted: list[tuple[str, torch.Tensor]], scale: float
+    ) -> None:
+        """Add the CountSketches of several parameters' (B, n) per-example gradients into
+        ``out`` with one scatter-add."""
+        buckets, signs = self._counted_maps(tuple(n for n, _ in counted), out.device, out.dtype)
+        grads = [g for _, g in counted]
+        signs = signs * scale if scale != 1.0 else signs
+        signed = torch.cat(grads, dim=1).mul_(signs) if len(grads) > 1 else grads[0] * signs
+        out.index_add_(1, buckets, signed)  # (an alpha would take a slow path)
 
     def _counted_maps(
         self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
