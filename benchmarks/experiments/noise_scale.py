@@ -185,6 +185,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     at_target = [m.b_simple[-1][2] for m in measured if m.b_simple]
     b_simple = statistics.fmean(at_target)
+    # the EMA over the run's second half, and its lowest and highest reading after warm-up
+    second_half = [v for m in measured for _, _, v in m.b_simple[len(m.b_simple) // 2 :]]
+    after_warmup = [v for m in measured for _, _, v in m.b_simple[20:]] or second_half
     ratio = b_crit / b_simple
 
     rows = []
@@ -223,7 +226,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"- fit S(B) = S_min (1 + B_crit / B): **S_min = {s_min:.0f} steps, E_min = "
         f"{e_min:.0f} examples, B_crit = {b_crit:.0f}**\n"
         f"- B_simple at the target loss (batch {measure_batch}, lr {best[measure_batch].lr}, "
-        f"PerExampleNoiseScale EMA, {len(at_target)} seed(s)): **{b_simple:.0f}** {spread}\n"
+        f"PerExampleNoiseScale EMA, {len(at_target)} seed(s)): **{b_simple:.0f}** {spread}; "
+        f"its readings after the first 20 steps span {min(after_warmup):.0f} to "
+        f"{max(after_warmup):.0f}, mean {statistics.fmean(second_half):.0f} over the "
+        "second half (B_crit here is a property of the whole run to the target, B_simple of "
+        "one point of it)\n"
         f"- {verdict}. McCandlish et al. report B_simple and B_crit agreeing to within roughly "
         "an order of magnitude across their tasks (B_simple approximates their B_noise, which "
         "assumes a well-conditioned Hessian), so that is the test applied here.\n\n"
@@ -249,7 +256,7 @@ def plot_results(best, reached, s_min, e_min, b_crit, measured, target, args):
     ax.legend(fontsize=7, ncol=2)
 
     ax = axes[0][1]
-    ratio = torch.logspace(-0.6, 2.2, 200, dtype=torch.float64)
+    ratio = torch.logspace(-1.5, 2.2, 200, dtype=torch.float64)
     ax.plot(1 + ratio, 1 + 1 / ratio, "k-", lw=1, label="(S/S_min - 1)(E/E_min - 1) = 1")
     for k, b in enumerate(reached):
         r = best[b]

@@ -184,8 +184,8 @@ def make_task(name: str, quick: bool, synthetic: bool) -> Task:
             test_ids = torch.randint(0, vocab, (16 * context + 1,), generator=g)
         else:
             train_ids, test_ids, vocab = datasets.word_corpus("wikitext2", 5000)
-        x, y = _windows(train_ids, context, 512 if quick else 1024)
-        xt, yt = _windows(test_ids, context, 256 if quick else 512)
+        x, y = _windows(train_ids, context, 256 if quick else 1024)
+        xt, yt = _windows(test_ids, context, 128 if quick else 512)
 
         def perplexity(model: nn.Module) -> float:
             with torch.no_grad():
