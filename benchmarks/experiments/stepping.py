@@ -228,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def plot_runs(by: dict[str, list[Run]], seeds: int, args) -> object:
+    from matplotlib import ticker  # imported with the figure, as in common.new_figure
+
     figure, axes = new_figure(1, 2, width=5.4, height=3.8)
     for k, (name, rs) in enumerate(by.items()):
         color = f"C{k}"
@@ -244,6 +246,9 @@ def plot_runs(by: dict[str, list[Run]], seeds: int, args) -> object:
     axes[0][0].set_title("validation loss vs tokens seen", fontsize=10)
     axes[0][1].set_xlabel("optimizer steps (log)")
     axes[0][1].set_xscale("log")
+    axes[0][1].xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axes[0][1].xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[0][1].xaxis.set_minor_formatter(ticker.NullFormatter())
     axes[0][1].set_title("validation loss vs optimizer steps", fontsize=10)
     for ax in axes[0]:
         ax.set_ylabel("validation loss (nats / token)")
