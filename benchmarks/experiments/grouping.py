@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         labels = [labels[i] for i in pick]
         items, vocab = encode(texts, 20_000)
         source = f"{n} IMDB training reviews drawn at random (seed 0)"
-    epochs = args.epochs or (1 if args.quick or args.synthetic else 2)
+    epochs = args.epochs or (1 if args.quick or args.synthetic else 3)
     seeds = args.seeds or 1
     data = list(zip(items, labels, strict=True))
     lengths = [len(x) for x in items]
@@ -226,9 +226,10 @@ def plot_runs(losses, seconds, epochs, args):
         ax.plot(
             range(1, len(values) + 1),
             smooth,
-            color=f"C{k}",
-            lw=2.5 if c == "padded" else 1.2,
-            ls=":" if c == "grouped" else "-",
+            color="k" if c == "grouped" else f"C{k}",
+            lw={"padded": 4.0, "buckets": 1.0, "grouped": 1.2}[c],
+            ls="--" if c == "grouped" else "-",
+            alpha=0.5 if c == "padded" else 1.0,
             label=c,
         )
     ax.set_xlabel("optimizer step")
@@ -252,8 +253,8 @@ def plot_runs(losses, seconds, epochs, args):
         figure,
         args.out,
         "grouping.png",
-        "Grouped (dotted) runs the padded run's minibatches, so its curve lies on the padded one; "
-        "buckets run other minibatches.",
+        "Grouped (black dashes) runs the padded run's minibatches, so its curve lies on the padded "
+        "one (thick); buckets run other minibatches.",
     )
 
 
