@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         items, vocab = encode(texts, 20_000)
         source = f"{n} IMDB training reviews drawn at random (seed 0)"
     epochs = args.epochs or (1 if args.quick or args.synthetic else 3)
-    seeds = args.seeds or 1
+    seeds = args.seeds or (1 if args.quick or args.synthetic else 2)
     data = list(zip(items, labels, strict=True))
     lengths = [len(x) for x in items]
     grouping = GroupingCollate()

@@ -184,7 +184,7 @@ def make_task(name: str, quick: bool, synthetic: bool) -> Task:
             test_ids = torch.randint(0, vocab, (16 * context + 1,), generator=g)
         else:
             train_ids, test_ids, vocab = datasets.word_corpus("wikitext2", 5000)
-        x, y = _windows(train_ids, context, 256 if quick else 1024)
+        x, y = _windows(train_ids, context, 128 if quick else 1024)
         xt, yt = _windows(test_ids, context, 128 if quick else 512)
 
         def perplexity(model: nn.Module) -> float:
@@ -417,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             },
         },
     )
-    seeds = args.seeds or (2 if args.quick or args.synthetic else 5)
+    seeds = args.seeds or (1 if args.quick or args.synthetic else 5)
     chosen = [o for o in (args.orderings or ",".join(CONTENDERS)).split(",") if o]
     unknown = sorted(set(chosen) - set(CONTENDERS))
     if unknown:
