@@ -125,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     real_tokens = {c: 0 for c in CONTENDERS}
     computed = {c: 0 for c in CONTENDERS}
     final = {c: [] for c in CONTENDERS}
+    groups: list[int] = []  # groups per grouped minibatch, epoch 1 of seed 0
     for seed in range(seeds):
         models, opts = {}, {}
         for c in CONTENDERS:
@@ -150,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                             real = sum(lengths[i] for i in plans[c][len(epoch_losses)])
                             real_tokens[c] += real
                             computed[c] += real / batch.padding_efficiency()
+                            groups.append(len(batch.group_masks()))
                     else:
                         x, mask, y = batch
                         logits = model(x, mask)
@@ -182,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             mean_spread(seconds[c], "{:.1f}"),
             f"{padded_mean / statistics.fmean(seconds[c]):.2f}x",
             f"{real_tokens[c] / computed[c]:.2f}",
+            f"{1e6 * statistics.fmean(seconds[c]) / computed[c]:.0f}",
             f"{statistics.fmean(losses[c][-len(plans[c]) :]):.4f}",
         ]
         for c in CONTENDERS
@@ -192,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "s / epoch",
             "speed-up vs padded",
             "padding efficiency (epoch 1)",
+            "µs per computed position",
             "mean training loss, last epoch (seed 0)",
         ],
         rows,
@@ -206,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"epoch(s) x {seeds} seed(s), contenders interleaved epoch by epoch; ± is half the "
         "min-max range over epochs and seeds.\n\n"
         f"{table}\n\n"
+        f"Grouped minibatches ran as {statistics.fmean(groups):.1f} groups on average "
+        f"({min(groups)}-{max(groups)}); a computed position is a (review, token) slot of a "
+        "padded tensor the model ran on.\n\n"
         f"Same minibatches, same loss: the largest |padded - grouped| per-step training loss "
         f"over {len(losses['padded'])} steps is **{diff:.2e}** (float summation order only). "
         "Buckets change the minibatches, so their loss curve is a different run.\n\n"
