@@ -25,8 +25,10 @@ the first step) minus its RSS before them, i.e. what the training steps themselv
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
 
-Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm]`` (default
-1 torch thread; ``--quick`` runs the MLP only, few rounds, random data).
+Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm,gpt]
+[--contenders=plain,hook-pair,hook-mean] [--rounds=N]`` (default 1 torch thread; ``--quick`` runs
+the MLP only, few rounds, random data). An A/B of two checkouts runs this command alternately
+with ``PYTHONPATH`` pointing at each one's ``src``.
 """
 
 from __future__ import annotations
@@ -384,7 +386,7 @@ def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> N
         print(f"| {k} | {v * 1e3:.2f} | {v / costs['plain step']:.2f} |")
 
 
-# -- gpt: the small GPT of issue 10 ---------------------------------------------------------------
+# -- gpt: a small GPT, tied or untied --------------------------------------------------------------
 GPT_VOCAB, GPT_WIDTH, GPT_LAYERS, GPT_LENGTH, GPT_BATCH = 2000, 128, 2, 64, 16
 
 
@@ -428,12 +430,14 @@ class SmallGpt(nn.Module):
 def _held_mib(stats: PerSampleStats) -> float:
     """MiB of distinct tensor storages the engine keeps for one step (inputs, output grads)."""
     seen: dict[int, int] = {}
-    for layer in stats._layers:
-        for call in layer.calls:
-            for t in (call.captured, call.output_grad):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
+    pending = [(call.captured, call.output_grad) for layer in stats._layers for call in layer.calls]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(item, (tuple, list)):  # a recurrent call keeps several tensors
+            pending.extend(item)
     return sum(seen.values()) / 2**20
 
 
@@ -485,13 +489,103 @@ def run_gpt(args: argparse.Namespace) -> None:
         stats.close()
 
 
+# -- lstm: a recurrent LM beside a feed-forward counterpart --------------------------------------
+LSTM_VOCAB, LSTM_WIDTH, LSTM_LENGTH, LSTM_BATCH = 2000, 128, 64, 16
+
+
+class RecurrentLm(nn.Module):
+    """Embedding -> one middle block over every position -> head over the vocabulary.
+
+    ``lstm``: a one-layer ``nn.LSTM`` (131,584 parameters); ``feed-forward``: its counterpart of
+    about the same size without recurrence, Linear(d, 4d) -> tanh -> Linear(4d, d) per
+    position (131,712 parameters).
+    """
+
+    def __init__(self, middle: str) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(LSTM_VOCAB, LSTM_WIDTH)
+        self.recurrent = middle == "lstm"
+        width = LSTM_WIDTH
+        self.middle = (
+            nn.LSTM(width, width, batch_first=True)
+            if self.recurrent
+            else nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(), nn.Linear(4 * width, width))
+        )
+        self.head = nn.Linear(width, LSTM_VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(idx)
+        return self.head(self.middle(x)[0] if self.recurrent else self.middle(x))
+
+
+def run_lstm(args: argparse.Namespace) -> None:
+    """Norms-only and norms + Gram steps over a plain step: LSTM LM vs feed-forward LM."""
+    rounds = args.rounds or (4 if args.quick else 10)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, LSTM_VOCAB, (LSTM_BATCH, LSTM_LENGTH + 1), generator=gen)
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    contenders: dict[str, Callable[[], None]] = {}
+    engines: dict[str, PerSampleStats] = {}
+    for middle in ("feed-forward", "lstm"):
+        for read in ("plain", "norms", "norms+gram"):
+            torch.manual_seed(0)
+            model = RecurrentLm(middle)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            stats = None if read == "plain" else PerSampleStats(model)
+            if stats is not None:
+                engines[f"{middle} {read}"] = stats
+
+            def step(model=model, opt=opt, stats=stats, read=read) -> None:
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if stats is not None:
+                    stats.norms_squared()
+                    if read == "norms+gram":
+                        stats.gram()
+                opt.step()
+
+            contenders[f"{middle} {read}"] = step
+    times, cpu = timed_side_by_side(contenders, rounds=rounds, inner=1)
+    print(
+        f"\n### lstm: vocab {LSTM_VOCAB}, d = {LSTM_WIDTH}, T = {LSTM_LENGTH}, "
+        f"B = {LSTM_BATCH}; {rounds} rounds\n"
+    )
+    print("| model | read | wall ms / step | x plain | CPU ms / step | x plain | held MiB |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key in contenders:
+        middle, read = key.split(" ")
+        base = f"{middle} plain"
+        held = f"{_held_mib(engines[key]):.1f}" if key in engines else "-"
+        print(
+            f"| {middle} | {read} | {times[key] * 1e3:.1f} | {times[key] / times[base]:.2f} | "
+            f"{cpu[key] * 1e3:.1f} | {cpu[key] / cpu[base]:.2f} | {held} |"
+        )
+    for read in ("norms", "norms+gram"):
+        ratio = (cpu[f"lstm {read}"] / cpu["lstm plain"]) / (
+            cpu[f"feed-forward {read}"] / cpu["feed-forward plain"]
+        )
+        print(f"\nLSTM / feed-forward, {read} over plain (CPU): {ratio:.2f}x")
+    for stats in engines.values():
+        stats.close()
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_stats", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds on random data")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--rounds", type=int, default=0, help="timing rounds (0: default)")
     parser.add_argument(
-        "--workloads", default=None, help="comma-separated: mlp,lm,gpt (default all; --quick: mlp)"
+        "--workloads",
+        default=None,
+        help="comma-separated: mlp,lm,gpt,lstm (default all; --quick: mlp)",
+    )
+    parser.add_argument(
+        "--contenders",
+        default=None,
+        help="comma-separated subset of the MLP / LM contenders (plain is always timed), e.g. "
+        "plain,hook-pair,hook-mean for an A/B of the hook path between two checkouts",
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
@@ -501,15 +595,20 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(args.threads)
     print(machine_description())
     kinds = ["plain", "hook-pair", "hook-mean", "func-pair", "func-mean"]
-    missing = opacus_available()
+    wanted = None if args.contenders is None else {"plain", *args.contenders.split(",")}
+    missing = opacus_available() if wanted is None or "opacus-pair" in wanted else "not asked for"
     if missing is None:
         kinds.append("opacus-pair")
     else:
         print(f"\nopacus not measured: {missing}")
-    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm,gpt")
+    if wanted is not None:
+        kinds = [k for k in kinds if k in wanted]
+    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm,gpt,lstm")
     for workload in workloads.split(","):
         if workload == "gpt":
             run_gpt(args)
+        elif workload == "lstm":
+            run_lstm(args)
         else:
             run_workload(workload, args, kinds)
 

@@ -54,6 +54,14 @@ def test_python_dash_m_grabkit_prints_usage():
     assert "usage: grabkit" in done.stdout and "demo" in done.stdout
 
 
+def test_unknown_demo_option_prints_the_demo_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: grabkit demo" in err and "unrecognized arguments: --bogus" in err
+
+
 def test_demo_writes_png_and_table(tmp_path, capsys):
     out = tmp_path / "plots" / "demo.png"
     code = main(

@@ -112,8 +112,11 @@ def _run_demo(demo_parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the subcommand; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = getattr(args, "command_parser", parser)
+    if unknown:  # named against the subcommand's own usage, not the top-level one
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "demo":
-        return _run_demo(args.command_parser, args)
+        return _run_demo(command_parser, args)
     parser.print_help()
     return 0

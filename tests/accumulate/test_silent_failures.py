@@ -1,4 +1,4 @@
-"""Silent wrong results of issue 9 (stepping), each a test that failed on the old code.
+"""Silent wrong results in stepping, each a test that failed on the old code.
 
 * a scheduler on the wrapper acts on the real learning rate after any ``load_state_dict``;
 * ``zero_grad()`` between backward and step, or ``step()`` without backward, discards the

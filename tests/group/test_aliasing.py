@@ -52,7 +52,7 @@ def test_setting_a_key_on_a_copy_leaves_the_original_alone(grouped) -> None:
     assert snapshot(dc)[0] == keys(make(False).shapesig_data)
 
 
-def test_the_issue_example() -> None:
+def test_adding_a_key_to_a_moved_copy_leaves_the_original_groupable() -> None:
     dc = make(False)
     m = dc.to("cpu")
     m["c"] = m["x"]

@@ -1,6 +1,6 @@
 """GrabkitTrainer against the real transformers Trainer, tiny BERT from a config, CPU.
 
-Each silent failure of the plain wiring (issue 13) is shown going wrong next to the integration
+Each silent failure of the plain wiring is shown going wrong next to the integration
 going right.
 """
 

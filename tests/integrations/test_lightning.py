@@ -1,6 +1,6 @@
 """grabkit's Lightning callbacks against the real Lightning Trainer, tiny BERT, CPU.
 
-Each silent failure of the plain wiring (issue 13) is shown going wrong next to the callback
+Each silent failure of the plain wiring is shown going wrong next to the callback
 going right.
 """
 

@@ -1,4 +1,4 @@
-"""Noise estimators under NaN and resume (issue 9), each failing on the old code:
+"""Noise estimators under NaN and resume, each failing on the old code:
 
 * one NaN loss no longer breaks ``GradientNoiseScaleEstimator`` for good;
 * ``AccumulationNoiseScale`` / ``MicrobatchNoiseScale`` checkpointed in mid-step resume to the

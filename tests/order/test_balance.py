@@ -142,3 +142,23 @@ def test_sequential_orderings_ignore_how_an_epoch_is_cut_into_batches(
             pieces.step(X[order[start : start + b]])
             start += b
     assert list(whole) == list(pieces)
+
+
+@pytest.mark.parametrize("probabilistic", [False, True])
+def test_flat_recursion_gives_the_numbers_of_a_scalar_loop(probabilistic):
+    """The vectorised row updates add the same floating-point numbers in the same order."""
+    rng = np.random.default_rng(1)
+    Z = rng.normal(size=(40, 7))
+    values = rng.normal(size=(40, 1)) * 1e-3
+    kernel = Z @ Z.T
+    rule = SignRule(probabilistic=probabilistic)
+    rule.start_epoch(0, 0)
+    uniforms = rule.uniforms(40)
+    signs, _, _ = run_recursion(values, kernel, rule, uniforms=uniforms)
+    reference = SignRule(probabilistic=probabilistic)
+    pending = values[:, 0].tolist()
+    for i in range(40):
+        eps = reference.decide(pending[i], None if uniforms is None else float(uniforms[i]))
+        assert signs[i, 0] == eps
+        for later in range(i + 1, 40):
+            pending[later] += eps * kernel[i, later]

@@ -144,3 +144,43 @@ def test_balance_type_accepts_an_enum_member():
         PAIR_BALANCE = "pair"
 
     assert GraBSampler(range(4), balance_type=BalanceType.PAIR_BALANCE).balance_type == "pair"
+
+
+def test_stale_mean_running_sum_is_updated_in_place_but_never_a_loaded_one():
+    from grabkit.order.orderings.centred import StaleMean
+
+    mean = StaleMean()
+    mean.add(torch.ones(3), 2)
+    running = mean.running_sum
+    mean.add(torch.ones(3), 2)
+    assert mean.running_sum is running  # no new tensor per batch
+    torch.testing.assert_close(running, torch.full((3,), 2.0))
+    saved = mean.state_dict()
+    other = StaleMean()
+    other.load_state_dict(saved)
+    other.add(torch.ones(3), 1)
+    torch.testing.assert_close(saved["running_sum"], torch.full((3,), 2.0))
+    mean.roll()
+    torch.testing.assert_close(mean.value, torch.full((3,), 0.5))
+
+
+def test_stale_mean_takes_hook_batches_without_forming_their_sum():
+    from torch import nn
+
+    from grabkit.order.orderings.centred import StaleMean
+    from grabkit.stats import PerSampleStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    direct, from_batches = StaleMean(), StaleMean()
+    with PerSampleStats(model) as stats:
+        for seed in range(3):
+            gen = torch.Generator().manual_seed(seed)
+            x = torch.randn(5, 3, generator=gen)
+            model(x).square().mean().backward()
+            batch = stats.gradient_batch()
+            direct.add(batch.total(), 5)
+            from_batches.add_batch(batch, 5)
+            model.zero_grad()
+    torch.testing.assert_close(from_batches.running_sum, direct.running_sum)
+    assert from_batches.count == direct.count == 15

@@ -338,3 +338,61 @@ def test_layer_called_on_batches_of_different_sizes_is_reported():
         (model(torch.randn(3, 4)).sum() + model(torch.randn(5, 4)).sum()).backward()
         with pytest.raises(ValueError, match="same examples in every call"):
             stats.norms_squared()
+
+
+def test_statistics_still_held_keep_their_totals_through_later_steps():
+    """The next backward copies its batch gradient into the previous step's copies only when
+    no statistics of that step are held any more."""
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        step(model, seed=0)
+        held = stats.gradient_batch()
+        expected = held.total().clone()
+        for seed in (1, 2):
+            model.zero_grad()
+            step(model, seed=seed)
+            stats.norms_squared()
+        torch.testing.assert_close(held.total(), expected)
+
+
+def test_batch_gradient_copies_are_reused_when_nothing_holds_them():
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        step(model, seed=0)
+        stats.norms_squared()
+        first = {name: g.data_ptr() for name, g in stats.statistics().batch_gradients.items()}
+        model.zero_grad()
+        step(model, seed=1)  # the first step's statistics were dropped by this forward
+        second = stats.statistics().batch_gradients
+        assert {name: g.data_ptr() for name, g in second.items()} == first
+        expected = torch.cat([p.grad.reshape(-1) * 6 for p in model.parameters()])
+        torch.testing.assert_close(stats.gradient_batch().total(), expected)
+
+
+def test_flat_layout_cuts_views_once_per_buffer():
+    from grabkit.stats.gradient_batch import FlatLayout
+
+    layout = FlatLayout({"w": torch.Size([2, 3]), "b": torch.Size([2])})
+    assert layout.dim == 8
+    flat = torch.arange(16.0).reshape(2, 8)
+    views = layout.views(flat)
+    assert layout.views(flat) is views  # the same buffer: the same views
+    views["b"].add_(100)  # views, not copies
+    assert flat[:, 6:].min() >= 100
+    torch.testing.assert_close(views["w"], flat[:, :6].reshape(2, 2, 3))
+    strided = torch.arange(16.0).reshape(8, 2).T  # last dim not unit-stride: reshaped copies
+    torch.testing.assert_close(layout.views(strided)["w"], strided[:, :6].reshape(2, 2, 3))
+    del views, flat
+    assert layout._cuts == []  # a buffer that is gone is forgotten with its views
+
+
+def test_total_added_in_place_equals_total():
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        step(model)
+        batch = stats.gradient_batch()
+        target = torch.ones(batch.dim)
+        batch.add_total_to(target)
+        torch.testing.assert_close(target, batch.total() + 1)
+        with pytest.raises(ValueError, match="`target` should have shape"):
+            batch.add_total_to(torch.zeros(1, batch.dim))

@@ -113,3 +113,84 @@ def test_half_precision_inputs_accumulate_in_float32():
 def test_unknown_strategy_is_rejected():
     with pytest.raises(ValueError, match="`strategy` should be one of"):
         OuterProductFactor(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1), (1, 1), "fast")
+
+
+@SETTINGS
+@given(
+    b=st.integers(2, 4),
+    t=st.integers(1, 6),
+    rows=st.integers(1, 8),
+    dim=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_embedding_factor_with_indices_shared_by_the_batch(b, t, rows, dim, seed):
+    """Positions looked up once and expanded over the batch (stride 0): the (T, T) form."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, rows, (t,), generator=gen)  # repeats included
+    idx = shared.unsqueeze(0).expand(b, t)
+    d = torch.randn(b, t, dim, generator=gen, dtype=torch.float64)
+    dense = torch.zeros(b, rows, dim, dtype=torch.float64)
+    for i in range(b):
+        dense[i].index_add_(0, shared, d[i])
+    check_factor(EmbeddingFactor(idx, d, torch.Size([rows, dim])), dense, seed)
+
+
+def test_linear_bias_shares_the_output_gram_of_its_weight():
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 1, 1, 4, generator=gen, dtype=torch.float64)
+    d = torch.randn(5, 1, 1, 3, generator=gen, dtype=torch.float64)
+    weight = OuterProductFactor(a, d, torch.Size([3, 4]))
+    bias = PerExampleFactor(d.reshape(5, 3), torch.Size([3]), output_of=weight)
+    check_factor(bias, d.reshape(5, 3), 3)
+    assert bias.gram() is weight.output_gram()  # computed once for both
+    dense = torch.einsum("bq,bp->bqp", d[:, 0, 0], a[:, 0, 0])
+    check_factor(weight, dense, 3)
+    with pytest.raises(ValueError, match="one position and one group"):
+        OuterProductFactor(a.expand(5, 2, 1, 4), d.expand(5, 2, 1, 3), (3, 4)).output_gram()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_weighted_sums_added_in_place(k):
+    """``add_weighted_sum_to`` adds into views of a flat buffer, touching nothing else."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(4, 2, 1, 3, generator=gen, dtype=torch.float64)
+    d = torch.randn(4, 2, 1, 5, generator=gen, dtype=torch.float64)
+    g = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+    weights = torch.randn(4, k, generator=gen, dtype=torch.float64)
+    cases = [
+        (OuterProductFactor(a, d, torch.Size([5, 3])), torch.einsum("btgq,btgp->bqp", d, a)),
+        (PerExampleFactor(g, torch.Size([2, 3])), g.reshape(4, 2, 3)),
+    ]
+    for factor, dense in cases:
+        n = dense[0].numel()
+        buffer = torch.randn(k, n + 2, generator=gen, dtype=torch.float64)
+        before = buffer.clone()
+        target = buffer[:, 1 : n + 1].view(k, *dense.shape[1:])
+        factor.add_weighted_sum_to(weights, target)
+        expected = before[:, 1 : n + 1] + weights.T @ dense.reshape(4, -1)
+        torch.testing.assert_close(buffer[:, 1 : n + 1], expected)
+        torch.testing.assert_close(buffer[:, [0, n + 1]], before[:, [0, n + 1]])
+
+
+def test_tied_embedding_and_head_norms_take_only_per_example_blocks():
+    """The diagonal of the embedding x head cross term, computed per example, is exact."""
+    from grabkit.stats.factors import SumFactor
+
+    gen = torch.Generator().manual_seed(5)
+    b, t, rows, dim = 3, 4, 6, 2
+    idx = torch.randint(0, rows, (b, t), generator=gen)
+    e = torch.randn(b, t, dim, generator=gen, dtype=torch.float64)
+    a = torch.randn(b, t, 1, dim, generator=gen, dtype=torch.float64)
+    d = torch.randn(b, t, 1, rows, generator=gen, dtype=torch.float64)
+    dense = torch.einsum("btgq,btgp->bqp", d, a)
+    for i in range(b):
+        dense[i].index_add_(0, idx[i], e[i])
+    tied = SumFactor(
+        [
+            EmbeddingFactor(idx, e, torch.Size([rows, dim])),
+            OuterProductFactor(a, d, torch.Size([rows, dim])),
+        ]
+    )
+    flat = dense.reshape(b, -1)
+    torch.testing.assert_close(tied.norms_squared(), (flat * flat).sum(1))
+    torch.testing.assert_close(tied.gram(), flat @ flat.T)

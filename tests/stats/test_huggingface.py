@@ -79,3 +79,20 @@ def test_huggingface_models_match_per_example_autograd(
     with PerSampleStats(model, "sum") as stats:
         loss_of(model, idx).sum().backward()
         reference_tools.assert_matches(stats, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gpt2_gradient_checkpointing_gives_the_same_statistics(float64, reference_tools, reentrant):
+    torch.manual_seed(1)
+    model = tiny_gpt2()
+    idx = torch.randint(1, VOCAB, (3, 5))
+    reference = reference_rows(model, gpt2_losses, idx)  # without checkpointing
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()  # Hugging Face checkpoints only in training mode (the tiny config has no dropout)
+    calls = []
+    model.transformer.h[0].ln_1.register_forward_hook(lambda *_: calls.append(1))
+    with PerSampleStats(model, "sum") as stats:
+        gpt2_losses(model, idx).sum().backward()
+        assert len(calls) == 2  # the block ran again during the backward
+        reference_tools.assert_matches(stats, reference)

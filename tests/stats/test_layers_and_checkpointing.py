@@ -75,24 +75,22 @@ def test_layers_through_the_fallback(float64, reference_tools, make, shape):
     run_and_compare(make(), torch.randn(*shape), reference_tools, torch_func_fallback=True)
 
 
-class Recurrent(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lstm = nn.LSTM(4, 4, batch_first=True)
+class OwnLSTM(nn.LSTM):
+    """An LSTM subclass with its own forward: it inherits no rule (it may compute otherwise)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lstm(x)[0]
+        return super().forward(x)[0]
 
 
-def test_lstm_is_refused_clearly(float64):
-    # No rule yet; the fallback replays nn.LSTM in float32 but not in float64 (no vmap rule
-    # for its float64 kernel), and says so rather than returning numbers.
-    with pytest.raises(ValueError, match=r"'lstm' \(LSTM\).*no rule"):
-        PerSampleStats(Recurrent())
-    model = Recurrent()
+def test_fallback_that_cannot_replay_a_layer_says_so(float64):
+    # The fallback replays nn.LSTM's kernel in float32 but not in float64 (no vmap rule), and
+    # says so rather than returning numbers.
+    with pytest.raises(ValueError, match=r"'<root>' \(OwnLSTM\).*no rule"):
+        PerSampleStats(OwnLSTM(4, 4, batch_first=True))
+    model = OwnLSTM(4, 4, batch_first=True)
     with PerSampleStats(model, torch_func_fallback=True) as stats:
         model(torch.randn(3, 5, 4)).sum().backward()
-        with pytest.raises(NotImplementedError, match="LSTM"):
+        with pytest.raises(NotImplementedError, match="OwnLSTM"):
             stats.norms_squared()
 
 

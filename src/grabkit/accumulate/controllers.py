@@ -33,18 +33,20 @@ from grabkit.validation import (
     check_probability,
 )
 
-__all__ = [
-    "AlwaysStep",
+__all__ = [  # noqa: RUF022 (grouped by role, sorted within a group)
+    # the extension point and what it is given
     "Controller",
+    "Observation",
+    "window_noise_estimates",
+    # the stepping rules
+    "AlwaysStep",
     "MetricHypothesisTest",
     "NoiseScaleController",
     "NormRescale",
     "NormTest",
     "NormThreshold",
-    "Observation",
     "RelativeNormThreshold",
     "ScheduledBatch",
-    "window_noise_estimates",
 ]
 
 

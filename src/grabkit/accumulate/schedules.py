@@ -116,6 +116,21 @@ def _half_cosine(progress: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _warmup_then_cosine(
+    first: float, peak: float, last: float, num_warmup_steps: int, num_training_steps: int
+) -> Callable[[int], float]:
+    """step -> value: linear ``first`` -> ``peak`` over the warm-up, then a half-cosine to
+    ``last`` at ``num_training_steps``, held there afterwards."""
+
+    def value(step: int) -> float:
+        if step < num_warmup_steps:
+            return first + (step / num_warmup_steps) * (peak - first)
+        progress = _progress(step, num_warmup_steps, num_training_steps)
+        return last + (peak - last) * _half_cosine(progress)
+
+    return value
+
+
 def get_norm_threshold_cosine_annealing_with_warmup(
     optimizer: Any,
     num_warmup_steps: int,
@@ -136,12 +151,9 @@ def get_norm_threshold_cosine_annealing_with_warmup(
         )
     warmup_start = start_norm * warmup_multiplier
 
-    def value(step: int) -> float:
-        if step < num_warmup_steps:
-            return warmup_start + (step / num_warmup_steps) * (start_norm - warmup_start)
-        progress = _progress(step, num_warmup_steps, num_training_steps)
-        return end_norm + (start_norm - end_norm) * _half_cosine(progress)
-
+    value = _warmup_then_cosine(
+        warmup_start, start_norm, end_norm, num_warmup_steps, num_training_steps
+    )
     return ValueSchedule(optimizer, value)
 
 
@@ -156,12 +168,7 @@ def get_direct_cosine_annealing_with_warmup(
     _count("num_warmup_steps", num_warmup_steps)
     _count("num_training_steps", num_training_steps)
 
-    def value(step: int) -> float:
-        if step < num_warmup_steps:
-            return peak_value * step / num_warmup_steps
-        progress = _progress(step, num_warmup_steps, num_training_steps)
-        return min_value + (peak_value - min_value) * _half_cosine(progress)
-
+    value = _warmup_then_cosine(0.0, peak_value, min_value, num_warmup_steps, num_training_steps)
     return ValueSchedule(optimizer, value)
 
 

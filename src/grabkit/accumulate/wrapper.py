@@ -103,6 +103,15 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     ``"nonfinite_skipped"`` (``num_skipped`` grows by the window's size), so nothing non-finite
     reaches the parameters. A tensor ``count`` that is not positive and finite raises a
     ValueError, as a number does (checking a tensor's value reads it on the host once more).
+
+    Example (one ``step`` per microbatch; no ``zero_grad``: the wrapper clears what it folded)::
+
+        optimizer = AdaptiveAccumulationWrapper(torch.optim.AdamW(model.parameters()), NormTest())
+        for inputs, labels in loader:
+            loss_fn(model(inputs), labels).backward()
+            if optimizer.step(count=len(labels)):  # True when AdamW stepped
+                print(optimizer.last_step_num_draws, "microbatches in that update")
+        optimizer.flush()  # apply the window still accumulating at the end
     """
 
     _step_supports_amp_scaling = True

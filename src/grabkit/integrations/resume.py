@@ -19,8 +19,10 @@ __all__ = ["replay_state", "rewound_state"]
 def _check(state: Mapping[str, Any]) -> dict[str, Any]:
     """A shallow copy of a ``GraBSampler.state_dict()`` (its position may then be changed)."""
     live = state.get("live") if isinstance(state, Mapping) else None
-    if not {"yielded", "started"} <= set(state or {}) or not isinstance(live, Mapping) or (
-        "stepped" not in live
+    if (
+        not {"yielded", "started"} <= set(state or {})
+        or not isinstance(live, Mapping)
+        or ("stepped" not in live)
     ):
         keys = sorted(state) if isinstance(state, Mapping) else "-"
         raise ValueError(

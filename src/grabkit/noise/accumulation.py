@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
+from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.validation import check_positive
@@ -106,11 +107,6 @@ class AccumulationNoiseScale:
         self._squares[row, index] = square
         self._written[index] = True
 
-    def _loss_scale_sq(self) -> float:
-        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
-            return 1.0
-        return float(self.grad_scaler.get_scale()) ** 2
-
     def end_microbatch(self, count: float) -> None:
         """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count.
 
@@ -126,7 +122,7 @@ class AccumulationNoiseScale:
                 "backward() with the number of examples that backward covered"
             )
         self._micro_counts.append(check_positive("count", count))
-        self._micro_scales_sq.append(self._loss_scale_sq())
+        self._micro_scales_sq.append(loss_scale_squared(self.grad_scaler))
         self._row += 1
         self._written = [False] * len(self._params)
         if self._row == self._squares.shape[0]:  # room for the next microbatch or the step row

@@ -22,15 +22,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from grabkit.noise.blocks import named_trainable_parameters
-from grabkit.noise.identities import two_batch_estimates
+from grabkit.noise.identities import loss_scale_squared, two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
-from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.noise.tracker import TrackedEstimator
 from grabkit.validation import check_positive
 
 __all__ = ["DDPNoiseScale"]
 
 
-class DDPNoiseScale:
+class DDPNoiseScale(TrackedEstimator):
     """Gradient noise scale of a ``DistributedDataParallel`` model via a communication hook.
 
     Usage (every rank)::
@@ -77,9 +77,7 @@ class DDPNoiseScale:
         self.block_names = tuple(name for name, _ in named)
         self._block_of = {id(p): i for i, (_, p) in enumerate(named)}
         self._device = named[0][1].device
-        self.tracker = NoiseScaleTracker(
-            update_rate, window, confidence, self.block_names, population_size
-        )
+        super().__init__(update_rate, window, confidence, self.block_names, population_size)
         self.grad_scaler = grad_scaler
         # (block indices, squared norms) per bucket; appended from hook and callback threads
         self._local: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -150,15 +148,13 @@ class DDPNoiseScale:
                 "call observe_step(count) after every synchronised backward, and run both "
                 "forward and backward of accumulated microbatches inside no_sync()"
             )
-        scale_sq = 1.0
-        if self.grad_scaler is not None and self.grad_scaler.is_enabled():
-            scale_sq = float(self.grad_scaler.get_scale()) ** 2
+        scale_sq = loss_scale_squared(self.grad_scaler)
         extra = torch.tensor([1.0 / count, count], dtype=torch.float64, device=self._device)
         summed = torch.cat([local, extra])
         work = dist.all_reduce(summed, group=self.process_group, async_op=True)
         self._fold_pending()
         self._pending = (work, summed, reduced, scale_sq)
-        return self.tracker.result() if self.tracker.observations else None
+        return super().estimate
 
     def _fold_pending(self) -> None:
         if self._pending is None:
@@ -171,15 +167,14 @@ class DDPNoiseScale:
         grad_norm, trace = two_batch_estimates(
             mean_local, harmonic, reduced / scale_sq, self.world_size * harmonic
         )
-        if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
-            self.tracker.update(grad_norm, trace, float(summed[-1]))
+        self.fold(grad_norm, trace, float(summed[-1]))
 
     @property
     def estimate(self) -> NoiseScaleResult | None:
         """The current ``NoiseScaleResult`` including the last observed step (waits for its
         all-reduce), or None before the first finite step."""
         self._fold_pending()
-        return self.tracker.result() if self.tracker.observations else None
+        return super().estimate
 
     def state_dict(self) -> dict:
         self._fold_pending()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["two_batch_estimates"]
+__all__ = ["loss_scale_squared", "two_batch_estimates"]
 
 
 def two_batch_estimates(
@@ -45,3 +45,11 @@ def two_batch_estimates(
     grad_norm_sq = (big_size * big_norm_sq - small_size * small_norm_sq) / (big_size - small_size)
     trace_sigma = (small_norm_sq - big_norm_sq) / (1.0 / small_size - 1.0 / big_size)
     return grad_norm_sq, trace_sigma
+
+
+def loss_scale_squared(grad_scaler: torch.amp.GradScaler | None) -> float:
+    """The factor a ``GradScaler`` puts on every squared gradient norm (1 without one, or when
+    it is disabled): squared norms measured before ``unscale_`` are divided by it."""
+    if grad_scaler is None or not grad_scaler.is_enabled():
+        return 1.0
+    return float(grad_scaler.get_scale()) ** 2

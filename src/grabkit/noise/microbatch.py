@@ -20,13 +20,13 @@ import torch
 
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
-from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.noise.tracker import TrackedEstimator
 from grabkit.validation import check_positive
 
 __all__ = ["MicrobatchNoiseScale"]
 
 
-class MicrobatchNoiseScale:
+class MicrobatchNoiseScale(TrackedEstimator):
     """B_simple from the squared norms of microbatch gradients and of the step gradient.
 
     Per step: call ``observe_microbatch(grad_norm_sq, count)`` once per microbatch, then
@@ -46,17 +46,8 @@ class MicrobatchNoiseScale:
     measured before clipping and after undoing any loss scaling.
     """
 
-    def __init__(
-        self,
-        update_rate: float = 0.01,
-        window: str = "steps",
-        confidence: float = 0.95,
-        block_names: Sequence[str] = ("all",),
-        population_size: int | None = None,
-    ) -> None:
-        self.tracker = NoiseScaleTracker(
-            update_rate, window, confidence, block_names, population_size
-        )
+    def clear_pending(self) -> None:
+        """Forget the microbatches observed since the last ``observe_step``."""
         self._micro_norms: list[torch.Tensor] = []
         self._micro_counts: list[float] = []
 
@@ -89,7 +80,7 @@ class MicrobatchNoiseScale:
         Returns None when fewer than two microbatches were observed (no information).
         """
         norms, counts = self._micro_norms, self._micro_counts
-        self._micro_norms, self._micro_counts = [], []
+        self.clear_pending()
         if len(counts) < 2:
             return None
         stacked = torch.cat([n.to(norms[0].device) for n in norms])  # (K, P)
@@ -114,15 +105,8 @@ class MicrobatchNoiseScale:
         """
         estimates = self.step_estimates(grad_norm_sq)
         if estimates is not None:
-            grad_norm, trace, examples = estimates
-            if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
-                self.tracker.update(grad_norm, trace, examples)
+            self.fold(*estimates)
         return self.estimate
-
-    @property
-    def estimate(self) -> NoiseScaleResult | None:
-        """The current ``NoiseScaleResult``, or None before the first informative step."""
-        return self.tracker.result() if self.tracker.observations else None
 
     def state_dict(self) -> dict:
         """The averages and the microbatches observed since the last ``observe_step``.

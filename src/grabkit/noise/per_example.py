@@ -11,14 +11,13 @@ per-example gradient is ever built) or from any other source as plain tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
-from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.noise.tracker import TrackedEstimator
 
 if TYPE_CHECKING:
     from grabkit.stats import PerSampleStats
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["PerExampleNoiseScale"]
 
 
-class PerExampleNoiseScale:
+class PerExampleNoiseScale(TrackedEstimator):
     """B_simple from per-example squared gradient norms and the batch gradient's squared norm.
 
     Args:
@@ -38,18 +37,6 @@ class PerExampleNoiseScale:
         population_size: the data set size N when batches are drawn without replacement; see
             ``NoiseScaleTracker`` (finite-population correction).
     """
-
-    def __init__(
-        self,
-        update_rate: float = 0.01,
-        window: str = "steps",
-        confidence: float = 0.95,
-        block_names: Sequence[str] = ("all",),
-        population_size: int | None = None,
-    ) -> None:
-        self.tracker = NoiseScaleTracker(
-            update_rate, window, confidence, block_names, population_size
-        )
 
     @staticmethod
     def step_estimates(
@@ -94,15 +81,8 @@ class PerExampleNoiseScale:
         Batches with non-finite norms (an overflowing loss scale) are skipped; returns None
         until the first finite one.
         """
-        grad_norm, trace, batch = self.step_estimates(norms_sq, batch_grad_norm_sq, grad_scale)
-        if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
-            self.tracker.update(grad_norm, trace, batch)
+        self.fold(*self.step_estimates(norms_sq, batch_grad_norm_sq, grad_scale))
         return self.estimate
-
-    @property
-    def estimate(self) -> NoiseScaleResult | None:
-        """The current ``NoiseScaleResult``, or None before the first finite batch."""
-        return self.tracker.result() if self.tracker.observations else None
 
     @classmethod
     def for_stats(cls, stats: PerSampleStats, **kwargs: object) -> PerExampleNoiseScale:

@@ -19,7 +19,7 @@ from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.validation import check_positive, check_positive_int, check_probability
 
-__all__ = ["NoiseScaleTracker", "ratio_interval"]
+__all__ = ["NoiseScaleTracker", "TrackedEstimator", "ratio_interval"]
 
 _WINDOWS = ("steps", "examples")
 
@@ -215,3 +215,38 @@ class NoiseScaleTracker:
         self._weight_sq_sum = float(state["weight_sq_sum"])
         self.observations = int(state["observations"])
         self.examples = float(state["examples"])
+
+
+class TrackedEstimator:
+    """Base of the estimators that fold per-step (|G|^2, tr Sigma) into a ``NoiseScaleTracker``.
+
+    Subclasses compute one step's unbiased estimates their own way and hand them to ``fold``,
+    which skips non-finite steps (an overflowing loss scale, a NaN loss) so that one bad step
+    never poisons the averages.
+    """
+
+    def __init__(
+        self,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
+    ) -> None:
+        self.tracker = NoiseScaleTracker(
+            update_rate, window, confidence, block_names, population_size
+        )
+        self.clear_pending()
+
+    def clear_pending(self) -> None:
+        """Forget what was observed of the current step (nothing, unless a subclass keeps it)."""
+
+    def fold(self, grad_norm: torch.Tensor, trace: torch.Tensor, examples: float) -> None:
+        """Average one step's (P,) |G|^2 and tr Sigma over ``examples`` in, unless non-finite."""
+        if bool(torch.isfinite(grad_norm).all() & torch.isfinite(trace).all()):
+            self.tracker.update(grad_norm, trace, examples)
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        """The current ``NoiseScaleResult``, or None before the first informative step."""
+        return self.tracker.result() if self.tracker.observations else None

@@ -308,22 +308,21 @@ def run_recursion(
 def _run_flat_recursion(
     values: np.ndarray, kernel: np.ndarray, rule: SignRule, uniforms: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``run_recursion`` for one accumulator, on Python floats (blocks are small on the CPU).
+    """``run_recursion`` for one accumulator.
 
     ``pending[l]`` is <s, z_l> with every decision so far folded in: deciding z_i adds
-    eps_i <z_i, z_l> to each later entry, so each decision reads one ready number.
+    eps_i <z_i, z_l> to each later entry (one vectorised row update, in the same order as a
+    scalar loop, so the same floating-point numbers), and each decision reads one ready number.
     """
     k = values.shape[0]
-    pending = values.tolist()
-    rows = kernel.tolist()
+    pending = np.array(values, dtype=np.float64)
     draws = [None] * k if uniforms is None else uniforms.tolist()
     chosen = []
     for i in range(k):
-        eps = rule.decide(pending[i], draws[i])
+        eps = rule.decide(float(pending[i]), draws[i])
         chosen.append(eps)
-        row = rows[i]
-        for l in range(i + 1, k):
-            pending[l] += eps * row[l]
+        if i + 1 < k:
+            pending[i + 1 :] += eps * kernel[i, i + 1 :]
     signs = np.array(chosen, dtype=np.float64).reshape(k, 1)
     return signs, np.zeros(k, dtype=np.int64), signs.T.copy()
 
@@ -380,6 +379,7 @@ def balance_combinations(
     depth: int = 0,
     sequential: bool = True,
     before_update: Callable[[torch.Tensor], None] | None = None,
+    record_batch: Callable[[GradientBatch], None] | None = None,
     policy: BlockPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
@@ -404,13 +404,16 @@ def balance_combinations(
         before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
             that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
             the batch's rows (formed while each block is in cache on the dense CPU path).
+        record_batch: on the one-transfer path (devices, hook statistics), called with
+            ``batch`` instead of ``before_update(batch.total())``, at the same point: for a
+            consumer that adds the batch's sum into a running sum without forming it.
         policy: the dense CPU block shape (``BlockPolicy``); ``rows=0`` takes the one-transfer
             path as device batches do. The decisions do not depend on it.
     Returns:
         signs (k, depth + 1) and leaves (k,), as ``run_recursion`` returns them.
     """
-    W = np.eye(batch.size) if weights is None else weights
-    U = np.zeros((W.shape[0], 0 if fixed is None else fixed.shape[0]))
+    k = batch.size if weights is None else weights.shape[0]
+    U = np.zeros((k, 0 if fixed is None else fixed.shape[0]))
     if fixed_weights is not None:
         U = fixed_weights
     if not (sequential and policy.rows > 0 and _dense_on_cpu(batch, accumulators)):
@@ -420,9 +423,11 @@ def balance_combinations(
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
             products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
-        if before_update is not None:
+        if record_batch is not None:
+            record_batch(batch)
+        elif before_update is not None:
             before_update(batch.total())
-        return _decide_and_update(batch, products, accumulators, rule, W, fixed, U, depth)
+        return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
     X = batch.matrix
     return _DenseCpuBalance(
         lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
@@ -621,21 +626,30 @@ def _decide_and_update(
     products: HostProducts,
     accumulators: torch.Tensor,
     rule: SignRule,
-    W: np.ndarray,
+    W: np.ndarray | None,
     fixed: torch.Tensor | None,
     U: np.ndarray,
     depth: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The host half of a balancing step: products -> signs, then one update of the sums."""
+    """The host half of a balancing step: products -> signs, then one update of the sums.
+
+    ``W`` None is the identity, and a ``U`` with no columns means no fixed vectors: their
+    products are left out rather than multiplied by ones and zeros (the same numbers).
+    """
     r = accumulators.shape[0]
-    xs, xf = products.xv[:, :r], products.xv[:, r:]
-    fs, ff = products.fv[:, :r], products.fv[:, r:]
-    values = W @ xs - U @ fs  # (k, r): <s_j, z_k>
-    kernel = None
+    xs = products.xv[:, :r]
+    values = xs if W is None else W @ xs  # (k, r): <s_j, z_k>
+    kernel = None  # (k, k): <z_k, z_l>
     if products.gram is not None:
-        wxf_u = W @ xf @ U.T
-        kernel = W @ products.gram @ W.T - wxf_u - wxf_u.T + U @ ff @ U.T  # (k, k): <z_k, z_l>
-    uniforms = rule.uniforms(W.shape[0] * (depth + 1))
+        kernel = products.gram if W is None else W @ products.gram @ W.T
+    if U.shape[1]:
+        xf, fs, ff = products.xv[:, r:], products.fv[:, :r], products.fv[:, r:]
+        values = values - U @ fs
+        if kernel is not None:
+            wxf_u = (xf if W is None else W @ xf) @ U.T
+            kernel = kernel - wxf_u - wxf_u.T + U @ ff @ U.T
+    uniforms = rule.uniforms(U.shape[0] * (depth + 1))
     signs, leaves, coef = run_recursion(values, kernel, rule, depth=depth, uniforms=uniforms)
-    apply_update(accumulators, batch, (coef @ W).T, fixed, -(coef @ U) if U.shape[1] else None)
+    x_weights = coef.T if W is None else (coef @ W).T
+    apply_update(accumulators, batch, x_weights, fixed, -(coef @ U) if U.shape[1] else None)
     return signs, leaves

@@ -23,9 +23,11 @@ import torch.distributed as dist
 from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.compat import GRAB_SAMPLER_KEYWORDS, GRAB_SAMPLER_PROJECTIONS
 from grabkit.order.orderings import ORDERINGS, Ordering
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
 
 __all__ = [
+    "DEFAULT_SKETCH_DIM",
+    "STATISTICS",
     "BatchPreparer",
     "Topology",
     "attach_statistics",
@@ -35,6 +37,7 @@ __all__ = [
     "merge_grab_sampler_keywords",
     "param_dim",
     "positive_int",
+    "statistics_choice",
 ]
 
 _PROJECTIONS = ("gaussian", "sparse", "kronecker")
@@ -282,14 +285,78 @@ def param_dim(params: Any, model: torch.nn.Module | None) -> int | None:
         ) from None
 
 
+STATISTICS = ("exact", "sketch")
+
+#: the sketch width when ``statistics="sketch"`` is chosen without ``sketch_dim`` (32 x 32)
+DEFAULT_SKETCH_DIM = 1024
+
+
+def statistics_choice(
+    statistics: str,
+    sketch_dim: int | None,
+    hook_mode: bool,
+    projection: Any,
+    num_replicas: int = 1,
+) -> int | None:
+    """Check ``statistics=`` / ``sketch_dim=``; the sketch width in sketch mode, else None."""
+    if statistics not in STATISTICS:
+        raise ValueError(
+            f"`statistics` should be one of {list(STATISTICS)}, but got statistics={statistics!r}"
+        )
+    if statistics == "exact":
+        if sketch_dim is not None:
+            raise ValueError(
+                f'sketch_dim={sketch_dim!r} is for statistics="sketch", but this sampler reads '
+                'exact statistics; pass statistics="sketch" or drop sketch_dim.'
+            )
+        if hook_mode and num_replicas > 1:
+            raise ValueError(
+                f"hook mode with exact statistics runs on one process, but this sampler has "
+                f"num_replicas={num_replicas}: the ranks would have to exchange (B, d) "
+                f'per-example gradients. Pass statistics="sketch" (the ranks exchange (B, k) '
+                f"sketches; sketch_dim=k), or pass per-example gradients to step()."
+            )
+        return None
+    if not hook_mode:
+        raise ValueError(
+            'statistics="sketch" sketches hook statistics, so it needs model=...; with '
+            "gradients passed to step(), use projection= for a random projection instead."
+        )
+    if projection is not None:
+        raise ValueError(
+            'statistics="sketch" is already a random projection of the gradients; drop '
+            "projection= (the sketch's width is sketch_dim)."
+        )
+    from grabkit.stats.sketch import kronecker_factors
+
+    dim = DEFAULT_SKETCH_DIM if sketch_dim is None else sketch_dim
+    kronecker_factors(dim)  # validates it
+    return dim
+
+
 def attach_statistics(
     model: torch.nn.Module,
     loss_reduction: str,
     ordering: Ordering,
     projection: Any,
     stats_options: dict[str, Any] | None = None,
+    *,
+    sketch_dim: int | None = None,
+    seed: int = 0,
 ) -> Any:
-    """Hook mode: ``PerSampleStats`` on ``model`` (inner products only, so no coordinates)."""
+    """Hook mode: ``PerSampleStats`` on ``model`` (inner products only, so no coordinates), or
+    with ``sketch_dim`` ``SketchedStats`` (a (B, k) sketch, so every ordering runs).
+
+    A ``DistributedDataParallel`` wrapper is looked through: the hooks go on its module.
+    """
+    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+        model = model.module
+    if sketch_dim is not None:
+        from grabkit.stats.sketch import SketchedStats
+
+        return SketchedStats(
+            model, sketch_dim, seed, loss_reduction=loss_reduction, **(stats_options or {})
+        )
     if ordering.needs_coordinates or projection is not None:
         what = (
             f'balance_type="{ordering.name}"'
@@ -298,9 +365,30 @@ def attach_statistics(
         )
         raise ValueError(
             f"{what} needs dense per-example gradients, but model= selects hook mode, "
-            "which reads inner products only. Pass the per-example gradients to step() "
+            'which reads inner products only. Pass statistics="sketch" (a (B, k) sketch '
+            "of the gradients from the hooks), pass the per-example gradients to step() "
             "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
         )
     from grabkit.stats import PerSampleStats
 
     return PerSampleStats(model, loss_reduction=loss_reduction, **(stats_options or {}))
+
+
+def flat_second_moment(
+    ordering: Ordering, sketch_dim: int | None, second_moment: torch.Tensor | Mapping[str, Any]
+) -> torch.Tensor:
+    """``update_v``'s argument as a flat (d,) tensor, after checking that the ordering scales
+    gradient coordinates (``"adamean"``) and sees real ones (not a sketch's)."""
+    if sketch_dim is not None:
+        raise TypeError(
+            'update_v() scales gradient coordinates, but statistics="sketch" balances '
+            "sketches, whose coordinates are random combinations of the gradient's; use "
+            'statistics="exact" with per-example gradients passed to step() for "adamean".'
+        )
+    if not hasattr(ordering, "update_v"):
+        raise TypeError(
+            f'update_v() is for balance_type="adamean", but this sampler uses "{ordering.name}".'
+        )
+    if isinstance(second_moment, Mapping):
+        second_moment = named_to_flat(second_moment)
+    return second_moment.reshape(-1)

@@ -6,6 +6,14 @@ ranks' rows of a step into global visit order (rank r's row i is global position
 widths agree (a width mismatch would otherwise abort inside ``all_gather``).
 ``check_agreement`` runs once, before anything is yielded, so ranks built with another seed or
 ordering fail loudly instead of overlapping or blocking in a later collective.
+
+How a ``GraBSampler`` runs on several ranks. It follows ``DistributedSampler``: the epoch's global
+order is padded with examples drawn afresh each epoch from (seed, epoch) (or, with
+``drop_last=True``, truncated) to a multiple of ``num_replicas``; rank r yields positions r, r + W,
+... Every rank steps its own batch and the ranks all-gather the gradients, so all of them decide as
+one process would on the global batch in global visit order. Padding duplicates are not balanced. In
+hook mode the ranks exchange sketches (``statistics="sketch"``: (B, k) per rank, whatever the
+model's size); exact hook statistics cannot be gathered, so that combination raises at construction.
 """
 
 from __future__ import annotations
@@ -77,7 +85,8 @@ def gather_rows(
     """All-gather the ranks' rows into the global batch, rows in global visit order.
 
     Args:
-        batch: this rank's B rows (dense: hook statistics cannot be gathered).
+        batch: this rank's B rows: dense gradients, projected ones, or hook sketches
+            (``statistics="sketch"``); exact hook statistics cannot be gathered.
         positions: (B,) this rank's local positions of those rows.
         stepped: the local position of the first row (must agree across ranks).
     Returns:
@@ -85,8 +94,10 @@ def gather_rows(
     """
     if not isinstance(batch, DenseGradientBatch):
         raise NotImplementedError(
-            "distributed GraB with hook statistics is not supported yet; pass the dense "
-            "(or projected) per-example gradients to step() on every rank."
+            f"distributed GraB cannot gather a {type(batch).__name__}: exact hook statistics "
+            "would need the (B, d) per-example gradients of every rank. Build the sampler "
+            'with statistics="sketch" (the ranks exchange (B, k) sketches), or pass the '
+            "dense (or projected) per-example gradients to step() on every rank."
         )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

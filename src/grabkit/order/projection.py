@@ -31,6 +31,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from grabkit.validation import check_positive_int
+
 __all__ = [
     "PROJECTION_KINDS",
     "GaussianProjection",
@@ -44,12 +46,6 @@ PROJECTION_KINDS = ("gaussian", "sparse", "kronecker")
 
 # columns of R per CSR block in SparseProjection (a 64-row slice of X then fits in cache)
 _SPARSE_BLOCK_COLUMNS = 16384
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` should be a positive integer, but got {name}={value!r}")
-    return value
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -77,10 +73,26 @@ class Projection(ABC):
 
     kind: str
 
-    def __init__(self, in_dim: int, out_dim: int, seed: int) -> None:
-        self.in_dim = _check_positive_int("in_dim", in_dim)
-        self.out_dim = _check_positive_int("out_dim", out_dim)
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        *,
+        seed: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.in_dim = check_positive_int("in_dim", in_dim)
+        self.out_dim = check_positive_int("out_dim", out_dim)
         self.seed = seed
+        self._build(_generator(seed), device, dtype)
+
+    @abstractmethod
+    def _build(
+        self, generator: torch.Generator, device: torch.device | str | None, dtype: torch.dtype
+    ) -> None:
+        """Draw the projection's tensors from ``generator`` (on the CPU, so a seed gives the same
+        map on every device) and keep them on ``device`` in ``dtype``."""
 
     @abstractmethod
     def _tensors(self) -> list[torch.Tensor]:
@@ -152,17 +164,10 @@ class GaussianProjection(Projection):
 
     kind = "gaussian"
 
-    def __init__(
-        self,
-        in_dim: int,
-        out_dim: int,
-        *,
-        seed: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+    def _build(
+        self, generator: torch.Generator, device: torch.device | str | None, dtype: torch.dtype
     ) -> None:
-        super().__init__(in_dim, out_dim, seed)
-        generator = _generator(seed)
+        in_dim, out_dim = self.in_dim, self.out_dim
         matrix = torch.randn(in_dim, out_dim, generator=generator, dtype=torch.float32)
         self.matrix = (matrix / math.sqrt(out_dim)).to(device=device, dtype=dtype)  # (d, k)
 
@@ -192,17 +197,10 @@ class SparseProjection(Projection):
 
     kind = "sparse"
 
-    def __init__(
-        self,
-        in_dim: int,
-        out_dim: int,
-        *,
-        seed: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+    def _build(
+        self, generator: torch.Generator, device: torch.device | str | None, dtype: torch.dtype
     ) -> None:
-        super().__init__(in_dim, out_dim, seed)
-        generator = _generator(seed)
+        in_dim, out_dim = self.in_dim, self.out_dim
         s = math.sqrt(in_dim)
         positions = _bernoulli_positions(in_dim * out_dim, 1.0 / s, generator)  # sorted, flat
         signs = torch.randint(0, 2, (positions.numel(),), generator=generator) * 2 - 1
@@ -294,17 +292,10 @@ class KroneckerProjection(Projection):
 
     kind = "kronecker"
 
-    def __init__(
-        self,
-        in_dim: int,
-        out_dim: int,
-        *,
-        seed: int,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype = torch.float32,
+    def _build(
+        self, generator: torch.Generator, device: torch.device | str | None, dtype: torch.dtype
     ) -> None:
-        super().__init__(in_dim, out_dim, seed)
-        generator = _generator(seed)
+        in_dim, out_dim = self.in_dim, self.out_dim
         self.d1 = math.isqrt(in_dim - 1) + 1  # ceil(sqrt(d))
         self.d2 = -(-in_dim // self.d1)
         self.k1 = math.isqrt(out_dim - 1) + 1

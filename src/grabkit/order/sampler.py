@@ -17,22 +17,8 @@ order (GraB orderings put them between the front and the back part). ``set_epoch
 next epoch (it seeds the random parts: random reshuffling, the first order, probabilistic
 balancing), as with ``DistributedSampler``.
 
-Distributed use follows ``DistributedSampler``: the epoch's global order is padded with examples
-drawn afresh each epoch from (seed, epoch) (or, with ``drop_last=True``, truncated) to a multiple
-of ``num_replicas``; rank r yields positions r, r + W, ... Every rank steps its own batch and the
-ranks all-gather the gradients, so all of them decide as one process would on the global batch
-in global visit order. Padding duplicates are not balanced.
-
-Resuming. ``state_dict()`` records the position (epoch, yielded count) as a snapshot and shares
-the ordering state (running sums, placements, stepped count) live, as ``model.state_dict()``
-shares parameters: ``torchdata``'s ``StatefulDataLoader`` takes one per dispatched batch, ahead of
-training, at no cost in the gradient length, and a checkpoint saved after a ``step()`` carries
-the decisions of every stepped example, in flight at the snapshot or not. After
-``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch (from the yielded
-count; an empty pass when all of it had been yielded, as ``RandomSampler`` does). Examples handed
-out before the snapshot and not stepped by the checkpoint get no decision in that epoch (they
-keep their place between the front and back parts); later gradients are never attributed to
-them. The state records the configuration, and loading it into a sampler built otherwise raises.
+Distributed use follows ``DistributedSampler`` (``grabkit.order.distributed`` says how the ranks
+pad the order and decide as one process). Resuming: see ``grabkit.order.state``.
 """
 
 from __future__ import annotations
@@ -52,16 +38,18 @@ from grabkit.order.configure import (
     attach_statistics,
     build_ordering,
     dataset_size,
+    flat_second_moment,
     merge_grab_sampler_keywords,
     param_dim,
     positive_int,
+    statistics_choice,
 )
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
 from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
 from grabkit.order.state import plain_config, read_state
-from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["GraBSampler"]
 
@@ -102,6 +90,17 @@ class GraBSampler(Sampler[int]):
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
         block_policy: how dense batches are cut for balancing (``grabkit.order.balance.
             BlockPolicy``); tuning only, the orders do not depend on it.
+        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
+            ``{"torch_func_fallback": True}``).
+        statistics: hook mode: ``"exact"`` (default: per-example inner products from the
+            hooks, exact; one process) or ``"sketch"``: a (B, k) random sketch S g_i of every
+            example's gradient from the same hooks (``grabkit.stats.sketch``: unbiased inner
+            products, error about sqrt(2 / k) |g_i| |g_j|), balanced as dense rows. Sketches
+            let every ordering run in hook mode (those that need coordinates see the sketch's),
+            cost O(B T sqrt(k) (d_in + d_out)) per layer instead of exact pair's Gram, and make
+            distributed hook mode possible (the ranks all-gather (B, k)). The maps are seeded
+            by ``seed``, so every rank and a resumed run use the same ones.
+        sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
         **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
             ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
             ``Ordering.option_names()``; options of other orderings are ignored, as in
@@ -126,8 +125,6 @@ class GraBSampler(Sampler[int]):
                     sampler.step()  # both micro-batches, each to its own examples
                     optimizer.step()
                     optimizer.zero_grad()
-        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
-            ``{"torch_func_fallback": True}``).
     """
 
     def __init__(
@@ -158,6 +155,8 @@ class GraBSampler(Sampler[int]):
         loss_reduction: str = "mean",
         block_policy: BlockPolicy | None = None,
         stats_options: dict[str, Any] | None = None,
+        statistics: str = "exact",
+        sketch_dim: int | None = None,
         **options: Any,
     ) -> None:
         self.n = dataset_size(data_source)
@@ -188,11 +187,14 @@ class GraBSampler(Sampler[int]):
             device,
         )  # fmt: skip
         self.projection_kind = given["projection"]
-        self.stats, self._owns_stats = stats, model is not None and stats is None
-        if self._owns_stats:
-            self.stats = attach_statistics(
-                model, loss_reduction, self.ordering, self.projection_kind, stats_options
-            )
+        self.statistics, self._owns_stats = statistics, model is not None and stats is None
+        self.sketch_dim = statistics_choice(
+            statistics, sketch_dim, self._owns_stats, self.projection_kind, self.num_replicas
+        )
+        self.stats = stats if not self._owns_stats else attach_statistics(
+            model, loss_reduction, self.ordering, self.projection_kind, stats_options,
+            sketch_dim=self.sketch_dim, seed=self.seed,
+        )  # fmt: skip
         self.source = None if self.stats is None else HookSource(self.stats)
         self._config = plain_config(
             n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
@@ -203,6 +205,8 @@ class GraBSampler(Sampler[int]):
             random_first_epoch=self.ordering.random_first_epoch,
             options=self.ordering.option_values,
         )  # fmt: skip
+        if self.sketch_dim is not None:  # recorded only in sketch mode: exact states load as before
+            self._config.update(statistics="sketch", **self.stats.sketch.config)
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
@@ -273,9 +277,8 @@ class GraBSampler(Sampler[int]):
             self._requested_epoch = None  # set_epoch(e) for the epoch already under way
         if self._resume:
             self._resume = False
-            # examples handed out before the snapshot whose gradients were not stepped since the
-            # load were trained on before it: they get no decision this epoch, and later
-            # gradients are never attributed to them
+            # examples handed out before the snapshot and not stepped since were trained on
+            # before it: no decision this epoch, and later gradients never go to them
             self._stepped = max(self._stepped, self._yielded)
         elif self._started:
             self._advance()
@@ -326,7 +329,7 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        pieces = step_pieces(grads, self.source, self.dim)
+        pieces = step_pieces(grads, self.source, self.dim, self.sketch_dim)
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
@@ -375,14 +378,8 @@ class GraBSampler(Sampler[int]):
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
-        if not hasattr(self.ordering, "update_v"):
-            raise TypeError(
-                f'update_v() is for balance_type="adamean", but this sampler uses '
-                f'"{self.balance_type}".'
-            )
-        if isinstance(second_moment, Mapping):
-            second_moment = named_to_flat(second_moment)
-        self.ordering.update_v(second_moment.reshape(-1))
+        flat = flat_second_moment(self.ordering, self.sketch_dim, second_moment)  # checks first
+        self.ordering.update_v(flat)
 
     # -- state ------------------------------------------------------------------------------
     def _publish(self) -> None:

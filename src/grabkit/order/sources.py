@@ -2,9 +2,11 @@
 
 ``GraBSampler.step(grads)`` turns what it is given into a list of ``GradientBatch`` pieces, in
 visit order, with ``batches_from``: one dense piece for gradients passed in, or, in hook mode,
-one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A new source of
-statistics (sketches, another engine) plugs in here by offering ``batches()``, ``clear()``,
-``discard()`` and ``close()``.
+one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A statistics
+object plugs in by offering ``gradient_batch()`` (and, to keep every micro-batch of an
+accumulated step, ``step_listeners``, ``backward_seen`` and ``statistics()``, as
+``grabkit.stats.PerSampleStats`` and ``grabkit.stats.SketchedStats`` do); another kind of source
+by offering ``batches()``, ``clear()``, ``discard()`` and ``close()``.
 """
 
 from __future__ import annotations
@@ -87,9 +89,20 @@ class HookSource:
         self.pending = []
 
 
-def step_pieces(grads: Any, source: HookSource | None, dim: int | None) -> list[GradientBatch]:
+def step_pieces(
+    grads: Any, source: HookSource | None, dim: int | None, sketch_dim: int | None = None
+) -> list[GradientBatch]:
     """A step's gradients as ``GradientBatch`` pieces in visit order (hook mode: one per
-    backward since the last step), each checked to be ``dim`` numbers long (when known)."""
+    backward since the last step), each checked to be ``dim`` numbers long (when known), or
+    ``sketch_dim`` long when the hooks sketch (then ``grads`` must be None)."""
+    if grads is not None and sketch_dim is not None:
+        raise ValueError(
+            'this sampler balances sketches (statistics="sketch"), k numbers per example, so '
+            "it cannot take per-example gradients in step(); call step() without arguments "
+            "after the backward(s)."
+        )
+    if grads is None and sketch_dim is not None:
+        dim = sketch_dim
     if grads is not None:
         pieces = [dense_batch(grads)]
     elif source is None:

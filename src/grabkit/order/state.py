@@ -4,6 +4,17 @@ A state records every option that changes the orders (``plain_config``); loading
 sampler built differently raises, naming the options that differ, instead of resuming a
 different run. Orders and counts are checked too, so a corrupted state fails at load, not as a
 stream of repeated indices later.
+
+How a ``GraBSampler`` resumes. ``state_dict()`` records the position (epoch, yielded count) as a
+snapshot and shares the ordering state (running sums, placements, stepped count) live, as
+``model.state_dict()`` shares parameters: ``torchdata``'s ``StatefulDataLoader`` takes one per
+dispatched batch, ahead of training, at no cost in the gradient length, and a checkpoint saved after
+a ``step()`` carries the decisions of every stepped example, in flight at the snapshot or not. After
+``load_state_dict`` the next ``iter()`` yields the rest of the interrupted epoch (from the yielded
+count; an empty pass when all of it had been yielded, as ``RandomSampler`` does). Examples handed
+out before the snapshot and not stepped by the checkpoint get no decision in that epoch (they keep
+their place between the front and back parts); later gradients are never attributed to them. The
+state records the configuration, and loading it into a sampler built otherwise raises.
 """
 
 from __future__ import annotations

@@ -2,10 +2,12 @@
 
 ``PerSampleStats`` attaches hooks to an ordinary model and, after ``loss.backward()``, reads the
 norms, Gram matrix, dots and weighted sums of the per-example gradients exactly, layer by layer,
-without building a (B, d) tensor. ``GradientBatch`` is the interface orderings consume; both
+without building a (B, d) tensor; ``SketchedStats`` reads a (B, k) random sketch of them instead
+(``grabkit.stats.sketch``). ``GradientBatch`` is the interface orderings consume; both
 ``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it.
 """
 
+from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
@@ -15,14 +17,17 @@ from grabkit.stats.gradient_batch import (
 )
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
+from grabkit.stats.sketch import GradientSketch, SketchedStats
 from grabkit.stats.step import StepStatistics
 
 __all__ = [
     "DenseGradientBatch",
     "GradientBatch",
+    "GradientSketch",
     "HookGradientBatch",
     "LayerRule",
     "PerSampleStats",
+    "SketchedStats",
     "StepStatistics",
     "flat_to_named",
     "named_to_flat",

@@ -2,9 +2,13 @@
 
 Attach once to a model. During the forward pass a hook on each layer that owns trainable
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
-anyway) and puts a hook on the layer's output tensor, which receives the gradient of that output
-during ``loss.backward()``. A hook on each trainable parameter receives this backward's batch
-gradient before it is accumulated into ``.grad``. Nothing else runs during the step: norms,
+anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
+layer's output sequence and final states), which receives the gradient of that output during
+``loss.backward()``. A hook on each trainable parameter receives this backward's batch
+gradient before it is accumulated into ``.grad`` and copies it (``.grad`` may be changed in place
+later), into the previous step's copy when no statistics of that step are still held: one
+tensor the size of the trainable parameters lives between steps instead of a fresh one being
+allocated, and page-faulted in, at every backward. Nothing else runs during the step: norms,
 dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
 (see ``grabkit.stats.rules``), never building a (B, d) tensor.
 
@@ -27,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from grabkit.stats.factors import ParameterFactor, combine
+from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
+from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
@@ -54,13 +59,19 @@ def _functorch_transform_active() -> bool:
 
 
 class _Call:
-    """One forward call of a tracked layer: what its rule kept, and its output's gradient."""
+    """One forward call of a tracked layer: what its rule kept, and its output's gradient.
 
-    __slots__ = ("captured", "output_grad")
+    For a rule with ``multiple_outputs``, ``output_grad`` is a list with one slot per tracked
+    output (None until the first of them receives a gradient) and ``batch_size`` is the number
+    of examples the rule found in the call.
+    """
 
-    def __init__(self, captured: object) -> None:
+    __slots__ = ("batch_size", "captured", "output_grad")
+
+    def __init__(self, captured: object, batch_size: int | None = None) -> None:
         self.captured = captured
-        self.output_grad: torch.Tensor | None = None
+        self.output_grad: torch.Tensor | list[torch.Tensor | None] | None = None
+        self.batch_size = batch_size
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -98,13 +109,39 @@ class _ModelBatch:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
 
+    def check_batch_dim(self, name: str, size: int, x: torch.Tensor | None, dim: int) -> None:
+        """Refuse a layer call that holds ``size`` examples (in dim ``dim`` of its input ``x``)
+        unless they are this batch's, and an ``x`` whose batch dim cannot be told from another
+        dim of the same size (the batch dim must be the outermost of them in memory)."""
+        where = "its input" if x is None else f"dim {dim} of its input of shape {tuple(x.shape)}"
+        if size != self.size:
+            raise ValueError(
+                f"layer {name!r} holds {size} examples in {where}, but the model's input has "
+                f"{self.size} (dim 0 of {self.shape}). PerSampleStats needs the examples in dim "
+                f"0 of the model's input and in the batch dim of every layer (check the layer's "
+                f"batch_first, and that the model's input is batch-first)."
+            )
+        if x is None or size == 1:
+            return
+        rivals = [k for k in range(x.dim()) if k != dim and x.shape[k] == size]
+        if any(x.stride(k) >= x.stride(dim) for k in rivals):
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} and strides "
+                f"{x.stride()} whose batch dim {dim} has the size of dim(s) {rivals} and is not "
+                f"the outermost of them in memory, so PerSampleStats cannot tell that it holds "
+                f"the examples (a sequence-first model input with T == B?). Feed the model "
+                f"batch-first inputs (a view such as x.transpose(0, 1) before a "
+                f"batch_first=False layer is fine), or use a batch size that differs from the "
+                f"other dims."
+            )
+
     def align(
         self, name: str, x: torch.Tensor, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
         if x.dim() > 0 and x.shape[0] == b:
-            if self._is_shared(x) and x.dim() < len(self.shape) and b in self.shape[1:]:
+            if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
                     f"from the model's input {self.shape}, whose batch size {b} also appears "
@@ -162,6 +199,10 @@ class PerSampleStats:
         torch_func_fallback: layers with trainable parameters but no rule get their per-example
             gradients by ``torch.func`` (materialised for that layer only; see
             ``grabkit.stats.fallback``) instead of an error at attach time.
+        keep_batch_gradients: keep each backward's batch gradient (a copy per parameter, for
+            ``total()``, ``weighted_sum`` and ``statistics()``). With False only the parameters'
+            names are noted (to catch a parameter used outside its layer) and only
+            ``step_factors()`` can be read: the sketches of ``grabkit.stats.sketch`` need no more.
         batch_norm_constant_statistics: BatchNorm in training mode raises by default (its
             batch statistics couple the examples, so per-example gradients are not defined).
             With True it runs, and g_i is *defined* as each layer's per-example share of the
@@ -198,6 +239,7 @@ class PerSampleStats:
         *,
         torch_func_fallback: bool = False,
         batch_norm_constant_statistics: bool = False,
+        keep_batch_gradients: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -219,8 +261,13 @@ class PerSampleStats:
         self.param_shapes: dict[str, torch.Size] = {
             name: p.shape for name, p in model.named_parameters() if p.requires_grad
         }
+        self._layout = FlatLayout(self.param_shapes)
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
+        self.keep_batch_gradients = bool(keep_batch_gradients)
+        #: counts every change of the recorded statistics (a gradient arrived, a step began), so
+        #: a reader can cache what it computed from them
+        self.generation = 0
         self._layers = self._find_layers(model, names, self.torch_func_fallback)
         self._handles: list[Any] = []
         self._warned: set[nn.Module] = set()
@@ -267,7 +314,7 @@ class PerSampleStats:
                     f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
                     f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
                     f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
-                    f"MultiheadAttention, transformers Conv1D, "
+                    f"MultiheadAttention, LSTM, GRU, RNN, transformers Conv1D, "
                     f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
                     f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
                     f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
@@ -300,6 +347,7 @@ class PerSampleStats:
             if _ATTACHED.get(module) is self:
                 del _ATTACHED[module]
         self._new_step()
+        self._spare_grads = {}
 
     def __enter__(self) -> PerSampleStats:
         return self
@@ -314,10 +362,20 @@ class PerSampleStats:
                 listener()  # before the finished step's data is dropped
         for layer in getattr(self, "_layers", []):
             layer.calls = []
-        self._param_grads: dict[str, torch.Tensor] = {}
+        copies = getattr(self, "_param_grads", {})
+        readers = getattr(self, "_readers", [])
+        self._param_grads: dict[str, torch.Tensor | None] = {}
         self._backward_seen = False
+        self.generation = getattr(self, "generation", 0) + 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        # StepStatistics built on this step (weakly): while one lives, its copies are its own
+        self._readers: list[weakref.ref[StepStatistics]] = []
+        if all(reader() is None for reader in readers):
+            # Nothing outside the engine holds the finished step's gradient copies: the next
+            # backward copies into them instead of into fresh memory (a fresh tensor the size of
+            # a large layer costs more in page faults than the copy itself, on the CPU).
+            self._spare_grads: dict[str, torch.Tensor] = copies
 
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -348,6 +406,11 @@ class PerSampleStats:
     ) -> Any:
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
+        if layer.rule.multiple_outputs:
+            replaced = layer.rule.replace_output(module, output)
+            output = output if replaced is None else replaced
+            self._record_multiple_outputs(layer, module, (args, kwargs, output))
+            return replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -363,6 +426,31 @@ class PerSampleStats:
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
         return expanded
+
+    def _record_multiple_outputs(
+        self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
+    ) -> None:
+        """Record a call ``(args, kwargs, output)`` of a ``multiple_outputs`` rule: a hook on each
+        output tensor it needs."""
+        args, kwargs, output = whole_call
+        tensors = layer.rule.output_tensors(module, output)
+        hooked = [
+            (slot, t)
+            for slot, t in enumerate(tensors)
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not hooked:
+            return
+        if self._backward_seen and not _inside_backward():
+            self._new_step()
+        self._check_training_mode(layer, module)
+        x, dim, size = layer.rule.call_batch(module, args, kwargs)
+        if self._batch is not None:
+            self._batch.check_batch_dim(layer.name, size, x, dim)
+        call = _Call(layer.rule.capture(module, whole_call), batch_size=size)
+        layer.calls.append(call)
+        for slot, t in hooked:
+            t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
 
     def _layer_input(
         self,
@@ -415,15 +503,41 @@ class PerSampleStats:
         call.output_grad = grad if call.output_grad is None else call.output_grad + grad
         self._backward_seen = True
         self._statistics = None
+        self.generation += 1
+
+    def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
+        if call.output_grad is None:
+            call.output_grad = [None] * slots
+        previous = call.output_grad[slot]
+        grad = grad.detach()
+        call.output_grad[slot] = grad if previous is None else previous + grad
+        self._backward_seen = True
+        self._statistics = None
 
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
+        self._backward_seen = True
+        self._statistics = None
+        self.generation += 1
+        if not self.keep_batch_gradients:
+            self._param_grads[name] = None  # noted: the gradient came (see the layer check)
+            return
         # A copy: autograd may adopt this very tensor as .grad and later change it in place
         # (accumulation, clipping), which must not change this step's total.
         previous = self._param_grads.get(name)
         grad = grad.detach()
-        self._param_grads[name] = grad.clone() if previous is None else previous + grad
-        self._backward_seen = True
-        self._statistics = None
+        if previous is not None:
+            self._param_grads[name] = previous + grad
+            return
+        spare = self._spare_grads.pop(name, None)
+        if (
+            spare is not None
+            and spare.shape == grad.shape
+            and spare.dtype == grad.dtype
+            and spare.device == grad.device
+        ):
+            self._param_grads[name] = spare.copy_(grad)
+        else:
+            self._param_grads[name] = grad.clone()
 
     # -- reading -----------------------------------------------------------------------------
     @property
@@ -435,6 +549,7 @@ class PerSampleStats:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:
             self._statistics = self._build()
+            self._readers.append(weakref.ref(self._statistics))
         return self._statistics
 
     def _batch_size(self) -> int:
@@ -442,7 +557,9 @@ class PerSampleStats:
         for layer in self._layers:
             for call in layer.calls:
                 if call.output_grad is not None:
-                    sizes.setdefault(layer.name, []).append(call.output_grad.shape[0])
+                    size = call.batch_size
+                    size = call.output_grad.shape[0] if size is None else size
+                    sizes.setdefault(layer.name, []).append(size)
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
@@ -475,7 +592,12 @@ class PerSampleStats:
                         f"freeze the parameter."
                     )
 
-    def _build(self) -> StepStatistics:
+    def step_factors(self) -> tuple[dict[str, ParameterFactor | None], int, float]:
+        """(name -> merged factor or None, batch size B, scale) of the latest backward.
+
+        The factors hold g_i / scale (``scale`` is B for a mean-reduced loss); a parameter used
+        by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
+        """
         self._check_gradients_came_through_layers()
         batch_size = self._batch_size()
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
@@ -485,20 +607,33 @@ class PerSampleStats:
             for call in layer.calls:
                 if call.output_grad is None:
                     continue
-                made = layer.rule.factors(layer.module, call.captured, call.output_grad, wanted)
+                grad = call.output_grad
+                grad = tuple(grad) if isinstance(grad, list) else grad
+                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
                 for local, factor in made.items():
                     full = layer.params[local]
                     previous = factors[full]
                     factors[full] = factor if previous is None else combine(previous, factor)
+        return factors, batch_size, scale
+
+    def _build(self) -> StepStatistics:
+        if not self.keep_batch_gradients:
+            raise RuntimeError(
+                "this PerSampleStats was built with keep_batch_gradients=False, so it keeps no "
+                "batch gradient and answers step_factors() only; build it with "
+                "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
+            )
+        factors, batch_size, scale = self.step_factors()
         batch_gradients = {
-            name: self._param_grads[name].to(self.dtype)
+            name: as_dtype(self._param_grads[name], self.dtype)
             if name in self._param_grads
             else torch.zeros(shape, dtype=self.dtype, device=self.device)
             for name, shape in self.param_shapes.items()
         }
         return StepStatistics(
-            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale
-        )
+            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale,
+            layout=self._layout,
+        )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:
         """(B,) ||g_i||^2 over the trainable parameters."""

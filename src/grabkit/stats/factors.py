@@ -9,7 +9,10 @@ without a (B, d) tensor for the whole model:
 * ``PerExampleFactor``:   g_i given outright (biases, normalisation affine parameters: small).
 
 A factor also ``merge``\\ s with the factor of another call of the same layer (a layer used twice
-in one forward), because the per-example gradient is then the sum over both calls.
+in one forward), because the per-example gradient is then the sum over both calls. Optionally it
+offers ``add_weighted_sum_to(weights, target)`` (the weighted sum added into ``target`` in place,
+as running sums are updated every step); ``StepStatistics`` falls back to ``weighted_sum`` and an
+addition for factors without it.
 
 Shapes: B examples, T positions per example (1 for plain vectors), G groups, p inputs and q
 outputs per group, k vectors. Parameters are addressed through their own shape ``param_shape``.
@@ -27,6 +30,7 @@ __all__ = [
     "ParameterFactor",
     "PerExampleFactor",
     "SumFactor",
+    "as_dtype",
     "combine",
     "compute_dtype",
 ]
@@ -48,6 +52,11 @@ def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in at least float32 (half / bfloat16 activations under autocast)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call when ``t`` already has it (reads run every step)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class ParameterFactor(Protocol):
@@ -86,26 +95,49 @@ class PerExampleFactor:
 
     Used for parameters whose size is a small multiple of a layer's width (biases, affine
     parameters of normalisation layers), where materialising B copies costs little.
+
+    ``output_of``: the weight factor of the same layer call when ``grads`` are exactly its output
+    gradients (a Linear bias on plain vectors): the Gram matrix of both is then the same (B, B)
+    matrix, computed once (``OuterProductFactor.output_gram``).
     """
 
-    def __init__(self, grads: torch.Tensor, param_shape: torch.Size) -> None:
+    def __init__(
+        self,
+        grads: torch.Tensor,
+        param_shape: torch.Size,
+        *,
+        output_of: OuterProductFactor | None = None,
+    ) -> None:
         self.batch_size = grads.shape[0]
         self.param_shape = torch.Size(param_shape)
-        self.grads = grads.reshape(self.batch_size, -1).to(compute_dtype(grads.dtype))  # (B, n)
+        self.grads = as_dtype(grads.reshape(self.batch_size, -1), compute_dtype(grads.dtype))
+        self._output_of = output_of
 
     def norms_squared(self) -> torch.Tensor:
         return (self.grads * self.grads).sum(dim=1)
 
     def gram(self) -> torch.Tensor:
+        if self._output_of is not None:
+            return self._output_of.output_gram()
         return self.grads @ self.grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
-        flat = vectors.reshape(vectors.shape[0], -1).to(self.grads.dtype)  # (k, n)
+        flat = as_dtype(vectors.reshape(vectors.shape[0], -1), self.grads.dtype)  # (k, n)
         return self.grads @ flat.T
 
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = weights.to(self.grads.dtype).T @ self.grads  # (k, n)
+        rows = as_dtype(weights, self.grads.dtype).T @ self.grads  # (k, n)
         return _deliver(rows.reshape(weights.shape[1], *self.param_shape), out)
+
+    def add_weighted_sum_to(self, weights: torch.Tensor, target: torch.Tensor) -> None:
+        """In place: ``target`` (k, *param_shape) += ``weighted_sum(weights)``, by one GEMM
+        accumulating into it where its rows can be viewed flat in the factors' dtype."""
+        k = weights.shape[1]
+        w = as_dtype(weights, self.grads.dtype).T  # (k, B)
+        if k and target.dtype == self.grads.dtype and target[0].is_contiguous():
+            target.view(k, -1).addmm_(w, self.grads)
+        else:
+            target.add_((w @ self.grads).reshape(target.shape).to(target.dtype))
 
     def merge(self, other: ParameterFactor) -> ParameterFactor:
         if not isinstance(other, PerExampleFactor):
@@ -114,6 +146,7 @@ class PerExampleFactor:
         merged.batch_size = self.batch_size
         merged.param_shape = self.param_shape
         merged.grads = self.grads + other.grads
+        merged._output_of = None
         return merged
 
 
@@ -149,11 +182,12 @@ class OuterProductFactor:
             raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
         self.strategy = strategy
         dtype = compute_dtype(torch.promote_types(inputs.dtype, output_grads.dtype))
-        self.inputs = inputs.to(dtype)
-        self.output_grads = output_grads.to(dtype)
+        self.inputs = as_dtype(inputs, dtype)
+        self.output_grads = as_dtype(output_grads, dtype)
         self.batch_size, self.positions, self.groups, self.in_features = inputs.shape
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
+        self._output_gram: torch.Tensor | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
     def _use_ghost(self, pairs: int) -> bool:
@@ -166,13 +200,40 @@ class OuterProductFactor:
         return ghost < materialised
 
     def _materialised(self) -> torch.Tensor:
-        """(B, G q p) per-example gradients of this layer (transient)."""
+        """(B, G q p) per-example gradients of this layer (transient).
+
+        For one group the entries may come transposed, (p, q) per example: the batched GEMM
+        runs faster with the wider side last, and norms and Gram matrices do not see the order.
+        """
+        b, p, q = self.batch_size, self.in_features, self.out_features
+        if self.groups == 1:
+            a = self.inputs.reshape(b, -1, p)
+            d = self.output_grads.reshape(b, -1, q)
+            grads = torch.bmm(a.transpose(1, 2), d) if q >= p else torch.bmm(d.transpose(1, 2), a)
+            return grads.reshape(b, -1)
         grads = torch.einsum("btgq,btgp->bgqp", self.output_grads, self.inputs)
-        return grads.reshape(self.batch_size, -1)
+        return grads.reshape(b, -1)
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """(B, T, G, f) -> (G, B T, f): one row per (example, position), grouped first."""
         return t.reshape(-1, self.groups, t.shape[-1]).transpose(0, 1)
+
+    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For one group: (B T, p) inputs and (B T, q) output gradients, as 2-D views.
+
+        Plain matrix products on these run as single GEMMs, without the batched-matmul
+        dispatch the grouped (G, N, f) layout needs.
+        """
+        return (
+            self.inputs.reshape(-1, self.in_features),
+            self.output_grads.reshape(-1, self.out_features),
+        )
+
+    def _per_example(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(B T, k) values per (example, position) -> (B, k) sums over the positions."""
+        if self.positions == 1:
+            return per_row
+        return per_row.reshape(self.batch_size, self.positions, -1).sum(dim=1)
 
     # -- reads -----------------------------------------------------------------------------------
     def norms_squared(self) -> torch.Tensor:
@@ -187,66 +248,116 @@ class OuterProductFactor:
         grads = self._materialised()
         return (grads * grads).sum(dim=1)
 
+    def output_gram(self) -> torch.Tensor:
+        """(B, B) <D_i, D_j> for one position and one group, computed once: the Gram matrix of
+        a bias whose per-example gradients are these output gradients, and a factor of this
+        weight's own ghost Gram matrix."""
+        if self.positions != 1 or self.groups != 1:
+            raise ValueError(
+                f"output_gram() needs one position and one group, but this factor has "
+                f"{self.positions} positions and {self.groups} groups"
+            )
+        if self._output_gram is None:
+            d = self.output_grads.reshape(self.batch_size, self.out_features)
+            self._output_gram = torch.mm(d, d.T)
+        return self._output_gram
+
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
         if self._use_ghost(b * b):
-            a = self._rows(self.inputs)  # (G, N, p)
-            d = self._rows(self.output_grads)  # (G, N, q)
-            pairs = (a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))  # (G, N, N)
-            return pairs.sum(dim=0).reshape(b, t, b, t).sum(dim=(1, 3))
+            if self.groups == 1 and t == 1:
+                a = self.inputs.reshape(b, self.in_features)
+                return torch.mm(a, a.T).mul_(self.output_gram())  # (B, B)
+            if self.groups == 1:
+                a, d = self._flat()  # (N, p), (N, q)
+                pairs = torch.mm(a, a.T).mul_(torch.mm(d, d.T))  # (N, N)
+            else:
+                a = self._rows(self.inputs)  # (G, N, p)
+                d = self._rows(self.output_grads)  # (G, N, q)
+                pairs = ((a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))).sum(dim=0)
+            return pairs if t == 1 else pairs.reshape(b, t, b, t).sum(dim=(1, 3))
         grads = self._materialised()
         return grads @ grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        v = vectors.to(self.inputs.dtype).reshape(k, g, q, p)  # a view: vectors are not copied
-        a = self._rows(self.inputs)  # (G, N, p)
-        d = self._rows(self.output_grads)  # (G, N, q)
+        v = as_dtype(vectors, self.inputs.dtype).reshape(k, g, q, p)  # a view, not a copy
         if g == 1 and k == 1:  # one GEMM, contracting the wider side first
+            a, d = self._flat()  # (N, p), (N, q)
             if p <= q:
-                per_row = ((d[0] @ v[0, 0]) * a[0]).sum(dim=-1).unsqueeze(0)  # (1, N)
+                per_row = torch.mm(d, v[0, 0]).mul_(a).sum(dim=1, keepdim=True)  # (N, 1)
             else:
-                per_row = ((a[0] @ v[0, 0].T) * d[0]).sum(dim=-1).unsqueeze(0)
-        elif g == 1 and q <= p and v.is_contiguous():
+                per_row = torch.mm(a, v[0, 0].T).mul_(d).sum(dim=1, keepdim=True)
+            return self._per_example(per_row)
+        if g == 1 and q <= p and v.is_contiguous():
             # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D. (Rows
             # cut from a longer flat vector are not contiguous; the batched forms below read
             # them in place rather than copying them.)
-            projected = a[0] @ v.reshape(k * q, p).T
-            per_row = (projected.view(-1, k, q) * d[0].unsqueeze(1)).sum(dim=-1).T  # (k, N)
-        elif p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q
+            a, d = self._flat()
+            projected = torch.mm(a, v.reshape(k * q, p).T)
+            return self._per_example((projected.view(-1, k, q) * d.unsqueeze(1)).sum(dim=-1))
+        a = self._rows(self.inputs)  # (G, N, p)
+        d = self._rows(self.output_grads)  # (G, N, q)
+        if p <= q:  # D^T V_j for every j: intermediate (k, G, N, p), narrower than k q
             per_row = ((d.unsqueeze(0) @ v) * a.unsqueeze(0)).sum(dim=-1).sum(dim=1)
         else:
             per_row = ((a.unsqueeze(0) @ v.transpose(-1, -2)) * d.unsqueeze(0)).sum(dim=-1)
             per_row = per_row.sum(dim=1)
-        return per_row.reshape(k, self.batch_size, self.positions).sum(dim=2).T
+        return self._per_example(per_row.T)  # (k, N) -> (B, k)
 
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         g, p, q = self.groups, self.in_features, self.out_features
-        w = weights.to(self.inputs.dtype)
+        w = as_dtype(weights, self.inputs.dtype)
         if self.positions > 1:
             w = w.repeat_interleave(self.positions, dim=0)  # (N, k): one weight per row
-        a = self._rows(self.inputs)  # (G, N, p)
-        d = self._rows(self.output_grads)  # (G, N, q)
         if g == 1 and k == 1:  # one GEMM straight into the parameter layout
-            if q <= p:
-                lhs, rhs = (d[0] * w).T, a[0]
-            else:
-                lhs, rhs = d[0].T, a[0] * w
-            if out is not None and out.is_contiguous() and out.dtype == a.dtype:
+            lhs, rhs = self._single_sum_operands(w)
+            if out is not None and out.is_contiguous() and out.dtype == lhs.dtype:
                 return torch.mm(lhs, rhs, out=out.view(q, p)).view(out.shape)
             return _deliver((lhs @ rhs).reshape(1, *self.param_shape), out)
         if g == 1 and q <= p:
             # One GEMM for all k: [w_1 D, .., w_k D]^T A -> (k q, p), already in parameter layout.
-            scaled = (d[0].unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
-            return _deliver((scaled.T @ a[0]).reshape(k, *self.param_shape), out)
+            a, d = self._flat()
+            scaled = (d.unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
+            return _deliver((scaled.T @ a).reshape(k, *self.param_shape), out)
+        a = self._rows(self.inputs)  # (G, N, p)
+        d = self._rows(self.output_grads)  # (G, N, q)
         w = w.T[:, None, :, None]  # (k, 1, N, 1)
         if q <= p:  # scale the narrower side by the weights
             blocks = (d.unsqueeze(0) * w).transpose(-1, -2) @ a.unsqueeze(0)  # (k, G, q, p)
         else:
             blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
         return _deliver(blocks.reshape(k, *self.param_shape), out)
+
+    def _single_sum_operands(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, N) and (N, p) whose product is sum_n w_n D_n A_n^T, for (N, 1) row weights ``w``
+        (one group): the narrower side carries the weights."""
+        a, d = self._flat()  # (N, p), (N, q)
+        if self.out_features <= self.in_features:
+            return (d * w).T, a
+        return d.T, a * w
+
+    def add_weighted_sum_to(self, weights: torch.Tensor, target: torch.Tensor) -> None:
+        """In place: ``target`` (k, *param_shape) += ``weighted_sum(weights)``.
+
+        One GEMM accumulating straight into ``target`` for a single weight column on one group;
+        otherwise the sum is formed and added.
+        """
+        if (
+            self.groups == 1
+            and weights.shape[1] == 1
+            and target.dtype == self.inputs.dtype
+            and target.is_contiguous()
+        ):
+            w = as_dtype(weights, self.inputs.dtype)
+            if self.positions > 1:
+                w = w.repeat_interleave(self.positions, dim=0)  # (N, 1): one weight per row
+            lhs, rhs = self._single_sum_operands(w)
+            target.view(self.out_features, self.in_features).addmm_(lhs, rhs)
+            return
+        target.add_(self.weighted_sum(weights).to(target.dtype))
 
     def two_valued_sum(
         self,
@@ -302,8 +413,10 @@ class EmbeddingFactor:
         output_grads: (B, T, dim) gradients of the looked-up vectors (zero at ``padding_idx``).
         param_shape: (num_embeddings, dim).
 
-    Never materialised (B x num_embeddings x dim would be the largest tensor in the model):
-    <g_i, g_j> = sum_{t, s} [idx_it == idx_js] (D_it . D_js).
+    Never materialised over the whole table (B x num_embeddings x dim would be the largest tensor
+    in the model): <g_i, g_j> = sum_{t, s} [idx_it == idx_js] (D_it . D_js), or on the CPU, when
+    smaller, from each example's gradient restricted to the U rows the batch looked up (B x U x
+    dim, U < T^2 and at most 2^24 numbers).
     """
 
     def __init__(
@@ -321,8 +434,28 @@ class EmbeddingFactor:
 
     def gram(self) -> torch.Tensor:
         b, t = self.batch_size, self.positions
+        if b > 1 and self.indices.stride(0) == 0:
+            # Every example looked up the same rows (positions shared by the batch, expanded):
+            # <g_i, g_j> = <D_i, M D_j> with M[t, s] = [idx_t == idx_s], B T^2 dim multiply-adds
+            # instead of (B T)^2 dim.
+            first = self.indices[0]
+            same = (first[:, None] == first[None, :]).to(self.output_grads.dtype)  # (T, T)
+            mixed = torch.matmul(same, self.output_grads)  # (B, T, dim)
+            return self.output_grads.reshape(b, -1) @ mixed.reshape(b, -1).T
         idx = self.indices.reshape(-1)  # (N,)
         d = self.output_grads.reshape(b * t, -1)  # (N, dim)
+        if idx.device.type == "cpu":
+            rows, inverse = torch.unique(idx, return_inverse=True)
+            u, dim = rows.numel(), d.shape[1]
+            if u < t * t and u * b * dim <= _EMBEDDING_GRAM_CHUNK_ENTRIES:
+                # Each example's gradient on the U rows looked up in the batch: (B, U dim),
+                # B^2 U dim multiply-adds instead of (B T)^2 dim (a host sync finds U, so
+                # devices keep the form below).
+                example = torch.arange(b, device=idx.device).repeat_interleave(t)
+                per_example = d.new_zeros(b * u, dim)
+                per_example.index_add_(0, example * u + inverse, d)
+                flat = per_example.view(b, u * dim)
+                return flat @ flat.T
         rows_per_chunk = max(t, (_EMBEDDING_GRAM_CHUNK_ENTRIES // max(1, b * t)) // t * t)
         pieces = []
         for start in range(0, b * t, rows_per_chunk):
@@ -383,10 +516,18 @@ class SumFactor:
     def _pairs(self) -> list[tuple[ParameterFactor, ParameterFactor]]:
         return [(u, v) for k, u in enumerate(self.parts) for v in self.parts[k + 1 :]]
 
+    def _cross_diagonal(self, u: ParameterFactor, v: ParameterFactor) -> torch.Tensor:
+        """(B,) entries <g_i^u, g_i^v>: per-example blocks only where a ghost form allows."""
+        if isinstance(u, EmbeddingFactor) and _is_plain_linear(v):
+            return _embedding_linear_cross_diagonal(u, v)
+        if isinstance(v, EmbeddingFactor) and _is_plain_linear(u):
+            return _embedding_linear_cross_diagonal(v, u)
+        return self._cross(u, v).diagonal()
+
     def norms_squared(self) -> torch.Tensor:
         total = sum(part.norms_squared() for part in self.parts)
         for u, v in self._pairs():
-            total = total + 2 * self._cross(u, v).diagonal()
+            total = total + 2 * self._cross_diagonal(u, v)
         return total
 
     def gram(self) -> torch.Tensor:
@@ -426,6 +567,18 @@ def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.
     d = v.output_grads.reshape(-1, v.out_features).to(dtype)  # (N_v, V)
     pairs = (e @ a.T) * d.index_select(1, idx).T  # (N_u, N_v)
     return pairs.reshape(b, -1, b, v.positions).sum(dim=(1, 3))
+
+
+def _embedding_linear_cross_diagonal(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
+    """(B,) <g_i^u, g_i^v>, the diagonal of ``_embedding_linear_cross``: per example,
+    sum_{t, s} D_is[idx_it] (E_it . A_is) over T_u x T_v pairs only (no (B T)^2 products)."""
+    dtype = torch.promote_types(u.output_grads.dtype, v.inputs.dtype)
+    b = u.batch_size
+    e = u.output_grads.reshape(b, u.positions, -1).to(dtype)  # (B, T_u, d)
+    a = v.inputs.reshape(b, v.positions, v.in_features).to(dtype)  # (B, T_v, d)
+    d = v.output_grads.reshape(b, v.positions, v.out_features).to(dtype)  # (B, T_v, V)
+    picked = torch.gather(d, 2, u.indices.unsqueeze(1).expand(b, v.positions, u.positions))
+    return (torch.bmm(e, a.transpose(1, 2)) * picked.transpose(1, 2)).sum(dim=(1, 2))
 
 
 def _dtype_of(factor: ParameterFactor) -> torch.dtype:

@@ -16,6 +16,7 @@ convert between that layout and a ``{name: tensor}`` dict.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +24,7 @@ import torch
 
 __all__ = [
     "DenseGradientBatch",
+    "FlatLayout",
     "GradientBatch",
     "flat_to_named",
     "named_to_flat",
@@ -144,3 +146,54 @@ def flat_to_named(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[
             f"flat vector has length {flat.shape[-1]} but the shapes add up to {offset}"
         )
     return out
+
+
+class FlatLayout:
+    """Where each parameter's numbers sit in the flat layout of ``shapes`` (name -> shape).
+
+    ``views(flat)`` cuts a (k, d) buffer into name -> (k, *shape) views. The views of the last
+    few buffers cut are kept while those buffers live: running sums and fixed vectors are cut
+    the same way at every step, and their cuts then cost nothing.
+
+    Attributes:
+        entries: (name, shape, offset, numel) per parameter, in layout order.
+        dim: d, the total number of entries.
+    """
+
+    #: how many buffers' views are kept (a running sum, a fixed vector and a spare)
+    KEPT = 4
+
+    def __init__(self, shapes: Mapping[str, torch.Size]) -> None:
+        self.entries: list[tuple[str, torch.Size, int, int]] = []
+        offset = 0
+        for name, shape in shapes.items():
+            size = torch.Size(shape)
+            self.entries.append((name, size, offset, size.numel()))
+            offset += size.numel()
+        self.dim = offset
+        # (weak reference to the buffer, its data pointer / shape / strides / dtype, its views)
+        self._cuts: list[tuple[weakref.ref[torch.Tensor], tuple, dict[str, torch.Tensor]]] = []
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """name -> (k, *shape) pieces of the rows of a (k, d) tensor: views (no copy) when its
+        last dim has stride 1, else reshaped copies."""
+        k = flat.shape[0]
+        if flat.stride(-1) != 1:
+            return {
+                name: flat[:, offset : offset + n].reshape(k, *shape)
+                for name, shape, offset, n in self.entries
+            }
+        key = (flat.data_ptr(), flat.shape, flat.stride(), flat.dtype, flat.device)
+        for ref, cut_key, views in self._cuts:
+            if ref() is flat and cut_key == key:
+                return views
+        views = {
+            name: flat[:, offset : offset + n].view(k, *shape)
+            for name, shape, offset, n in self.entries
+        }
+        self._cuts = [(weakref.ref(flat, self._forget), key, views), *self._cuts[: self.KEPT - 1]]
+        return views
+
+    def _forget(self, gone: weakref.ref[torch.Tensor]) -> None:
+        """A buffer that was cut is gone: drop its views (they would keep its storage alive)."""
+        self._cuts = [cut for cut in self._cuts if cut[0] is not gone]

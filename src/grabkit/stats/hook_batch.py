@@ -25,11 +25,8 @@ class HookGradientBatch:
     def __init__(self, statistics: StepStatistics) -> None:
         self.statistics = statistics
         self.size = statistics.batch_size
-        self._layout = {
-            name: (shape, int(torch.Size(shape).numel()))
-            for name, shape in statistics.param_shapes.items()
-        }
-        self.dim = sum(n for _, n in self._layout.values())
+        self._layout = statistics.layout
+        self.dim = self._layout.dim
         self.dtype = statistics.dtype
         self.device = statistics.device
 
@@ -47,20 +44,24 @@ class HookGradientBatch:
                 f"`vectors` should have shape ({self.dim},) or (k, {self.dim}), but got "
                 f"{tuple(vectors.shape)}"
             )
-        named, offset = {}, 0
-        for name, (shape, n) in self._layout.items():
-            named[name] = rows[:, offset : offset + n].reshape(rows.shape[0], *shape)
-            offset += n
-        out = self.statistics.dot_stacked(named)  # (B, k)
+        out = self.statistics.dot_stacked(self._layout.views(rows))  # (B, k)
         return out[:, 0] if single else out
 
     def total(self) -> torch.Tensor:
         return self.statistics.total()
 
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += ``total()``, with no (d,) temporary."""
+        if target.shape != (self.dim,):
+            raise ValueError(
+                f"`target` should have shape ({self.dim},), but got {tuple(target.shape)}"
+            )
+        self.statistics.add_total_to(target)
+
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         columns = self._columns(weights)
         flat = torch.empty(columns.shape[1], self.dim, dtype=self.dtype, device=self.device)
-        self.statistics.weighted_sum_stacked(columns, out=self._views(flat))  # into ``flat``
+        self.statistics.weighted_sum_stacked(columns, out=self._layout.views(flat))  # into ``flat``
         return flat[0] if weights.dim() == 1 else flat
 
     def add_weighted_sum_to(self, target: torch.Tensor, weights: torch.Tensor) -> None:
@@ -76,8 +77,8 @@ class HookGradientBatch:
                 f"`target` should be a contiguous tensor of {k} x {self.dim} numbers, but got "
                 f"shape {tuple(target.shape)}"
             )
-        flat = target.view(k, self.dim)
-        self.statistics.weighted_sum_stacked(columns, out=self._views(flat), accumulate=True)
+        flat = target if target.dim() == 2 else target.view(k, self.dim)
+        self.statistics.weighted_sum_stacked(columns, out=self._layout.views(flat), accumulate=True)
 
     def _columns(self, weights: torch.Tensor) -> torch.Tensor:
         """(B,) or (B, k) weights as (B, k) columns."""
@@ -88,12 +89,3 @@ class HookGradientBatch:
                 f"{tuple(weights.shape)}"
             )
         return columns
-
-    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """name -> (k, *shape) views into the rows of a (k, d) flat buffer."""
-        k = flat.shape[0]
-        views, offset = {}, 0
-        for name, (shape, n) in self._layout.items():
-            views[name] = flat[:, offset : offset + n].view(k, *shape)
-            offset += n
-        return views

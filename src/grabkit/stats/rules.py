@@ -10,7 +10,9 @@ stride, dilation, groups, padding mode), ``nn.Embedding``, ``nn.LayerNorm``, ``n
 ``nn.GroupNorm`` and ``nn.BatchNorm1d/2d/3d`` (training mode: batch statistics treated as
 constants). ``register_rule`` adds or replaces a rule for another layer type.
 
-The batch dimension is dim 0 of every layer's input (``batch_first`` layouts).
+The batch dimension is dim 0 of every layer's input (``batch_first`` layouts), except where a
+rule says where its call holds the examples (``call_batch``: the recurrent layers of
+``grabkit.stats.recurrent``, whose ``batch_first=False`` inputs hold them in dim 1).
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ class LayerRule(ABC):
     #: When True, ``capture`` receives the call's ``(args, kwargs)`` (tensors detached) instead
     #: of the first input, and for a tuple output the first element is the output tracked.
     whole_call: bool = False
+
+    #: When True, the layer's per-example gradients need the gradients of several of its outputs
+    #: (a recurrent layer's output sequence and final states): ``capture`` receives the call's
+    #: raw ``(args, kwargs, output)``, the engine hooks each tensor ``output_tensors`` names,
+    #: ``factors`` receives a tuple of their gradients (None where one got none), and
+    #: ``call_batch`` says where the call holds its examples.
+    multiple_outputs: bool = False
+
+    def output_tensors(self, module: nn.Module, output: Any) -> tuple[torch.Tensor | None, ...]:
+        """The output tensors whose gradients ``factors`` needs (``multiple_outputs`` rules)."""
+        return (output,)
+
+    def replace_output(self, module: nn.Module, output: Any) -> Any:
+        """The call's output with the same values, or None to keep it (``multiple_outputs``
+        rules): say a batch-first copy of a transposed view, so that later layers can tell
+        the batch dim from an equal other dim."""
+        return None
+
+    def call_batch(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, int, int]:
+        """(input tensor or None, its batch dim, number of examples) of a call
+        (``multiple_outputs`` rules), so the engine can check it against the model's batch."""
+        raise NotImplementedError(f"{type(self).__name__} does not define call_batch")
 
     def check(self, module: nn.Module) -> None:  # noqa: B027 (optional hook, default accepts all)
         """Raise ``ValueError`` at attach time for configurations the rule cannot make exact."""
@@ -173,10 +199,19 @@ class LinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, module.out_features).sum(dim=1)
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
+            out["bias"] = PerExampleFactor(
+                _summed_over_positions(output_grad), module.bias.shape, output_of=weight
+            )
         return out
+
+
+def _summed_over_positions(output_grad: torch.Tensor) -> torch.Tensor:
+    """(B, ..., f) -> (B, f): a bias's per-example gradient (the (B, f) tensor itself, no
+    copy, when there is one position per example)."""
+    if output_grad.dim() == 2:
+        return output_grad
+    return output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1]).sum(dim=1)
 
 
 class TransposedLinearRule(LayerRule):
@@ -203,9 +238,7 @@ class TransposedLinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            b = output_grad.shape[0]
-            per_example = output_grad.reshape(b, -1, out_features).sum(dim=1)
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            out["bias"] = PerExampleFactor(_summed_over_positions(output_grad), module.bias.shape)
         return out
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from grabkit.stats.factors import OuterProductFactor, ParameterFactor
+from grabkit.stats.gradient_batch import FlatLayout
 
 __all__ = ["StepStatistics"]
 
@@ -35,6 +37,7 @@ class StepStatistics:
             gradients carry its 1/B); reads multiply it back on their small results.
         dtype / device: of the parameters (inputs are cast to it; statistics are returned in
             at least float32).
+        layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
     """
 
     def __init__(
@@ -46,8 +49,12 @@ class StepStatistics:
         dtype: torch.dtype,
         device: torch.device,
         scale: float = 1.0,
+        *,
+        layout: FlatLayout | None = None,
     ) -> None:
         self.param_shapes = dict(param_shapes)
+        #: the flat layout of ``param_shapes`` (an engine passes its own, shared by every step)
+        self.layout = FlatLayout(self.param_shapes) if layout is None else layout
         self.factors = dict(factors)
         self.batch_gradients = dict(batch_gradients)
         self.batch_size = batch_size
@@ -65,12 +72,15 @@ class StepStatistics:
             and name in self.batch_gradients
             and f.in_features * f.out_features >= _TWO_VALUED_MIN_ENTRIES
         }
-
-    def _present(self) -> list[tuple[str, ParameterFactor]]:
-        return [(name, f) for name, f in self.factors.items() if f is not None]
+        # the factors of the parameters that got a gradient, walked by every read
+        self._present = [(name, f) for name, f in self.factors.items() if f is not None]
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
+
+    def _stat(self, values: torch.Tensor) -> torch.Tensor:
+        """A factor's read in the statistics dtype (no op when it is already)."""
+        return values if values.dtype == self.stat_dtype else values.to(self.stat_dtype)
 
     @torch.no_grad()
     def total(self) -> torch.Tensor:
@@ -80,6 +90,14 @@ class StepStatistics:
         for g, piece in zip(self.batch_gradients.values(), flat.split(sizes), strict=True):
             torch.mul(g.reshape(-1), self.scale, out=piece)  # one pass: copy and rescale
         return flat
+
+    @torch.no_grad()
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += sum_i g_i in the flat layout, one pass per parameter
+        (no (d,) temporary: a running sum of batch gradients reads each stored gradient once)."""
+        for name, _, offset, n in self.layout.entries:
+            piece = target[offset : offset + n]
+            piece.add_(self.batch_gradients[name].reshape(-1), alpha=self.scale)
 
     @torch.no_grad()
     def total_named(self) -> dict[str, torch.Tensor]:
@@ -109,9 +127,9 @@ class StepStatistics:
                 self._norms = self._gram.diagonal().clone()
             else:
                 total = self._zeros(self.batch_size)
-                for _, factor in self._present():
-                    total = total + factor.norms_squared().to(self.stat_dtype)
-                self._norms = total * self.scale**2
+                for _, factor in self._present:
+                    total.add_(self._stat(factor.norms_squared()))
+                self._norms = total.mul_(self.scale**2)
         return self._norms
 
     @torch.no_grad()
@@ -133,9 +151,9 @@ class StepStatistics:
         """(B, B) <g_i, g_j>."""
         if self._gram is None:
             total = self._zeros(self.batch_size, self.batch_size)
-            for _, factor in self._present():
-                total = total + factor.gram().to(self.stat_dtype)
-            self._gram = total * self.scale**2
+            for _, factor in self._present:
+                total.add_(self._stat(factor.gram()))
+            self._gram = total.mul_(self.scale**2)
         return self._gram
 
     @torch.no_grad()
@@ -143,11 +161,11 @@ class StepStatistics:
         """(B, k) <g_i, v_j> for k vectors given as name -> (k, *shape); absent names are zero."""
         k = next(iter(vectors.values())).shape[0] if vectors else 1
         total = self._zeros(self.batch_size, k)
-        for name, factor in self._present():
+        for name, factor in self._present:
             v = vectors.get(name)
             if v is not None:
-                total = total + factor.dot(v).to(self.stat_dtype)
-        return total * self.scale
+                total.add_(self._stat(factor.dot(v)))
+        return total.mul_(self.scale)
 
     @torch.no_grad()
     def weighted_sum_stacked(
@@ -172,28 +190,40 @@ class StepStatistics:
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
-            factor = self.factors[name]
-            signed = None
-            if two_valued is not None and name in self._large_outer_products:
-                rows, a, b = two_valued
-                total = self.batch_gradients[name]
-                signed = factor.two_valued_sum(
-                    rows, a - b, total, b, out=target, accumulate=accumulate
-                )
-            if signed is not None:
-                sums[name] = signed
-            elif accumulate:
-                if factor is not None:
-                    target.add_(factor.weighted_sum(w).to(target.dtype))
-                sums[name] = target
-            elif factor is None:
-                zeros = torch.zeros(k, *shape, dtype=self.dtype, device=self.device)
-                sums[name] = zeros if target is None else target.copy_(zeros)
-            elif target is not None:
-                sums[name] = factor.weighted_sum(w, out=target)
-            else:
-                sums[name] = factor.weighted_sum(w).to(self.dtype)
+            sums[name] = self._weighted_sum_of(name, shape, w, two_valued, target, accumulate)
         return sums
+
+    def _weighted_sum_of(
+        self,
+        name: str,
+        shape: torch.Size,
+        w: torch.Tensor,
+        two_valued: tuple[torch.Tensor, float, float] | None,
+        target: torch.Tensor | None,
+        accumulate: bool,
+    ) -> torch.Tensor:
+        """One parameter's (k, *shape) sum_i w[i, j] g_i (see ``weighted_sum_stacked``)."""
+        factor = self.factors[name]
+        if two_valued is not None and name in self._large_outer_products:
+            rows, a, b = two_valued
+            total = self.batch_gradients[name]
+            signed = factor.two_valued_sum(rows, a - b, total, b, out=target, accumulate=accumulate)
+            if signed is not None:
+                return signed
+        if accumulate:
+            if factor is not None:
+                add_to = getattr(factor, "add_weighted_sum_to", None)
+                if add_to is not None:
+                    add_to(w, target)  # in place, no temporary where the factor allows
+                else:
+                    target.add_(factor.weighted_sum(w).to(target.dtype))
+            return target
+        if factor is None:
+            zeros = torch.zeros(w.shape[1], *shape, dtype=self.dtype, device=self.device)
+            return zeros if target is None else target.copy_(zeros)
+        if target is not None:
+            return factor.weighted_sum(w, out=target)
+        return factor.weighted_sum(w).to(self.dtype)
 
     @staticmethod
     def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
@@ -203,15 +233,18 @@ class StepStatistics:
         sum_i w_i g_i = b sum_i g_i + (a - b) sum_{w_i = a} g_i needs a GEMM over the rarer rows
         only, since autograd already formed sum_i g_i.
         """
-        column = w[:, 0]
+        column = w[:, 0].to("cpu", torch.float64).numpy()  # B numbers, one transfer
         first = column[0]
         is_first = column == first
         others = column[~is_first]
-        if others.numel() == 0:
-            return others.new_zeros(0, dtype=torch.long), 0.0, float(first)
+        if others.size == 0:
+            rows = np.zeros(0, dtype=np.int64)
+            return torch.from_numpy(rows).to(w.device), 0.0, float(first)
         second = others[0]
-        if not bool((others == second).all()):
+        if not (others == second).all():
             return None
-        if 2 * others.numel() <= column.numel():
-            return torch.nonzero(~is_first).squeeze(1), float(second), float(first)
-        return torch.nonzero(is_first).squeeze(1), float(first), float(second)
+        if 2 * others.size <= column.size:
+            rows, a, b = np.flatnonzero(~is_first), float(second), float(first)
+        else:
+            rows, a, b = np.flatnonzero(is_first), float(first), float(second)
+        return torch.from_numpy(rows).to(w.device), a, b

@@ -7,14 +7,14 @@ from typing import Any
 import torch
 
 from grabkit.order.orderings.base import register_ordering
-from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
+from grabkit.order.orderings.centred import StaleMeanBalance, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["AdaMeanBalance"]
 
 
 @register_ordering
-class AdaMeanBalance(CentredBalance):
+class AdaMeanBalance(StaleMeanBalance):
     """Balance (g_i - m) / v: m the previous epoch's mean, v = sqrt(second moment) + eps.
 
     The second moment is the optimiser's (Adam's ``exp_avg_sq``), handed over with
@@ -29,16 +29,11 @@ class AdaMeanBalance(CentredBalance):
     def __init__(self, n: int, *, eps: float = 1e-8, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
         self.eps = float(eps)
-        self.mean = StaleMean()
         self.scale: torch.Tensor | None = None  # (d,) v
 
     def update_v(self, second_moment: torch.Tensor) -> None:
         """Set v = sqrt(second_moment) + eps from a flat (d,) tensor."""
         self.scale = second_moment.detach().sqrt() + self.eps
-
-    def start_epoch(self, epoch: int) -> None:
-        super().start_epoch(epoch)
-        self.mean.roll()
 
     def transform(self, batch: GradientBatch) -> GradientBatch:
         X = dense_rows(batch, self.name)
@@ -50,12 +45,9 @@ class AdaMeanBalance(CentredBalance):
         centred = X - self.mean.current(X[0])
         return DenseGradientBatch(centred if self.scale is None else centred / self.scale.to(X))
 
-    def record(self, total: torch.Tensor, count: int) -> None:
-        self.mean.add(total, count)
-
     def extra_state(self) -> dict[str, Any]:
-        return {"mean": self.mean.state_dict(), "scale": self.scale}
+        return {**super().extra_state(), "scale": self.scale}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.mean.load_state_dict(state["mean"])
+        super().load_extra_state(state)
         self.scale = state["scale"]

@@ -20,21 +20,27 @@ from grabkit.order.orderings.base import (
 __all__ = ["FixedOrdering", "RandomReshuffling", "SampleWithReplacement", "ShuffleOnce"]
 
 
-@register_ordering
-class RandomReshuffling(Ordering):
-    """``rr``: a fresh uniformly random permutation every epoch, from (seed, epoch)."""
+class _DrawnEachEpoch(Ordering):
+    """Orderings that ignore gradients and draw every epoch's order afresh from (seed, epoch)
+    in ``initial_order``."""
 
-    name = "rr"
     uses_gradients = False
-
-    def initial_order(self, epoch: int) -> torch.Tensor:
-        return random_permutation(self.n, self.seed, epoch, PURPOSE_RESHUFFLE)
 
     def renumber(self, epoch: int, order: torch.Tensor) -> torch.Tensor:
         return self.initial_order(epoch)
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.initial_order(next_epoch)
+
+
+@register_ordering
+class RandomReshuffling(_DrawnEachEpoch):
+    """``rr``: a fresh uniformly random permutation every epoch, from (seed, epoch)."""
+
+    name = "rr"
+
+    def initial_order(self, epoch: int) -> torch.Tensor:
+        return random_permutation(self.n, self.seed, epoch, PURPOSE_RESHUFFLE)
 
 
 @register_ordering
@@ -52,21 +58,14 @@ class ShuffleOnce(Ordering):
 
 
 @register_ordering
-class SampleWithReplacement(Ordering):
+class SampleWithReplacement(_DrawnEachEpoch):
     """``swr``: n indices drawn uniformly with replacement each epoch (not a permutation)."""
 
     name = "swr"
-    uses_gradients = False
 
     def initial_order(self, epoch: int) -> torch.Tensor:
         g = epoch_generator(self.seed, epoch, PURPOSE_WITH_REPLACEMENT)
         return torch.randint(self.n, (self.n,), generator=g)
-
-    def renumber(self, epoch: int, order: torch.Tensor) -> torch.Tensor:
-        return self.initial_order(epoch)
-
-    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
-        return self.initial_order(next_epoch)
 
 
 @register_ordering

@@ -19,14 +19,15 @@ from grabkit.order.orderings.base import (
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
-__all__ = ["CentredBalance", "StaleMean", "dense_rows"]
+__all__ = ["CentredBalance", "StaleMean", "StaleMeanBalance", "dense_rows"]
 
 
 class StaleMean:
     """The mean of the per-example gradients observed in the previous epoch (zero at first).
 
     ``add`` takes a batch sum and a count; ``roll`` makes this epoch's mean the stale one. An
-    epoch that observed nothing keeps the previous mean.
+    epoch that observed nothing keeps the previous mean. The running sum is its own tensor,
+    updated in place (no new tensor the size of the model per batch); a loaded one is copied.
     """
 
     def __init__(self) -> None:
@@ -38,7 +39,22 @@ class StaleMean:
         return torch.zeros_like(like) if self.value is None else self.value
 
     def add(self, total: torch.Tensor, count: int) -> None:
-        self.running_sum = total.clone() if self.running_sum is None else self.running_sum + total
+        if self.running_sum is None:
+            self.running_sum = total.clone()
+        else:
+            self.running_sum.add_(total)
+        self.count += count
+
+    def add_batch(self, batch: GradientBatch, count: int) -> None:
+        """``add(batch.total(), count)``, adding hook statistics' batch gradient straight into
+        the running sum (``add_total_to``: no (d,) temporary) where the batch can."""
+        add_to = getattr(batch, "add_total_to", None)
+        if self.running_sum is None:
+            self.running_sum = batch.total()  # a fresh tensor: this sum's own
+        elif add_to is not None:
+            add_to(self.running_sum)
+        else:
+            self.running_sum.add_(batch.total())
         self.count += count
 
     def roll(self) -> None:
@@ -50,7 +66,9 @@ class StaleMean:
         return {"value": self.value, "running_sum": self.running_sum, "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.value, self.running_sum = state["value"], state["running_sum"]
+        running_sum = state["running_sum"]
+        self.value = state["value"]
+        self.running_sum = None if running_sum is None else running_sum.clone()
         self.count = int(state["count"])
 
 
@@ -81,6 +99,11 @@ class CentredBalance(Ordering):
         """Update running statistics with a batch known to be finite: ``total`` (d,) is the sum
         of its ``count`` raw gradients."""
 
+    def record_batch(self, batch: GradientBatch, count: int) -> None:
+        """``record`` for a batch balanced without a transform on the one-transfer path (hook
+        statistics): subclasses may take the sum from ``batch`` without forming it."""
+        self.record(batch.total(), count)
+
     def extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -110,6 +133,9 @@ class CentredBalance(Ordering):
             before_update=lambda total: self.record(
                 total if vectors is batch else batch.total(), batch.size
             ),
+            record_batch=(lambda _: self.record_batch(batch, batch.size))
+            if vectors is batch
+            else None,
             policy=self.policy,
         )
         self.placement.place(indices.tolist(), signs[:, 0])
@@ -137,3 +163,32 @@ def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
         "(B, d) tensor or the dict of per-example gradients to step(), or choose an ordering that "
         'works on hook statistics ("mean", "pair", "recursive", "batch", "ema", ...).'
     )
+
+
+class StaleMeanBalance(CentredBalance):
+    """A ``CentredBalance`` that keeps the previous epoch's mean gradient in ``self.mean``.
+
+    Each epoch's batch totals (``record``) become the next epoch's stale mean; the mean goes into
+    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and add
+    their own state through ``extra_state`` (calling ``super()``).
+    """
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.mean = StaleMean()
+
+    def start_epoch(self, epoch: int) -> None:
+        super().start_epoch(epoch)
+        self.mean.roll()
+
+    def record(self, total: torch.Tensor, count: int) -> None:
+        self.mean.add(total, count)
+
+    def record_batch(self, batch: GradientBatch, count: int) -> None:
+        self.mean.add_batch(batch, count)
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"mean": self.mean.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.mean.load_state_dict(state["mean"])

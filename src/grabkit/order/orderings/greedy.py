@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
-from grabkit.order.orderings.store import ExampleGradientStore
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.order.orderings.base import register_ordering
+from grabkit.order.orderings.store import StoredGradientOrdering
 
 __all__ = ["GreedyHerding", "greedy_herding_order"]
 
@@ -40,37 +37,13 @@ def greedy_herding_order(vectors: torch.Tensor) -> torch.Tensor:
 
 
 @register_ordering
-class GreedyHerding(Ordering):
+class GreedyHerding(StoredGradientOrdering):
     """Keep every example's gradient of this epoch (n x d, warned about when large) and build the
     next order greedily from them, centred by their mean. Examples not observed follow at the
     end in their previous order. Needs dense gradients (use a projection to shrink d)."""
 
     name = "greedy"
     splittable = True
-    needs_coordinates = True
 
-    def __init__(self, n: int, **kwargs: Any) -> None:
-        super().__init__(n, **kwargs)
-        self.store = ExampleGradientStore(n, self.name)
-
-    def start_epoch(self, epoch: int) -> None:
-        self.store.clear()
-
-    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
-        self.store.add(batch, indices)
-
-    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
-        observed = self.store.observed(order)
-        if observed.numel() == 0:
-            return order.clone()
-        rows = self.store.table[observed.to(self.store.table.device)].cpu()
-        greedy = observed[greedy_herding_order(rows)]
-        rest = order[~self.store.seen[order]]
-        return torch.cat([greedy, rest])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"store"})
-        self.store.load_state_dict(state["store"])
+    def rank(self, rows: torch.Tensor) -> torch.Tensor:
+        return greedy_herding_order(rows)

@@ -20,11 +20,9 @@ from grabkit.order.balance import SignRule, run_recursion
 from grabkit.order.orderings.base import (
     FrontBackOrder,
     Ordering,
-    check_state_keys,
     register_ordering,
 )
-from grabkit.order.orderings.store import ExampleGradientStore, warn_memory
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.order.orderings.store import StoredGradientOrdering, warn_memory
 
 __all__ = ["NTKEigen", "NTKFixedBalance", "NTKFixedEigen", "balance_kernel_rows", "eigen_order"]
 
@@ -165,14 +163,13 @@ class NTKFixedEigen(_PrecomputedOrder):
 
 
 @register_ordering
-class NTKEigen(Ordering):
+class NTKEigen(StoredGradientOrdering):
     """``ntk-eigen``: like ``ntk-fixed-eigen``, with K rebuilt every epoch from the gradients
     observed in it (kept densely: n x d, warned about when large). The first epoch uses
     ``ntk_features``/``ntk_kernel`` when given, else the usual first order. Examples not
     observed follow at the end in their previous order."""
 
     name = "ntk-eigen"
-    needs_coordinates = True
 
     def __init__(
         self,
@@ -193,28 +190,10 @@ class NTKEigen(Ordering):
         }
         K = kernel_from(n, self.name, ntk_features, ntk_kernel)
         self.first = None if K is None else eigen_order(K, **self.options)
-        self.store = ExampleGradientStore(n, self.name)
 
     def initial_order(self, epoch: int) -> torch.Tensor:
         return super().initial_order(epoch) if self.first is None else self.first.clone()
 
-    def start_epoch(self, epoch: int) -> None:
-        self.store.clear()
-
-    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
-        self.store.add(batch, indices)
-
-    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
-        observed = self.store.observed(order)
-        if observed.numel() == 0:
-            return order.clone()
-        F = self.store.table[observed.to(self.store.table.device)].cpu().to(torch.float64)
-        ranked = observed[eigen_order(F @ F.T, **self.options)]
-        return torch.cat([ranked, order[~self.store.seen[order]]])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"store"})
-        self.store.load_state_dict(state["store"])
+    def rank(self, rows: torch.Tensor) -> torch.Tensor:
+        F = rows.to(torch.float64)
+        return eigen_order(F @ F.T, **self.options)

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from grabkit.order.balance import NON_FINITE_HELP
 from grabkit.order.orderings.base import register_ordering
-from grabkit.order.orderings.centred import CentredBalance, StaleMean, dense_rows
+from grabkit.order.orderings.centred import StaleMeanBalance, dense_rows
 from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
 
 __all__ = ["SignBalance"]
 
 
 @register_ordering
-class SignBalance(CentredBalance):
+class SignBalance(StaleMeanBalance):
     """One bit per coordinate: herding on sign(g_i - m), m the previous epoch's mean. Robust to a
     few huge coordinates; needs dense per-example gradients."""
 
@@ -23,25 +21,8 @@ class SignBalance(CentredBalance):
     splittable = True
     needs_coordinates = True
 
-    def __init__(self, n: int, **kwargs: Any) -> None:
-        super().__init__(n, **kwargs)
-        self.mean = StaleMean()
-
-    def start_epoch(self, epoch: int) -> None:
-        super().start_epoch(epoch)
-        self.mean.roll()
-
     def transform(self, batch: GradientBatch) -> GradientBatch:
         X = dense_rows(batch, self.name)
         if not bool(torch.isfinite(X).all()):  # sign() maps Inf to +-1: check before (host sync)
             raise ValueError(NON_FINITE_HELP)
         return DenseGradientBatch(X.sub(self.mean.current(X[0])).sign())
-
-    def record(self, total: torch.Tensor, count: int) -> None:
-        self.mean.add(total, count)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"mean": self.mean.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.mean.load_state_dict(state["mean"])

@@ -7,10 +7,16 @@ from typing import Any
 
 import torch
 
+from grabkit.order.orderings.base import Ordering, check_state_keys
 from grabkit.order.orderings.centred import dense_rows
 from grabkit.stats.gradient_batch import GradientBatch
 
-__all__ = ["MEMORY_WARNING_BYTES", "ExampleGradientStore", "warn_memory"]
+__all__ = [
+    "MEMORY_WARNING_BYTES",
+    "ExampleGradientStore",
+    "StoredGradientOrdering",
+    "warn_memory",
+]
 
 #: offline orderings warn when what they keep exceeds this many bytes
 MEMORY_WARNING_BYTES = 1 << 30
@@ -68,3 +74,41 @@ class ExampleGradientStore:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.table, self.seen = state["table"], state["seen"].clone()
+
+
+class StoredGradientOrdering(Ordering):
+    """An ordering that keeps every observed gradient of the epoch and ranks them at its end.
+
+    Subclasses implement ``rank``; examples not observed this epoch follow at the end in their
+    previous order. The store (n x d) is warned about when large.
+    """
+
+    needs_coordinates = True
+
+    def __init__(self, n: int, **kwargs: Any) -> None:
+        super().__init__(n, **kwargs)
+        self.store = ExampleGradientStore(n, self.name)
+
+    def rank(self, rows: torch.Tensor) -> torch.Tensor:
+        """(m,) positions into ``rows`` (m, d) (float, on the CPU): the observed examples' order."""
+        raise NotImplementedError
+
+    def start_epoch(self, epoch: int) -> None:
+        self.store.clear()
+
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
+        self.store.add(batch, indices)
+
+    def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
+        observed = self.store.observed(order)
+        if observed.numel() == 0:
+            return order.clone()
+        rows = self.store.table[observed.to(self.store.table.device)].cpu()
+        return torch.cat([observed[self.rank(rows)], order[~self.store.seen[order]]])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"store": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(self.name, state, {"store"})
+        self.store.load_state_dict(state["store"])

@@ -1,0 +1,448 @@
+"""Sketched per-example gradients from layer hooks: a (B, k) matrix S g_i, never a (B, d) one.
+
+GraB decides with signs of inner products, so it can balance S g_1, ..., S g_B for a random
+linear map S: R^d -> R^k with E[<S x, S y>] = <x, y> instead of the gradients themselves. That
+makes every ordering run in hook mode (the ones that need coordinates too: they see the k
+coordinates of the sketch), and makes distributed GraB exchange (B, k) instead of (B, d).
+
+The map is a sum of independent maps, one per trainable parameter: S g = sum_p S_p g^(p), each
+into the same k coordinates, each computed from what the layer hooks hold
+(``PerSampleStats.step_factors``):
+
+* a parameter of two or more dims is viewed as a matrix of ``shape[0]`` rows (a Linear's or
+  Conv's outputs, an Embedding's vocabulary) and ``numel / shape[0]`` columns, and
+  S_p = (P_out kron P_in) / sqrt(k), with Gaussian P_out (k_out x rows), P_in (k_in x cols),
+  k = k_out k_in (split per parameter, ``kronecker_split``; a side no wider than its factor
+  gets orthogonal columns and is exact). For
+  g_i = sum_t D_it A_it^T (Linear with any leading dims, Conv via unfold, transformers'
+  Conv1D) that is sum_t (P_out D_it) kron (P_in A_it): O(B T (k_out rows + k_in cols + k))
+  per layer, with no per-example gradient formed. For an Embedding, P_out onehot(idx) is a
+  column of P_out (a gather);
+* a parameter of one dim (biases, normalisation affine parameters) goes through a CountSketch:
+  coordinate j is added, with a random sign, to one random coordinate of the k: O(B n);
+* per-example gradients that a rule holds outright (the torch.func fallback) are mapped by the
+  parameter's own map applied to them densely; a parameter with several uses (a tied embedding
+  and output head) gets the sum of its uses' sketches, since S_p is linear.
+
+Every map is drawn on the CPU in float32 from a generator seeded by (``seed``, parameter name)
+and then moved to the statistics' device and dtype: every rank and every resumed run draws the
+same maps, in any process.
+
+Guarantee (Johnson-Lindenstrauss style). Unbiased: E[<S g_i, S g_j>] = <g_i, g_j> for every
+pair. For a dense Gaussian map of width k the error of one inner product has standard deviation
+sqrt((|g_i|^2 |g_j|^2 + <g_i, g_j>^2) / k) <= sqrt(2 / k) |g_i| |g_j|, and with probability
+1 - delta all inner products among n vectors are within eps |g_i| |g_j| once
+k >= 8 ln(n / delta) / eps^2: the typical error of one product is sqrt(2 / k) |g_i| |g_j|
+(0.044 at k = 1024, 0.088 at k = 256), and k = 1024 keeps all of n = 60,000 within about 0.2.
+The independent maps of the parameters add up like one dense map of width k (the cross terms
+between parameters have mean zero and the dense variance). The Kronecker map of a matrix
+parameter is weaker on gradients of low rank: for a rank-one gradient (one position, T = 1)
+the relative standard deviation is about sqrt(1/k_out + 1/k_in) instead of sqrt(1/k)
+(0.25 at 32 x 32; a side exact by orthogonality drops its term: softmax regression's 10 x 784
+weight at k = 1024 has sqrt(1/64) = 0.125); it approaches the dense figure as the rank
+grows (many positions, or GraB's running sum of many examples, which is what its decisions
+read). The CountSketch part has the dense variance up to the fourth moments of the
+coordinates. A larger ``dim`` buys accuracy at O(B k) more balancing work and O(W B k) numbers
+communicated per step.
+
+Shapes: B examples, T positions, G groups, k = ``dim`` sketch coordinates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from grabkit.stats.engine import PerSampleStats
+from grabkit.stats.factors import (
+    EmbeddingFactor,
+    OuterProductFactor,
+    ParameterFactor,
+    PerExampleFactor,
+    SumFactor,
+    compute_dtype,
+)
+from grabkit.stats.gradient_batch import DenseGradientBatch
+
+__all__ = [
+    "CountSketchMap",
+    "GradientSketch",
+    "KroneckerMap",
+    "SketchedStats",
+    "kronecker_factors",
+    "kronecker_split",
+]
+
+
+def kronecker_factors(dim: int) -> tuple[int, int]:
+    """(k_out, k_in) with k_out k_in = dim and k_out the largest divisor of dim <= sqrt(dim).
+
+    The Kronecker map is most accurate when both sides are wide, so ``dim`` should have a
+    divisor near its square root (a power of two, a square): a prime ``dim`` is refused.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"`sketch_dim` should be a positive integer, but got {dim!r}")
+    k_out = max(d for d in range(1, math.isqrt(dim) + 1) if dim % d == 0)
+    if dim > 16 and k_out * k_out * 16 < dim:
+        raise ValueError(
+            f"sketch_dim={dim} has no divisor near its square root (the best split is "
+            f"{k_out} x {dim // k_out}), which makes the Kronecker sketch of matrix parameters "
+            f"inaccurate; use a power of two or a square, e.g. {2 ** round(math.log2(dim))}."
+        )
+    return k_out, dim // k_out
+
+
+def kronecker_split(rows: int, cols: int, dim: int) -> tuple[int, int]:
+    """(k_out, k_in) with k_out k_in = dim for a (rows, cols) matrix parameter.
+
+    Accuracy first: on a rank-one gradient the relative error of the Kronecker map is about
+    sqrt(e(k_out, rows) + e(k_in, cols)), where a side of f >= its dim n is drawn with
+    orthogonal columns and is exact (e = 0), else e = 1 / f. Among the splits within 1.3 times
+    (in variance) of the most accurate one, the cheapest to project (B T (k_out rows +
+    k_in cols)) wins: softmax regression's 10 x 784 weight gets 16 x 64 (its 10 outputs
+    exactly), a language model's 10,000 x 128 head 16 x 64 instead of 32 x 32 (half the cost,
+    1.25 times the variance), a square 784 x 784 layer 32 x 32.
+    """
+    kronecker_factors(dim)  # validates dim
+
+    def error(f: int, n: int) -> float:
+        return 0.0 if f >= n else 1.0 / f
+
+    pairs = [(a, dim // a) for a in range(1, dim + 1) if dim % a == 0]
+    errors = {ab: error(ab[0], rows) + error(ab[1], cols) for ab in pairs}
+    best = min(errors.values())
+    allowed = [ab for ab in pairs if errors[ab] <= 1.3 * best + 1e-12]
+    return min(allowed, key=lambda ab: (ab[0] * rows + ab[1] * cols, abs(ab[0] - ab[1])))
+
+
+def _seed_of(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (seed, parameter name), the same in every process."""
+    digest = hashlib.sha256(f"grabkit.sketch/{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _side(k: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """(k, n) Gaussian; with k >= n its columns are made orthogonal, of norm sqrt(k), so that
+    P^T P = k I exactly and this side of the Kronecker map adds no error."""
+    p = torch.randn(k, n, generator=gen)
+    if k >= n:
+        q, r = torch.linalg.qr(p.double())
+        q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, 1.0)
+        p = (q * math.sqrt(k)).float().contiguous()
+    return p
+
+
+class KroneckerMap:
+    """S_p = (P_out kron P_in) / sqrt(k) for a parameter viewed as a (rows, cols) matrix.
+
+    Attributes:
+        rows / cols: the matrix view of the parameter (``shape[0]``, ``numel / shape[0]``).
+        p_out: (k_out, rows), p_in: (k_in, cols): Gaussian, or with orthogonal columns of norm
+            sqrt(k) where k >= the side's dim (``_side``); E[P^T P] = k I either way.
+        scale: 1 / sqrt(k_out k_in).
+    """
+
+    def __init__(self, rows: int, cols: int, k_out: int, k_in: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.rows, self.cols, self.k_out, self.k_in = rows, cols, k_out, k_in
+        self.p_out = _side(k_out, rows, gen)
+        self.p_in = _side(k_in, cols, gen)
+        self.scale = 1.0 / math.sqrt(k_out * k_in)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> KroneckerMap:
+        self.p_out = self.p_out.to(device=device, dtype=dtype)
+        self.p_in = self.p_in.to(device=device, dtype=dtype)
+        return self
+
+    def dense(self, grads: torch.Tensor) -> torch.Tensor:
+        """(B, rows * cols) per-example gradients -> (B, k): P_out G_i P_in^T, flattened."""
+        g = grads.reshape(-1, self.rows, self.cols).to(self.p_in.dtype)
+        out = self.p_out @ (g @ self.p_in.T)  # (B, k_out, k_in)
+        return out.reshape(g.shape[0], -1) * self.scale
+
+    def outer_product(self, factor: OuterProductFactor) -> torch.Tensor:
+        """(B, k) sketch of g_i = sum_t D_it A_it^T (per group), from the factor's A and D."""
+        b, t, g, p = factor.inputs.shape
+        q = factor.out_features
+        if g * q != self.rows or p != self.cols:
+            raise ValueError(
+                f"a layer factors this parameter as {g} group(s) of {q} x {p}, which does not "
+                f"fit its sketch's {self.rows} x {self.cols} matrix view"
+            )
+        right = _project(factor.inputs.reshape(b, t * g, p), self.p_in)  # (B, k_in, T G)
+        if g == 1:
+            left = _project(factor.output_grads.reshape(b, t, q), self.p_out)  # (B, k_out, T)
+        else:  # each group meets its own block of P_out's columns
+            d = factor.output_grads
+            left = torch.einsum("btgq,kgq->bktg", d, self.p_out.reshape(self.k_out, g, q))
+            left = left.reshape(b, self.k_out, t * g)
+        return self._outer_sum(left, right)
+
+    def embedding(self, factor: EmbeddingFactor) -> torch.Tensor:
+        """(B, k) sketch of g_i = sum_t onehot(idx_it) D_it^T: P_out's columns gathered."""
+        b, t = factor.indices.shape
+        rows = self.p_out.T.index_select(0, factor.indices.reshape(-1))  # (B T, k_out)
+        left = rows.reshape(b, t, self.k_out).transpose(1, 2)  # (B, k_out, T)
+        right = _project(factor.output_grads.reshape(b, t, -1), self.p_in)  # (B, k_in, T)
+        return self._outer_sum(left, right)
+
+    def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        """(B, k_out, R), (B, k_in, R) -> (B, k): scale * sum_r left_r kron right_r."""
+        b = left.shape[0]
+        left = left * self.scale  # the narrow side takes the scale
+        if left.shape[2] == 1:  # one row per example: a broadcast product, no batched GEMM
+            return (left * right.transpose(1, 2)).reshape(b, -1)
+        return (left @ right.transpose(1, 2)).reshape(b, -1)
+
+    def matrix(self) -> torch.Tensor:
+        """The (k, rows * cols) matrix of the map in float64 (for checks: k times the parameter's
+        size)."""
+        return torch.kron(self.p_out.double(), self.p_in.double()) * self.scale
+
+
+class CountSketchMap:
+    """S_p x = sum_j sign_j x_j e_{bucket_j}: each coordinate to one of k, with a random sign.
+
+    Attributes:
+        buckets: (n,) int64 in [0, k).  signs: (n,) +-1.
+    """
+
+    def __init__(self, numel: int, dim: int, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.dim = dim
+        self.buckets = torch.randint(0, dim, (numel,), generator=gen)
+        self.signs = torch.randint(0, 2, (numel,), generator=gen).float() * 2 - 1
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> CountSketchMap:
+        self.buckets = self.buckets.to(device=device)
+        self.signs = self.signs.to(device=device, dtype=dtype)
+        return self
+
+    def dense(self, grads: torch.Tensor) -> torch.Tensor:
+        """(B, n) per-example gradients -> (B, k)."""
+        g = grads.reshape(grads.shape[0], -1).to(self.signs.dtype) * self.signs
+        out = g.new_zeros(g.shape[0], self.dim)
+        return out.index_add_(1, self.buckets, g)
+
+    def matrix(self) -> torch.Tensor:
+        """The (k, n) matrix of the map, in float64."""
+        out = torch.zeros(self.dim, self.buckets.numel(), dtype=torch.float64)
+        out[self.buckets.cpu(), torch.arange(self.buckets.numel())] = self.signs.cpu().double()
+        return out
+
+
+_Map = KroneckerMap | CountSketchMap
+
+#: changes whenever the maps drawn for a (seed, name, shape, dim) change: saved states record it
+_MAPS_VERSION = 1
+
+
+class GradientSketch:
+    """The fixed random map S: R^d -> R^k of a model's trainable parameters, applied to factors.
+
+    Args:
+        param_shapes: name -> shape of every trainable parameter (``PerSampleStats.param_shapes``).
+        dim: k, the sketch width (``kronecker_factors`` splits it for matrix parameters).
+        seed: with each parameter's name, seeds its map.
+
+    ``config`` is the plain description a saved state records; ``map_for(name)`` the map of one
+    parameter (drawn on first use, on the CPU in float32).
+    """
+
+    def __init__(self, param_shapes: Mapping[str, torch.Size], dim: int, seed: int) -> None:
+        kronecker_factors(dim)  # validates dim
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
+        self.dim, self.seed = dim, seed
+        self.param_shapes = {name: torch.Size(s) for name, s in param_shapes.items()}
+        self._cpu: dict[str, _Map] = {}
+        self._moved: dict[tuple[str, torch.device, torch.dtype], _Map] = {}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"sketch_dim": self.dim, "sketch_maps": _MAPS_VERSION}
+
+    def map_for(self, name: str) -> _Map:
+        """The map of parameter ``name``, on the CPU in float32."""
+        if name not in self._cpu:
+            shape = self.param_shapes[name]
+            seed = _seed_of(self.seed, name)
+            if len(shape) >= 2:
+                rows = int(shape[0])
+                cols = shape.numel() // rows
+                k_out, k_in = kronecker_split(rows, cols, self.dim)
+                self._cpu[name] = KroneckerMap(rows, cols, k_out, k_in, seed)
+            else:
+                self._cpu[name] = CountSketchMap(shape.numel(), self.dim, seed)
+        return self._cpu[name]
+
+    def _map_on(self, name: str, device: torch.device, dtype: torch.dtype) -> _Map:
+        key = (name, device, dtype)
+        if key not in self._moved:
+            cpu = self.map_for(name)
+            moved = type(cpu).__new__(type(cpu))
+            moved.__dict__.update(cpu.__dict__)
+            self._moved[key] = moved.to(device, dtype)
+        return self._moved[key]
+
+    def matrix(self) -> torch.Tensor:
+        """The (k, d) matrix of S in the flat layout, in float64 (for checks on small models)."""
+        return torch.cat([self.map_for(name).matrix() for name in self.param_shapes], dim=1)
+
+    @torch.no_grad()
+    def apply_dense(self, grads: torch.Tensor) -> torch.Tensor:
+        """(B, d) per-example gradients in the flat layout -> (B, k), parameter by parameter."""
+        out, offset = None, 0
+        for name, shape in self.param_shapes.items():
+            n = shape.numel()
+            part = grads[:, offset : offset + n]
+            offset += n
+            m = self._map_on(name, grads.device, compute_dtype(grads.dtype))
+            sketched = m.dense(part)
+            out = sketched if out is None else out + sketched
+        return out
+
+    @torch.no_grad()
+    def apply(
+        self,
+        factors: Mapping[str, ParameterFactor | None],
+        batch_size: int,
+        scale: float = 1.0,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """(B, k) ``scale * sum_p S_p g_i^(p)`` from each parameter's factor (None: no gradient).
+
+        ``dtype`` is the statistics' dtype (at least float32); factors in another dtype are
+        mapped in their own compute dtype and the result cast.
+        """
+        out: torch.Tensor | None = None
+        for name, factor in factors.items():
+            if factor is not None:
+                part = self._factor(name, factor).to(dtype)
+                out = part if out is None else out.add_(part)
+        if out is None:
+            return torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
+        return out.mul_(scale) if scale != 1.0 else out
+
+    def _factor(self, name: str, factor: ParameterFactor) -> torch.Tensor:
+        if isinstance(factor, SumFactor):  # tied parameter: S_p is linear, sum the uses
+            return sum(self._factor(name, part) for part in factor.parts)
+        tensor = _first_tensor(factor)
+        m = self._map_on(name, tensor.device, tensor.dtype)
+        if isinstance(m, KroneckerMap):
+            if isinstance(factor, OuterProductFactor):
+                return m.outer_product(factor)
+            if isinstance(factor, EmbeddingFactor):
+                return m.embedding(factor)
+        if isinstance(factor, PerExampleFactor):
+            return m.dense(factor.grads)
+        identity = torch.eye(factor.batch_size, device=tensor.device, dtype=tensor.dtype)
+        return m.dense(factor.weighted_sum(identity))  # any other form, materialised
+
+
+def _project(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """(B, R, f) rows and a (k, f) projection -> (B, k, R) = P x_r for every row.
+
+    Never copies ``x``: output gradients often arrive with each example stored transposed (a
+    language model's head behind ``cross_entropy(logits.transpose(1, 2), ...)``), where folding
+    B and R into one GEMM would first copy all B R f numbers. One row per example folds (a
+    single GEMM, no copy needed).
+    """
+    b, r, f = x.shape
+    if r == 1:
+        return (x.reshape(b, f) @ p.T).unsqueeze(2)
+    return torch.matmul(p, x.transpose(1, 2))
+
+
+def _first_tensor(factor: ParameterFactor) -> torch.Tensor:
+    for attribute in ("output_grads", "grads", "inputs"):
+        t = getattr(factor, attribute, None)
+        if isinstance(t, torch.Tensor):
+            return t
+    raise TypeError(f"cannot sketch a {type(factor).__name__}: it holds no tensor")
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` (hooks go there)."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
+
+
+class SketchedStats:
+    """Hook statistics read as sketches: after ``loss.backward()``, a (B, k) matrix S g_i.
+
+    Args:
+        model: the ``nn.Module`` (a ``DistributedDataParallel`` wrapper is looked through: the
+            hooks go on the module inside, so DDP's buckets and ``no_sync`` are untouched).
+        dim: k (default 1024 = 32 x 32).
+        seed: seeds the maps (the same on every rank).
+        loss_reduction: ``"mean"`` or ``"sum"``, as for ``PerSampleStats``.
+        **options: passed on to ``PerSampleStats`` (``torch_func_fallback``, ...).
+
+    ``gradient_batch()`` is a ``DenseGradientBatch`` of the (B, k) sketches, so anything that
+    balances dense batches balances it; ``step_listeners`` / ``backward_seen`` are the
+    engine's, so gradient accumulation works as with exact statistics. The engine keeps no
+    batch gradient copy (``keep_batch_gradients=False``).
+
+    Example::
+
+        with SketchedStats(model, dim=1024) as stats:
+            loss_fn(model(x), y).backward()
+            s = stats.sketches()  # (B, 1024)
+            approx_gram = s @ s.T  # unbiased for the (B, B) Gram matrix
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        dim: int = 1024,
+        seed: int = 0,
+        loss_reduction: str = "mean",
+        **options: Any,
+    ) -> None:
+        self.engine = PerSampleStats(
+            _unwrapped(model), loss_reduction, keep_batch_gradients=False, **options
+        )
+        self.sketch = GradientSketch(self.engine.param_shapes, dim, seed)
+        self.dim = dim
+        self.step_listeners = self.engine.step_listeners
+        self._cached: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def backward_seen(self) -> bool:
+        return self.engine.backward_seen
+
+    def sketches(self) -> torch.Tensor:
+        """(B, k) S g_i of the latest backward (computed on first read, then cached)."""
+        generation = self.engine.generation
+        if self._cached is None or self._cached[0] != generation:
+            factors, batch_size, scale = self.engine.step_factors()
+            dtype = torch.promote_types(self.engine.dtype, torch.float32)
+            matrix = self.sketch.apply(
+                factors, batch_size, scale, device=self.engine.device, dtype=dtype
+            )
+            self._cached = (generation, matrix)
+        return self._cached[1]
+
+    statistics = sketches  # what ``grabkit.order``'s hook source reads once per backward
+
+    def gradient_batch(self) -> DenseGradientBatch:
+        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers)."""
+        return DenseGradientBatch(self.sketches())
+
+    def close(self) -> None:
+        self.engine.close()
+        self._cached = None
+
+    def __enter__(self) -> SketchedStats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
