@@ -249,7 +249,7 @@ def plot_runs(losses, seconds, epochs, args):
     ax.bar(CONTENDERS, means, color=[f"C{k}" for k in range(len(CONTENDERS))])
     for k, (c, m) in enumerate(zip(CONTENDERS, means, strict=True)):
         ax.plot([k] * len(seconds[c]), seconds[c], "k.", ms=4)
-        ax.text(k, m, f"{m:.1f} s", ha="center", va="bottom", fontsize=8)
+        ax.text(k, m / 2, f"mean\n{m:.1f} s", ha="center", va="center", fontsize=9, color="w")
     ax.set_ylabel("seconds per epoch")
     ax.set_title("wall time per epoch (dots: each epoch)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")

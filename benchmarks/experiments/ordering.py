@@ -16,7 +16,8 @@ Three tasks, as in the GraB paper's experiments (sizes cut to a 2-core CPU):
 Contenders: ``rr`` (a fresh random permutation each epoch, torch's ``RandomSampler``) and ``so``
 (one permutation, kept) run a plain loop without hooks, so their wall time is plain training;
 ``mean``, ``pair`` and ``recursive`` (MNIST only by default: see ``WITHOUT_RECURSIVE``) run
-grabkit's exact hook mode,
+grabkit's exact hook mode, and ``mean-sketch`` / ``pair-sketch`` its sketched statistics
+(``statistics="sketch"``, k = 1024),
 ``GraBSampler(train_set, model=model, balance_type=...)`` with ``sampler.step()`` after each
 backward. Every contender of a seed starts from the same weights.
 
@@ -54,14 +55,16 @@ from benchmarks.experiments.models import LeNet, TinyLM
 from grabkit.order import GraBSampler
 
 #: contender label -> GraBSampler keywords (hook mode); ``None``: a plain loop without hooks.
-#: A further GraB variant (for example sketched statistics, once GraBSampler has such an
-#: option) is one more entry here, e.g. ``"mean-sketch": {"balance_type": "mean", ...}``.
+#: A further GraB variant is one more entry here. ``-sketch``: the same ordering balanced on
+#: (B, 1024) random sketches of the per-example gradients instead of exact inner products.
 CONTENDERS: dict[str, dict | None] = {
     "rr": None,
     "so": None,
     "mean": {"balance_type": "mean"},
     "pair": {"balance_type": "pair"},
     "recursive": {"balance_type": "recursive"},
+    "mean-sketch": {"balance_type": "mean", "statistics": "sketch"},
+    "pair-sketch": {"balance_type": "pair", "statistics": "sketch"},
 }
 BASELINE = "rr"
 #: tasks whose default contenders leave ``recursive`` out: in hook mode it balances each example
@@ -269,7 +272,7 @@ def epoch_reaching(run: Run, target: float) -> int | None:
 
 
 # ----------------------------------------------------------------------------------- reports
-def report_task(task: Task, runs: list[Run], out: Path, quick: bool) -> tuple[str, list[str]]:
+def report_task(task: Task, runs: list[Run], out: Path, tag: str | None) -> tuple[str, list[str]]:
     """The task's markdown section and its summary lines; writes its figure."""
     orderings = list(dict.fromkeys(r.ordering for r in runs))
     by = {o: [r for r in runs if r.ordering == o] for o in orderings}
@@ -342,7 +345,7 @@ def report_task(task: Task, runs: list[Run], out: Path, quick: bool) -> tuple[st
             for o in orderings
         ],
     )
-    plot = plot_task(task, by, out, seeds)
+    plot = plot_task(task, by, out, seeds, tag)
     text = (
         f"### {task.name}: {task.description}\n\n"
         f"Batch {task.batch_size}, {task.epochs} epochs, {seeds} seeds (0-{seeds - 1}); "
@@ -354,7 +357,9 @@ def report_task(task: Task, runs: list[Run], out: Path, quick: bool) -> tuple[st
     return text, summary
 
 
-def plot_task(task: Task, by: dict[str, list[Run]], out: Path, seeds: int) -> Path:
+def plot_task(
+    task: Task, by: dict[str, list[Run]], out: Path, seeds: int, tag: str | None = None
+) -> Path:
     figure, axes = new_figure(1, 3, width=4.6, height=3.4)
     base = {r.seed: r for r in by.get(BASELINE, [])}
     epochs = list(range(1, task.epochs + 1))
@@ -399,7 +404,7 @@ def plot_task(task: Task, by: dict[str, list[Run]], out: Path, seeds: int) -> Pa
     return save_figure(
         figure,
         out,
-        f"ordering_{task.name}.png",
+        f"ordering_{task.name}{'_' + tag if tag else ''}.png",
         f"Lines: mean over {seeds} seeds; bands: min to max over the seeds. Epoch 1 is a random "
         "permutation for every ordering (GraB orders from epoch 2 on).",
     )
@@ -411,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv,
         {
             "--task": {"default": "mnist,cifar,wikitext", "help": "comma-separated tasks"},
+            "--tag": {"default": None, "help": "suffix for the report and figure names"},
             "--orderings": {
                 "default": None,
                 "help": f"comma-separated contenders (default: all of {list(CONTENDERS)}, "
@@ -440,20 +446,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"({time.perf_counter() - start:.0f} s)",
                     flush=True,
                 )
-        text, lines = report_task(task, runs, args.out, args.quick)
+        text, lines = report_task(task, runs, args.out, args.tag)
         sections.append(text)
         summary += lines
     header = (
         "## Ordering: GraB vs random reshuffling on real data\n\n"
-        f"Command: `{command_line('ordering', args, ['task', 'orderings', 'seeds'])}`  \n"
+        f"Command: `{command_line('ordering', args, ['task', 'orderings', 'seeds', 'tag'])}`  \n"
         f"Machine: {machine()}\n\n" + "\n".join(f"- {line}" for line in summary) + "\n\n"
     )
-    write_report(
-        args.out,
-        "ordering.md"
+    stem = (
+        "ordering"
         if set(tasks) == {"mnist", "cifar", "wikitext"}
-        else f"ordering_{'_'.join(tasks)}.md",
-        header + "\n".join(sections),
+        else f"ordering_{'_'.join(tasks)}"
+    )
+    write_report(
+        args.out, f"{stem}{'_' + args.tag if args.tag else ''}.md", header + "\n".join(sections)
     )
 
 
