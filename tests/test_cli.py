@@ -15,7 +15,14 @@ from grabkit.demo import DemoOptions, MissingDemoDependency, run_demo
 from grabkit.demo.deps import require
 from grabkit.demo.digits import load_digits_split, make_model
 from grabkit.demo.recipe import EpochResult, per_example_gradients
-from grabkit.demo.report import format_final_comparison, format_table, summarize
+from grabkit.demo.report import (
+    RELATIVE_LOSS,
+    format_final_comparison,
+    format_summary_line,
+    format_table,
+    summarize,
+    write_plot,
+)
 from grabkit.order import GraBSampler
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -92,6 +99,25 @@ def test_demo_writes_png_and_table(tmp_path, capsys):
         assert 0 < loss < 2.5 and 50 < accuracy <= 100 and bound > 0 and float(seconds) >= 0
     assert f"plot written to {out}" in stdout
     assert "logreg, epoch 1, vs rr: mean train loss" in stdout
+    # one epoch cannot show GraB: the user is told so, and what to run instead
+    assert "warning: --epochs 1: epoch 1 visits a random permutation" in stdout
+    summary = [line for line in stdout.splitlines() if line.startswith("In short:")]
+    assert len(summary) == 1 and "mean/pair end with train loss" in summary[0]
+
+
+def test_no_warning_from_two_epochs(tmp_path):
+    stdout = io.StringIO()
+    options = DemoOptions(
+        epochs=2,
+        seeds=1,
+        orderings=("rr", "pair"),
+        models=("logreg",),
+        out=tmp_path / "x.png",
+        progress=False,
+    )
+    run_demo(options, stdout=stdout)
+    assert not any(line.startswith("warning:") for line in stdout.getvalue().splitlines())
+    assert "In short: at epoch 2, pair end with train loss" in stdout.getvalue()
 
 
 def test_run_demo_returns_every_epoch_and_restores_threads(tmp_path):
@@ -154,6 +180,40 @@ def test_summary_means_and_bands_over_seeds():
     assert format_final_comparison(summarize([baseline, result(0, 2, 0.5)])) == (
         "logreg, epoch 2, vs rr: mean train loss -50.0%, herding bound 0.25x"
     )
+
+
+def test_loss_relative_to_rr_is_taken_seed_by_seed():
+    def result(ordering, seed, loss):
+        return EpochResult("logreg", ordering, seed, 2, loss, 0.5, 1.0, 0.1)
+
+    # seed 1's losses are 10x seed 0's: the absolute spread is wide, the relative gap is not
+    rows = summarize(
+        [
+            result("rr", 0, 1.0),
+            result("pair", 0, 0.9),
+            result("rr", 1, 10.0),
+            result("pair", 1, 9.0),
+        ]
+    )
+    pair = next(r for r in rows if r.ordering == "pair")
+    rr = next(r for r in rows if r.ordering == "rr")
+    assert pair.mean[RELATIVE_LOSS] == pytest.approx(-10.0)
+    assert pair.low[RELATIVE_LOSS] == pytest.approx(-10.0)
+    assert pair.high[RELATIVE_LOSS] == pytest.approx(-10.0)
+    assert rr.mean[RELATIVE_LOSS] == 0.0
+    assert format_summary_line(rows).startswith(
+        "In short: at epoch 2, pair end with train loss -10.0% to -10.0% vs rr"
+    )
+    # without rr there is nothing to be relative to: no key, and the summary says what is missing
+    alone = summarize([result("pair", 0, 0.9)])
+    assert RELATIVE_LOSS not in alone[0].mean
+    assert "run rr and at least one other ordering" in format_summary_line(alone)
+
+
+def test_plot_without_rr_still_writes_a_png(tmp_path):
+    rows = summarize([EpochResult("mlp", "pair", 0, e, 1.0 / e, 0.5, 1.0, 0.1) for e in (1, 2)])
+    write_plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG_MAGIC
 
 
 @pytest.mark.parametrize(

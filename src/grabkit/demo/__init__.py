@@ -21,6 +21,7 @@ from grabkit.demo.recipe import EpochResult, RunSettings, train_run
 from grabkit.demo.report import (
     SummaryRow,
     format_final_comparison,
+    format_summary_line,
     format_table,
     summarize,
     write_plot,
@@ -132,6 +133,13 @@ def _print_report(
     n_train, n_test = len(data.train_set), len(data.test_targets)
     models = "; ".join(f"{name}: {MODELS[name][0]}" for name in options.models)
     print("grabkit demo: GraB example ordering vs random reshuffling (rr)", file=stdout)
+    if options.epochs < 2:
+        print(
+            f"warning: --epochs {options.epochs}: epoch 1 visits a random permutation under "
+            "every ordering (GraB's order first applies in epoch 2), so this run cannot show a "
+            "difference; use --epochs 2 or more (default 8).",
+            file=stdout,
+        )
     print(
         f"scikit-learn digits, {n_train} train / {n_test} test images; {models}\n"
         f"orderings {', '.join(options.orderings)}; {options.seeds} seed(s) x {options.epochs} "
@@ -142,10 +150,17 @@ def _print_report(
     print(
         "\nherding bound: max over prefixes k of || sum_{t<=k} (g_t - mean g) ||_inf over the "
         "epoch's per-example\ngradients g_t in visit order (lower: the epoch's steps track the "
-        "full gradient more closely).\nseconds: the epoch's training loop, measurement excluded.",
+        "full gradient more closely).\nseconds: the epoch's training loop, measurement excluded. "
+        "Epoch 1 is a random permutation under\nevery ordering: GraB decides the order of epoch "
+        "2 onwards from the gradients it balanced the epoch before.",
         file=stdout,
     )
     comparison = format_final_comparison(rows)
     if comparison:
         print(f"\n{comparison}", file=stdout)
-    print(f"\nplot written to {out}", file=stdout)
+    print(f"\n{format_summary_line(rows)}", file=stdout)
+    print(
+        f"plot written to {out}: per model, train loss relative to rr, test accuracy and herding "
+        "bound per epoch (lines: mean over seeds; bands: min-max over seeds)",
+        file=stdout,
+    )
