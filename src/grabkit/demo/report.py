@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from grabkit.demo.deps import require
 from grabkit.demo.recipe import EpochResult
@@ -148,18 +149,25 @@ def format_final_comparison(rows: Sequence[SummaryRow], baseline: str = "rr") ->
     return "\n".join(lines)
 
 
+def _last_epoch_against(
+    rows: Sequence[SummaryRow], baseline: str
+) -> tuple[dict[str, int], dict[str, dict[str, float]], list[SummaryRow]]:
+    """(model -> its last epoch, model -> ``baseline``'s means there, the other orderings'
+    rows at that epoch, for models where ``baseline`` ran)."""
+    models = {r.model for r in rows}
+    last = {model: max(r.epoch for r in rows if r.model == model) for model in models}
+    final = [r for r in rows if r.epoch == last[r.model]]
+    base = {r.model: r.mean for r in final if r.ordering == baseline}
+    return last, base, [r for r in final if r.ordering != baseline and r.model in base]
+
+
 def format_summary_line(rows: Sequence[SummaryRow], baseline: str = BASELINE) -> str:
     """One line saying what the run shows: the other orderings' last-epoch train loss and
     herding bound relative to ``baseline``, ranges over models and orderings (means over seeds).
 
     Says what is missing instead when the baseline or a second ordering was not run.
     """
-    last = {
-        model: max(r.epoch for r in rows if r.model == model) for model in {r.model for r in rows}
-    }
-    final = [r for r in rows if r.epoch == last[r.model]]
-    base = {r.model: r.mean for r in final if r.ordering == baseline}
-    others = [r for r in final if r.ordering != baseline and r.model in base]
+    last, base, others = _last_epoch_against(rows, baseline)
     if not others:
         return (
             f"In short: no comparison to show (run {baseline} and at least one other ordering "
@@ -193,51 +201,16 @@ def write_plot(rows: Sequence[SummaryRow], path: Path, baseline: str = BASELINE)
     models = list(dict.fromkeys(row.model for row in rows))
     orderings = list(dict.fromkeys(row.ordering for row in rows))
     seeds = max(row.seeds for row in rows)
-    relative = all(RELATIVE_LOSS in row.mean for row in rows)
-    loss_metric = RELATIVE_LOSS if relative else "train_loss"
-    panels = {
-        loss_metric: (
-            f"train loss vs {baseline} (%)" if relative else "train loss (log scale)",
-            f"train loss relative to {baseline}\n(below 0 = lower loss than {baseline})"
-            if relative
-            else "train loss (full train set)",
-        ),
-        "test_accuracy": ("test accuracy (%)", "test accuracy"),
-        "herding_bound": (
-            "herding bound",
-            "herding bound of the epoch's order\n(lower = better balanced; GraB's target)",
-        ),
-    }
-    scale = {"test_accuracy": 100.0}
+    panels = _panels(rows, baseline)
     figure = figure_module.Figure(figsize=(4.6 * len(panels), 3.4 * len(models) + 1.3), dpi=100)
     backend_agg.FigureCanvasAgg(figure)
     axes = figure.subplots(len(models), len(panels), squeeze=False)
     colors = {o: f"C{k}" for k, o in enumerate(orderings)}
     for i, model in enumerate(models):
+        series = {o: [r for r in rows if (r.model, r.ordering) == (model, o)] for o in orderings}
         for j, (metric, (ylabel, title)) in enumerate(panels.items()):
             ax = axes[i][j]
-            factor = scale.get(metric, 1.0)
-            for ordering in orderings:
-                series = [r for r in rows if r.model == model and r.ordering == ordering]
-                epochs = [r.epoch for r in series]
-                style = "--" if ordering == baseline else "-"
-                ax.plot(
-                    epochs,
-                    [factor * r.mean[metric] for r in series],
-                    style,
-                    marker="o",
-                    ms=3,
-                    color=colors[ordering],
-                    label=f"{ordering} (mean)",
-                )
-                ax.fill_between(
-                    epochs,
-                    [factor * r.low[metric] for r in series],
-                    [factor * r.high[metric] for r in series],
-                    color=colors[ordering],
-                    alpha=0.18,
-                    label=f"{ordering} (min-max over seeds)",
-                )
+            _draw_metric(ax, series, metric, colors, baseline)
             ax.axvspan(0.5, 1.5, color="0.85", alpha=0.5, lw=0)
             ax.set_title(f"{model}: {title}", fontsize=9.5)
             ax.set_xlabel("epoch")
@@ -274,3 +247,56 @@ def write_plot(rows: Sequence[SummaryRow], path: Path, baseline: str = BASELINE)
     )
     figure.tight_layout(rect=(0, 0.12 + 0.02 * (len(models) == 1), 1, 0.95))
     figure.savefig(path, format="png")
+
+
+def _panels(rows: Sequence[SummaryRow], baseline: str) -> dict[str, tuple[str, str]]:
+    """metric -> (y label, title) of each panel: the train loss relative to ``baseline`` when
+    every row has it (else the absolute loss), test accuracy, herding bound."""
+    relative = all(RELATIVE_LOSS in row.mean for row in rows)
+    loss = (
+        (
+            RELATIVE_LOSS,
+            f"train loss vs {baseline} (%)",
+            f"train loss relative to {baseline}\n(below 0 = lower loss than {baseline})",
+        )
+        if relative
+        else ("train_loss", "train loss (log scale)", "train loss (full train set)")
+    )
+    return {
+        loss[0]: loss[1:],
+        "test_accuracy": ("test accuracy (%)", "test accuracy"),
+        "herding_bound": (
+            "herding bound",
+            "herding bound of the epoch's order\n(lower = better balanced; GraB's target)",
+        ),
+    }
+
+
+def _draw_metric(
+    ax: Any,
+    series: dict[str, list[SummaryRow]],
+    metric: str,
+    colors: dict[str, str],
+    baseline: str,
+) -> None:
+    """One panel: per ordering, the mean over seeds as a line and the min-max as a band."""
+    factor = 100.0 if metric == "test_accuracy" else 1.0
+    for ordering, rows in series.items():
+        epochs = [r.epoch for r in rows]
+        ax.plot(
+            epochs,
+            [factor * r.mean[metric] for r in rows],
+            "--" if ordering == baseline else "-",
+            marker="o",
+            ms=3,
+            color=colors[ordering],
+            label=f"{ordering} (mean)",
+        )
+        ax.fill_between(
+            epochs,
+            [factor * r.low[metric] for r in rows],
+            [factor * r.high[metric] for r in rows],
+            color=colors[ordering],
+            alpha=0.18,
+            label=f"{ordering} (min-max over seeds)",
+        )
