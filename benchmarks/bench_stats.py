@@ -441,26 +441,29 @@ def _held_mib(stats: PerSampleStats) -> float:
     return sum(seen.values()) / 2**20
 
 
-def run_gpt(args: argparse.Namespace) -> None:
-    """Norms-only and norms + Gram steps over a plain step, tied vs untied head."""
-    rounds = args.rounds or (4 if args.quick else 10)
-    gen = torch.Generator().manual_seed(0)
-    idx = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_LENGTH), generator=gen)
+def _time_reads(
+    models: dict[str, Callable[[], nn.Module]],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    rounds: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Time a plain step, a step reading norms and one reading norms + Gram for each model
+    (name -> constructor), side by side; print the table; return (wall, CPU) seconds by
+    ``"{name} {read}"``."""
     contenders: dict[str, Callable[[], None]] = {}
     engines: dict[str, PerSampleStats] = {}
-    for tied in (False, True):
-        name = "tied" if tied else "untied"
+    for name, make in models.items():
         for read in ("plain", "norms", "norms+gram"):
             torch.manual_seed(0)
-            model = SmallGpt(tied)
+            model = make()
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
             stats = None if read == "plain" else PerSampleStats(model)
             if stats is not None:
                 engines[f"{name} {read}"] = stats
 
             def step(model=model, opt=opt, stats=stats, read=read) -> None:
-                logits = model(idx)
-                loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+                logits = model(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if stats is not None:
@@ -471,10 +474,6 @@ def run_gpt(args: argparse.Namespace) -> None:
 
             contenders[f"{name} {read}"] = step
     times, cpu = timed_side_by_side(contenders, rounds=rounds, inner=1)
-    print(
-        f"\n### gpt: vocab {GPT_VOCAB}, d = {GPT_WIDTH}, {GPT_LAYERS} blocks, T = {GPT_LENGTH}, "
-        f"B = {GPT_BATCH}; {rounds} rounds\n"
-    )
     print("| model | read | wall ms / step | x plain | CPU ms / step | x plain | held MiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for key in contenders:
@@ -487,6 +486,20 @@ def run_gpt(args: argparse.Namespace) -> None:
         )
     for stats in engines.values():
         stats.close()
+    return times, cpu
+
+
+def run_gpt(args: argparse.Namespace) -> None:
+    """Norms-only and norms + Gram steps over a plain step, tied vs untied head."""
+    rounds = args.rounds or (4 if args.quick else 10)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_LENGTH), generator=gen)
+    print(
+        f"\n### gpt: vocab {GPT_VOCAB}, d = {GPT_WIDTH}, {GPT_LAYERS} blocks, T = {GPT_LENGTH}, "
+        f"B = {GPT_BATCH}; {rounds} rounds\n"
+    )
+    models = {"untied": lambda: SmallGpt(False), "tied": lambda: SmallGpt(True)}
+    _time_reads(models, idx, idx, rounds)
 
 
 # -- lstm: a recurrent LM beside a feed-forward counterpart --------------------------------------
@@ -523,52 +536,17 @@ def run_lstm(args: argparse.Namespace) -> None:
     rounds = args.rounds or (4 if args.quick else 10)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, LSTM_VOCAB, (LSTM_BATCH, LSTM_LENGTH + 1), generator=gen)
-    inputs, targets = idx[:, :-1], idx[:, 1:]
-    contenders: dict[str, Callable[[], None]] = {}
-    engines: dict[str, PerSampleStats] = {}
-    for middle in ("feed-forward", "lstm"):
-        for read in ("plain", "norms", "norms+gram"):
-            torch.manual_seed(0)
-            model = RecurrentLm(middle)
-            opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            stats = None if read == "plain" else PerSampleStats(model)
-            if stats is not None:
-                engines[f"{middle} {read}"] = stats
-
-            def step(model=model, opt=opt, stats=stats, read=read) -> None:
-                logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if stats is not None:
-                    stats.norms_squared()
-                    if read == "norms+gram":
-                        stats.gram()
-                opt.step()
-
-            contenders[f"{middle} {read}"] = step
-    times, cpu = timed_side_by_side(contenders, rounds=rounds, inner=1)
     print(
         f"\n### lstm: vocab {LSTM_VOCAB}, d = {LSTM_WIDTH}, T = {LSTM_LENGTH}, "
         f"B = {LSTM_BATCH}; {rounds} rounds\n"
     )
-    print("| model | read | wall ms / step | x plain | CPU ms / step | x plain | held MiB |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for key in contenders:
-        middle, read = key.split(" ")
-        base = f"{middle} plain"
-        held = f"{_held_mib(engines[key]):.1f}" if key in engines else "-"
-        print(
-            f"| {middle} | {read} | {times[key] * 1e3:.1f} | {times[key] / times[base]:.2f} | "
-            f"{cpu[key] * 1e3:.1f} | {cpu[key] / cpu[base]:.2f} | {held} |"
-        )
+    models = {m: (lambda m=m: RecurrentLm(m)) for m in ("feed-forward", "lstm")}
+    _, cpu = _time_reads(models, idx[:, :-1], idx[:, 1:], rounds)
     for read in ("norms", "norms+gram"):
         ratio = (cpu[f"lstm {read}"] / cpu["lstm plain"]) / (
             cpu[f"feed-forward {read}"] / cpu["feed-forward plain"]
         )
         print(f"\nLSTM / feed-forward, {read} over plain (CPU): {ratio:.2f}x")
-    for stats in engines.values():
-        stats.close()
 
 
 def main(argv: list[str]) -> None:
