@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 from functools import partial
 
 import pytest
@@ -713,3 +714,12 @@ def test_grab_sampler_readme_verbatim_with_torchopt():
             params = torchopt.apply_updates(params, updates)
         orders.append(sampler.order.tolist())
     assert all(sorted(o) == list(range(16)) for o in orders)
+
+
+def test_a_hook_mode_sampler_refuses_to_be_pickled_with_the_fix():
+    dense = GraBSampler(range(8), balance_type="pair")
+    assert list(pickle.loads(pickle.dumps(dense))) == list(dense)
+    hooked = GraBSampler(range(8), model=torch.nn.Linear(3, 2))
+    with pytest.raises(TypeError, match=r"setup\(\).*state_dict"):
+        pickle.dumps(hooked)
+    hooked.close()

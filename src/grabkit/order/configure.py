@@ -27,6 +27,7 @@ from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, name
 
 __all__ = [
     "DEFAULT_SKETCH_DIM",
+    "HOOK_SAMPLER_NOT_PICKLABLE",
     "STATISTICS",
     "BatchPreparer",
     "Topology",
@@ -289,6 +290,15 @@ STATISTICS = ("exact", "sketch")
 
 #: the sketch width when ``statistics="sketch"`` is chosen without ``sketch_dim`` (32 x 32)
 DEFAULT_SKETCH_DIM = 1024
+
+
+#: raised when a hook-mode sampler is pickled (e.g. sent to ``ddp_spawn`` ranks inside a model)
+HOOK_SAMPLER_NOT_PICKLABLE = (
+    "a GraBSampler in hook mode (model= or stats=) reads hooks on this process's model and "
+    "cannot be pickled or copied to another process. Build it where it runs: in each process "
+    "(under Lightning's ddp_spawn, in the LightningModule's or DataModule's setup()), and carry "
+    "its progress with state_dict() / load_state_dict()."
+)
 
 
 def statistics_choice(

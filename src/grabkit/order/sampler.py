@@ -4,9 +4,8 @@ Two ways to feed it: the per-example gradients given to ``step(grads)`` (grab-sa
 hook statistics (``model=``: ``step()`` after the backward(s), no (B, d) tensor ever built); see
 the class docstring for both loops.
 
-A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``; or pass the dataset
-indices of each stepped batch, ``sampler.step(grads, indices=idx)``, and skipped examples are
-passed over. Either way the skipped examples get no decision that epoch.
+A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``, or pass the indices
+of each stepped batch, ``step(grads, indices=idx)``; skipped examples get no decision that epoch.
 
 Epoch semantics. ``iter(sampler)`` starts a new epoch when the current one has begun (anything
 yielded or stepped); otherwise it restarts the current one (so ``iter()`` twice in a row yields
@@ -33,6 +32,7 @@ from torch.utils.data import Sampler
 from grabkit.order import distributed as collective
 from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.configure import (
+    HOOK_SAMPLER_NOT_PICKLABLE,
     BatchPreparer,
     Topology,
     attach_statistics,
@@ -92,14 +92,10 @@ class GraBSampler(Sampler[int]):
             BlockPolicy``); tuning only, the orders do not depend on it.
         stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
             ``{"torch_func_fallback": True}``).
-        statistics: hook mode: ``"exact"`` (default: per-example inner products from the
-            hooks, exact; one process) or ``"sketch"``: a (B, k) random sketch S g_i of every
-            example's gradient from the same hooks (``grabkit.stats.sketch``: unbiased inner
-            products, error about sqrt(2 / k) |g_i| |g_j|), balanced as dense rows. Sketches
-            let every ordering run in hook mode (those that need coordinates see the sketch's),
-            cost O(B T sqrt(k) (d_in + d_out)) per layer instead of exact pair's Gram, and make
-            distributed hook mode possible (the ranks all-gather (B, k)). The maps are seeded
-            by ``seed``, so every rank and a resumed run use the same ones.
+        statistics: hook mode: ``"exact"`` (default; one process) or ``"sketch"``, a (B, k)
+            random sketch of every example's gradient from the same hooks (unbiased inner
+            products, error about sqrt(2 / k) |g_i| |g_j|; ``grabkit.stats.sketch``): every
+            ordering then runs in hook mode, cheaper, and on several ranks (seeded by ``seed``).
         sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
         **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
             ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
@@ -434,13 +430,17 @@ class GraBSampler(Sampler[int]):
         self._token += 1
         self._publish()
 
-    # -- hooks -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop reading hook statistics; remove the hooks the sampler attached (``model=``)."""
         if self.source is not None:
             self.source.close()
         if self._owns_stats and self.stats is not None:
             self.stats.close()
+
+    def __getstate__(self) -> dict[str, Any]:  # hooks live on this process's model only
+        if self.source is not None:
+            raise TypeError(HOOK_SAMPLER_NOT_PICKLABLE)
+        return self.__dict__
 
     def __enter__(self) -> GraBSampler:
         return self
