@@ -359,8 +359,9 @@ def attach_statistics(
 
     A ``DistributedDataParallel`` wrapper is looked through: the hooks go on its module.
     """
-    if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-        model = model.module
+    from grabkit.stats.engine import unwrap_data_parallel
+
+    model = unwrap_data_parallel(model)
     if sketch_dim is not None:
         from grabkit.stats.sketch import SketchedStats
 

@@ -38,12 +38,19 @@ from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
 
-__all__ = ["PerSampleStats"]
+__all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
 # module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+
+
+def unwrap_data_parallel(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` (where hooks go, so that
+    parameter names and DDP's buckets and ``no_sync`` are those of the plain model)."""
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model
 
 
 def _inside_backward() -> bool:
@@ -501,6 +508,10 @@ class PerSampleStats:
     def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
         grad = grad.detach()
         call.output_grad = grad if call.output_grad is None else call.output_grad + grad
+        self._gradient_arrived()
+
+    def _gradient_arrived(self) -> None:
+        """A hook received a gradient: the step has a backward, and what was read is stale."""
         self._backward_seen = True
         self._statistics = None
         self.generation += 1
@@ -511,13 +522,10 @@ class PerSampleStats:
         previous = call.output_grad[slot]
         grad = grad.detach()
         call.output_grad[slot] = grad if previous is None else previous + grad
-        self._backward_seen = True
-        self._statistics = None
+        self._gradient_arrived()
 
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
-        self._backward_seen = True
-        self._statistics = None
-        self.generation += 1
+        self._gradient_arrived()
         if not self.keep_batch_gradients:
             self._param_grads[name] = None  # noted: the gradient came (see the layer check)
             return

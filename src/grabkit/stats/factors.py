@@ -309,9 +309,7 @@ class OuterProductFactor:
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         g, p, q = self.groups, self.in_features, self.out_features
-        w = as_dtype(weights, self.inputs.dtype)
-        if self.positions > 1:
-            w = w.repeat_interleave(self.positions, dim=0)  # (N, k): one weight per row
+        w = self._row_weights(weights)
         if g == 1 and k == 1:  # one GEMM straight into the parameter layout
             lhs, rhs = self._single_sum_operands(w)
             if out is not None and out.is_contiguous() and out.dtype == lhs.dtype:
@@ -330,6 +328,14 @@ class OuterProductFactor:
         else:
             blocks = d.transpose(-1, -2).unsqueeze(0) @ (a.unsqueeze(0) * w)
         return _deliver(blocks.reshape(k, *self.param_shape), out)
+
+    def _row_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """(B, k) weights per example -> (N, k) per (example, position) row, in the factors'
+        dtype."""
+        w = as_dtype(weights, self.inputs.dtype)
+        if self.positions > 1:
+            w = w.repeat_interleave(self.positions, dim=0)
+        return w
 
     def _single_sum_operands(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, N) and (N, p) whose product is sum_n w_n D_n A_n^T, for (N, 1) row weights ``w``
@@ -351,10 +357,7 @@ class OuterProductFactor:
             and target.dtype == self.inputs.dtype
             and target.is_contiguous()
         ):
-            w = as_dtype(weights, self.inputs.dtype)
-            if self.positions > 1:
-                w = w.repeat_interleave(self.positions, dim=0)  # (N, 1): one weight per row
-            lhs, rhs = self._single_sum_operands(w)
+            lhs, rhs = self._single_sum_operands(self._row_weights(weights))
             target.view(self.out_features, self.in_features).addmm_(lhs, rhs)
             return
         target.add_(self.weighted_sum(weights).to(target.dtype))

@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from grabkit.stats.engine import PerSampleStats
+from grabkit.stats.engine import PerSampleStats, unwrap_data_parallel
 from grabkit.stats.factors import (
     EmbeddingFactor,
     OuterProductFactor,
@@ -230,18 +230,17 @@ class KroneckerMap:
         return left, right
 
     def _outer_sum(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-        """(B, k_out, R), (B, k_in, R) -> (B, k): scale * sum_r left_r kron right_r."""
-        b = left.shape[0]
-        left = left * self.scale  # the narrow side takes the scale
-        if left.shape[2] == 1:  # one row per example: a broadcast product, no batched GEMM
-            return (left * right.transpose(1, 2)).reshape(b, -1)
-        return (left @ right.transpose(1, 2)).reshape(b, -1)
+        """(B, k_out, R), (B, k_in, R) -> (B, k): the map's scale times sum_r left_r kron
+        right_r."""
+        out = left.new_zeros(left.shape[0], self.k_out * self.k_in)
+        self.add_outer_sum(out, left, right, 1.0)
+        return out
 
     def add_outer_sum(
         self, out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, scale: float
     ) -> None:
         """In place: (B, k) ``out`` += ``scale`` times the ``_outer_sum`` of the two sides,
-        without a (B, k) temporary."""
+        without a (B, k) temporary (one row per example: a broadcast product, no batched GEMM)."""
         out3 = out.view(out.shape[0], self.k_out, self.k_in)
         if left.shape[2] == 1:
             out3.addcmul_(left, right.transpose(1, 2), value=self.scale * scale)
@@ -496,12 +495,6 @@ def _first_tensor(factor: ParameterFactor) -> torch.Tensor:
     raise TypeError(f"cannot sketch a {type(factor).__name__}: it holds no tensor")
 
 
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The module inside ``DistributedDataParallel`` / ``DataParallel`` (hooks go there)."""
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
-
-
 class SketchedStats:
     """Hook statistics read as sketches: after ``loss.backward()``, a (B, k) matrix S g_i.
 
@@ -535,7 +528,7 @@ class SketchedStats:
         **options: Any,
     ) -> None:
         self.engine = PerSampleStats(
-            _unwrapped(model), loss_reduction, keep_batch_gradients=False, **options
+            unwrap_data_parallel(model), loss_reduction, keep_batch_gradients=False, **options
         )
         self.sketch = GradientSketch(self.engine.param_shapes, dim, seed)
         self.dim = dim

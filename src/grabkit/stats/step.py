@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from grabkit.stats.factors import OuterProductFactor, ParameterFactor
+from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype
 from grabkit.stats.gradient_batch import FlatLayout
 
 __all__ = ["StepStatistics"]
@@ -78,10 +78,6 @@ class StepStatistics:
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
 
-    def _stat(self, values: torch.Tensor) -> torch.Tensor:
-        """A factor's read in the statistics dtype (no op when it is already)."""
-        return values if values.dtype == self.stat_dtype else values.to(self.stat_dtype)
-
     @torch.no_grad()
     def total(self) -> torch.Tensor:
         """(d,) sum_i g_i in the flat layout: the batch gradient autograd computed, rescaled."""
@@ -128,7 +124,7 @@ class StepStatistics:
             else:
                 total = self._zeros(self.batch_size)
                 for _, factor in self._present:
-                    total.add_(self._stat(factor.norms_squared()))
+                    total.add_(as_dtype(factor.norms_squared(), self.stat_dtype))
                 self._norms = total.mul_(self.scale**2)
         return self._norms
 
@@ -152,7 +148,7 @@ class StepStatistics:
         if self._gram is None:
             total = self._zeros(self.batch_size, self.batch_size)
             for _, factor in self._present:
-                total.add_(self._stat(factor.gram()))
+                total.add_(as_dtype(factor.gram(), self.stat_dtype))
             self._gram = total.mul_(self.scale**2)
         return self._gram
 
@@ -164,7 +160,7 @@ class StepStatistics:
         for name, factor in self._present:
             v = vectors.get(name)
             if v is not None:
-                total.add_(self._stat(factor.dot(v)))
+                total.add_(as_dtype(factor.dot(v), self.stat_dtype))
         return total.mul_(self.scale)
 
     @torch.no_grad()
