@@ -49,12 +49,10 @@ class StaleMean:
         """``add(batch.total(), count)``, adding hook statistics' batch gradient straight into
         the running sum (``add_total_to``: no (d,) temporary) where the batch can."""
         add_to = getattr(batch, "add_total_to", None)
-        if self.running_sum is None:
-            self.running_sum = batch.total()  # a fresh tensor: this sum's own
-        elif add_to is not None:
-            add_to(self.running_sum)
-        else:
-            self.running_sum.add_(batch.total())
+        if self.running_sum is None or add_to is None:
+            self.add(batch.total(), count)
+            return
+        add_to(self.running_sum)
         self.count += count
 
     def roll(self) -> None:
