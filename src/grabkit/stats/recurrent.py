@@ -175,12 +175,16 @@ class RecurrentRule(LayerRule):
         for d in directions:
             self._add(out, wanted, module, f"weight_ih{d.suffix}", d.x, d.delta_ih)
             self._add(out, wanted, module, f"weight_hh{d.suffix}", d.h_prev, d.delta_hh)
+            summed: dict[int, torch.Tensor] = {}  # LSTM and RNN share one delta for both biases
             for name, delta in (
                 (f"bias_ih{d.suffix}", d.delta_ih),
                 (f"bias_hh{d.suffix}", d.delta_hh),
             ):
                 if name in wanted:
-                    out[name] = PerExampleFactor(delta.sum(dim=1), getattr(module, name).shape)
+                    if id(delta) not in summed:
+                        summed[id(delta)] = delta.sum(dim=1)
+                    per_example = summed[id(delta)]
+                    out[name] = PerExampleFactor(per_example, getattr(module, name).shape)
             if d.delta_hr is not None:
                 self._add(out, wanted, module, f"weight_hr{d.suffix}", d.m, d.delta_hr)
         return out
