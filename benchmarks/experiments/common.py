@@ -8,7 +8,6 @@ prints a markdown report and writes it, with its PNG figures, to ``results/``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -38,14 +37,6 @@ def parse_args(
     for name, kwargs in (extra or {}).items():
         parser.add_argument(name, **kwargs)
     return parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-
-
-def machine() -> str:
-    """One line naming the machine and software, for each report."""
-    return (
-        f"{platform.processor() or platform.machine()}, 1 torch thread, torch {torch.__version__}, "
-        f"Python {platform.python_version()}"
-    )
 
 
 def command_line(module: str, args: argparse.Namespace, keys: Sequence[str] = ()) -> str:

@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
+from benchmarks.common import machine_description
 from benchmarks.experiments import data as datasets
 from benchmarks.experiments.common import (
     command_line,
-    machine,
     markdown_table,
     mean_spread,
     new_figure,
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = (
         "## Grouping: end-to-end training time on IMDB's real lengths\n\n"
         f"Command: `{command_line('grouping', args, ['epochs', 'seeds'])}`  \n"
-        f"Machine: {machine()}\n\n"
+        f"Machine: {machine_description()}\n\n"
         f"{source}; lengths {min(lengths)}-{max(lengths)} tokens (median "
         f"{statistics.median(lengths):.0f}); 1-D CNN, batch {BATCH}, Adam 1e-3, {epochs} "
         f"epoch(s) x {seeds} seed(s), contenders interleaved epoch by epoch; ± is half the "

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from benchmarks.common import machine_description
 from benchmarks.experiments import data as datasets
 from benchmarks.experiments.common import (
     command_line,
-    machine,
     markdown_table,
     new_figure,
     parse_args,
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = (
         "## Noise scale: B_simple vs the critical batch size\n\n"
         f"Command: `{command_line('noise_scale', args, ['target', 'seeds'])}`  \n"
-        f"Machine: {machine()}\n\n"
+        f"Machine: {machine_description()}\n\n"
         f"MLP 784-64-10 on {len(x)} MNIST training images, plain SGD, target full-train "
         f"cross-entropy {target}; best learning rate of {lrs} per batch size (seed 0).\n\n"
         f"- fit S(B) = S_min (1 + B_crit / B): **S_min = {s_min:.0f} steps, E_min = "

@@ -39,10 +39,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
+from benchmarks.common import machine_description
 from benchmarks.experiments import data as datasets
 from benchmarks.experiments.common import (
     command_line,
-    machine,
     markdown_table,
     mean_spread,
     new_figure,
@@ -452,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (
         "## Ordering: GraB vs random reshuffling on real data\n\n"
         f"Command: `{command_line('ordering', args, ['task', 'orderings', 'seeds', 'tag'])}`  \n"
-        f"Machine: {machine()}\n\n" + "\n".join(f"- {line}" for line in summary) + "\n\n"
+        f"Machine: {machine_description()}\n\n"
+        + "\n".join(f"- {line}" for line in summary)
+        + "\n\n"
     )
     stem = (
         "ordering"

@@ -37,10 +37,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from benchmarks.common import machine_description
 from benchmarks.experiments import data as datasets
 from benchmarks.experiments.common import (
     command_line,
-    machine,
     markdown_table,
     mean_spread,
     new_figure,
@@ -216,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = (
         "## Stepping: adaptive accumulation vs fixed batches at equal tokens\n\n"
         f"Command: `{command_line('stepping', args, ['seeds'])}`  \n"
-        f"Machine: {machine()}\n\n"
+        f"Machine: {machine_description()}\n\n"
         f"One-block transformer LM (d 64), WikiText-2 valid split as training text "
         f"({len(data[0][0])} windows of {CONTEXT} tokens, {passes} pass(es), microbatch "
         f"{MICRO * CONTEXT} tokens), validation on {data[1][0].numel()} test tokens; AdamW "
