@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_order import mnist_logistic_gradients, read_idx
+from benchmarks.bench_order import mnist_logistic_gradients
 from benchmarks.bench_stats import Loop, build, make_mlp, per_example_loss, timed_side_by_side
 from benchmarks.common import machine_description
+from benchmarks.experiments import data as datasets
 from grabkit.order import GraBSampler, herding_bound
 from grabkit.stats.sketch import GradientSketch
 
@@ -188,13 +189,6 @@ def quality(n: int, epochs: int, seeds: int) -> list[str]:
 
 
 # -- training loss -------------------------------------------------------------------------------
-def mnist_subset(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    images = read_idx(MNIST / "train-images-idx3-ubyte.gz")[:n].reshape(n, -1)
-    labels = read_idx(MNIST / "train-labels-idx1-ubyte.gz")[:n]
-    x = (torch.as_tensor(images, dtype=torch.float32) / 255.0 - 0.1307) / 0.3081
-    return x, torch.as_tensor(labels, dtype=torch.int64)
-
-
 def train_loss(x, y, config: dict, seed: int, epochs: int) -> float:
     torch.manual_seed(seed)
     model = torch.nn.Linear(784, 10)
@@ -213,7 +207,7 @@ def train_loss(x, y, config: dict, seed: int, epochs: int) -> float:
 
 
 def training(n: int, epochs: int, seeds: int) -> list[str]:
-    x, y = mnist_subset(n)
+    x, y, _, _ = datasets.mnist(n, 0)
     configs = {
         "rr": {"balance_type": "rr"},
         "pair, exact": {"balance_type": "pair"},

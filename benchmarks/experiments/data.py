@@ -6,7 +6,6 @@ why it skipped and exit cleanly; nothing here downloads anything.
 
 from __future__ import annotations
 
-import gzip
 import json
 import tarfile
 from collections import Counter
@@ -14,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.bench_order import read_idx
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -31,12 +32,8 @@ def _require(path: Path) -> Path:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    """An idx file (gzip): big-endian header of dims, then uint8 data."""
-    with gzip.open(_require(path), "rb") as f:
-        raw = f.read()
-    ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
+    """An idx file (gzip) as a uint8 array, or the clean skip when it is absent."""
+    return read_idx(_require(path))
 
 
 def mnist(
@@ -47,7 +44,7 @@ def mnist(
     folder = DATA / "mnist"
 
     def images(name: str, n: int) -> torch.Tensor:
-        x = torch.as_tensor(_read_idx(folder / name)[:n].reshape(n, -1), dtype=torch.float32)
+        x = torch.as_tensor(_read_idx(folder / name)[:n].reshape(n, 28 * 28), dtype=torch.float32)
         return (x / 255.0 - MNIST_MEAN) / MNIST_STD
 
     def labels(name: str, n: int) -> torch.Tensor:
