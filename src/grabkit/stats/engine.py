@@ -35,6 +35,7 @@ from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.step import StepStatistics
 
@@ -70,15 +71,25 @@ class _Call:
 
     For a rule with ``multiple_outputs``, ``output_grad`` is a list with one slot per tracked
     output (None until the first of them receives a gradient) and ``batch_size`` is the number
-    of examples the rule found in the call.
+    of examples the rule found in the call. ``group``: the group of a grouped batch the call's
+    rows hold (``grabkit.stats.rows``), None for an ordinary batch.
     """
 
-    __slots__ = ("batch_size", "captured", "output_grad")
+    __slots__ = ("batch_size", "captured", "group", "output_grad")
 
-    def __init__(self, captured: object, batch_size: int | None = None) -> None:
+    def __init__(
+        self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
+    ) -> None:
         self.captured = captured
         self.output_grad: torch.Tensor | list[torch.Tensor | None] | None = None
         self.batch_size = batch_size
+        self.group = group
+
+    def size(self) -> int:
+        """The number of rows (examples) the call held, once its output gradient came."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return self.output_grad.shape[0]
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -376,6 +387,7 @@ class PerSampleStats:
         self.generation = getattr(self, "generation", 0) + 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        self._rows = StepRows()  # the grouped batch this step's calls came from, if any
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
         self._readers: list[weakref.ref[StepStatistics]] = []
         if all(reader() is None for reader in readers):
@@ -383,6 +395,12 @@ class PerSampleStats:
             # backward copies into them instead of into fresh memory (a fresh tensor the size of
             # a large layer costs more in page faults than the copy itself, on the CPU).
             self._spare_grads: dict[str, torch.Tensor] = copies
+
+    def _step_finished(self) -> bool:
+        """Whether a forward now starts a new step: a backward ran since this step's first
+        forward, and the forward is neither checkpointing's recomputation nor the next group of
+        the grouped batch being run (``backward_by_group``)."""
+        return self._backward_seen and not _inside_backward() and not self._rows.continues()
 
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -399,7 +417,7 @@ class PerSampleStats:
             return
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
-        if self._backward_seen:
+        if self._step_finished():
             self._new_step()
         self._batch = _ModelBatch(tensors)
 
@@ -424,11 +442,11 @@ class PerSampleStats:
             return None
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
-        if self._backward_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
         layer_input, expanded = self._layer_input(layer, args, kwargs, output)
-        call = _Call(layer.rule.capture(module, layer_input))
+        call = _Call(layer.rule.capture(module, layer_input), group=self._rows.tag())
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
@@ -448,13 +466,15 @@ class PerSampleStats:
         ]
         if not hooked:
             return
-        if self._backward_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
         if self._batch is not None:
             self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(layer.rule.capture(module, whole_call), batch_size=size)
+        call = _Call(
+            layer.rule.capture(module, whole_call), batch_size=size, group=self._rows.tag()
+        )
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
@@ -582,7 +602,7 @@ class PerSampleStats:
                 f"model's input has {self._batch.size if self._batch else '?'} examples); "
                 f"PerSampleStats needs the batch in dim 0 of every layer's input (use "
                 f"batch_first layouts) and, for a layer called several times, the same "
-                f"examples in every call."
+                f"examples in every call. {UNANNOUNCED_GROUPS_HELP}"
             )
         return distinct.pop()
 
@@ -607,13 +627,29 @@ class PerSampleStats:
         by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
         """
         self._check_gradients_came_through_layers()
-        batch_size = self._batch_size()
+        if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
+            calls = [
+                (layer.name, call.group, call.size())
+                for layer in self._layers
+                for call in layer.calls
+                if call.output_grad is not None
+            ]
+            factors, batch_size = self._rows.factors(
+                calls, lambda group: self._merged_factors(lambda call: call.group is group)
+            )
+        else:
+            batch_size = self._batch_size()
+            factors = self._merged_factors(lambda call: True)
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        return factors, batch_size, scale
+
+    def _merged_factors(self, takes: Callable[[_Call], bool]) -> dict[str, ParameterFactor | None]:
+        """name -> the combined factor of the calls ``takes`` accepts (None: no gradient)."""
         factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
         for layer in self._layers:
             wanted = set(layer.params)
             for call in layer.calls:
-                if call.output_grad is None:
+                if call.output_grad is None or not takes(call):
                     continue
                 grad = call.output_grad
                 grad = tuple(grad) if isinstance(grad, list) else grad
@@ -622,7 +658,7 @@ class PerSampleStats:
                     full = layer.params[local]
                     previous = factors[full]
                     factors[full] = factor if previous is None else combine(previous, factor)
-        return factors, batch_size, scale
+        return factors
 
     def _build(self) -> StepStatistics:
         if not self.keep_batch_gradients:

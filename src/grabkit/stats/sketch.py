@@ -68,6 +68,7 @@ from grabkit.stats.factors import (
     compute_dtype,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch
+from grabkit.stats.rows import ItemLayout, RowsFactor
 
 __all__ = [
     "CountSketchMap",
@@ -249,8 +250,11 @@ class KroneckerMap:
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map in float64 (for checks: k times the parameter's
-        size)."""
-        return torch.kron(self.p_out.double(), self.p_in.double()) * self.scale
+        size). Built by broadcasting, not ``torch.kron``, which fails on a side of one column
+        whose strides are not the contiguous ones (a one-row weight's orthogonal side)."""
+        p_out, p_in = self.p_out.double(), self.p_in.double()
+        product = p_out[:, None, :, None] * p_in[None, :, None, :]  # (k_out, k_in, rows, cols)
+        return product.reshape(self.k_out * self.k_in, self.rows * self.cols) * self.scale
 
 
 class CountSketchMap:
@@ -376,8 +380,12 @@ class GradientSketch:
         outer products with one fused op (no (B, k) temporary per layer), and the per-example
         gradients of every CountSketched parameter (biases) go through one concatenated
         scatter-add, so a step costs a few small ops per layer (what dominates small models,
-        whose projections are cheap).
+        whose projections are cheap). A grouped batch's factors (``RowsFactor``) are sketched
+        group by group, each group's rows put at its items.
         """
+        layout = next((f.layout for f in factors.values() if isinstance(f, RowsFactor)), None)
+        if layout is not None:
+            return self._apply_by_group(factors, layout, scale, device=device, dtype=dtype)
         out = torch.empty(batch_size, self.dim, device=device, dtype=dtype)
         written = False  # whether ``out`` holds a sum yet (else its contents are undefined)
         counted: list[tuple[str, torch.Tensor]] = []  # CountSketched (name, (B, n) grads)
@@ -393,6 +401,30 @@ class GradientSketch:
             out.zero_()
         if counted:
             self._add_counted(out, counted, scale)
+        return out
+
+    def _apply_by_group(
+        self,
+        factors: Mapping[str, ParameterFactor | None],
+        layout: ItemLayout,
+        scale: float,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """(n, k) sketches of a grouped batch: each group's factors sketched as one batch of its
+        rows, the rows of its items put in the batch's item order (no item's row: zero)."""
+        out = torch.zeros(layout.size, self.dim, device=device, dtype=dtype)
+        for s, group in enumerate(layout.groups):
+            parts = {
+                name: f.parts[s] if isinstance(f, RowsFactor) else None
+                for name, f in factors.items()
+            }
+            if all(part is None for part in parts.values()):
+                continue
+            rows = self.apply(parts, group.rows, scale, device=device, dtype=dtype)
+            index = layout.index(s, device)
+            out.index_copy_(0, index, rows[: len(index)])
         return out
 
     def _direct_map(
