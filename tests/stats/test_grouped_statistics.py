@@ -227,6 +227,44 @@ def test_hook_mode_grab_on_grouped_batches_decides_on_the_right_items(entry, sta
     assert len({tuple(o) for o in hooked}) > 1  # the orders did change
 
 
+class Checkpointed(nn.Module):
+    """MaskedMax with its Linear over positions under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = make("masked_max"), reentrant
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        e = inner.emb(x)
+        h = torch.utils.checkpoint.checkpoint(inner.mix, e, use_reentrant=self.reentrant)
+        h = torch.tanh(h).masked_fill(~mask[..., None], -1e4)
+        return inner.head(h.max(1).values)[:, 0]
+
+
+@pytest.mark.parametrize(
+    ("entry", "reentrant"),
+    [("run", False), ("backward_by_group", False), ("backward_by_group", True)],
+)
+def test_activation_checkpointing_in_grouped_batches(entry, reentrant, reference_tools):
+    model = Checkpointed(reentrant)
+    tokens, targets = items(LENGTHS, "masked_max")
+    reference = per_item_gradients(model.inner, "masked_max", tokens, targets)
+    with PerSampleStats(model) as stats:
+        grouped_backward(entry, model, "masked_max", tokens, targets)
+        reference_tools.assert_matches(stats, reference)
+
+
+def test_reentrant_recomputation_after_the_grouped_run_is_refused():
+    model = Checkpointed(reentrant=True)
+    tokens, targets = items(LENGTHS, "masked_max")
+    with (
+        PerSampleStats(model),
+        pytest.raises(ValueError, match="use_reentrant=False, or backward_by_group"),
+    ):
+        grouped_backward("run", model, "masked_max", tokens, targets)
+
+
 def test_model_called_per_group_without_the_grouped_runner_is_refused():
     model = make("masked_max")
     tokens, targets = items(LENGTHS, "masked_max")

@@ -445,8 +445,9 @@ class PerSampleStats:
         if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
+        group = self._rows.tag()
         layer_input, expanded = self._layer_input(layer, args, kwargs, output)
-        call = _Call(layer.rule.capture(module, layer_input), group=self._rows.tag())
+        call = _Call(layer.rule.capture(module, layer_input), group=group)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
@@ -469,12 +470,11 @@ class PerSampleStats:
         if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
+        group = self._rows.tag()
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
         if self._batch is not None:
             self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(
-            layer.rule.capture(module, whole_call), batch_size=size, group=self._rows.tag()
-        )
+        call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))

@@ -151,9 +151,22 @@ class StepRows:
         return self.run is not None
 
     def tag(self) -> GroupRows | None:
-        """The group a layer call made now holds (None outside a grouped run), recorded."""
+        """The group a layer call made now holds (None outside a grouped run), recorded.
+
+        A call of a grouped step recomputed during its backward outside the run (activation
+        checkpointing with use_reentrant=True after ``GroupedBatch.run`` returned) raises at
+        once: which group's items its rows hold is unknown.
+        """
         active = _active_group()
         if active is None:
+            if self.run is not None and torch._C._current_graph_task_id() != -1:
+                raise ValueError(
+                    "a layer was recomputed during the backward of a grouped batch (activation "
+                    "checkpointing with use_reentrant=True) after the grouped run had returned, "
+                    "so which group's items its rows hold is unknown: use "
+                    "use_reentrant=False, or backward_by_group (each group's backward runs "
+                    "inside the group)."
+                )
             return None
         run, rows = active
         if self.run is None:
