@@ -50,6 +50,7 @@ from grabkit.order.positions import first_position, skip_count
 from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
 from grabkit.order.state import plain_config, read_state
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.sketch import check_saved_maps
 
 __all__ = ["GraBSampler"]
 
@@ -408,6 +409,7 @@ class GraBSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
+        check_saved_maps("GraBSampler", state, self._config)  # sketches of other maps: refused
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
