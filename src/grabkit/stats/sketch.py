@@ -308,13 +308,16 @@ def maps_fingerprint(shapes: Mapping[str, torch.Size], dim: int, seed: int) -> s
 
 def check_saved_maps(where: str, state: Any, config: Mapping[str, Any]) -> None:
     """Raise unless a saved sampler ``state`` balanced sketches drawn from the maps this
-    sampler's ``config`` describes (nothing to check for a sampler without sketches)."""
+    sampler's ``config`` describes. Only the maps' identity is checked here, where the rest of
+    the configuration agrees (the sampler's own check names any other difference: a seed or
+    sketch_dim of its own); nothing to check for a sampler without sketches."""
     ours = config.get("sketch_fingerprint")
     saved = state.get("config") if isinstance(state, Mapping) else None
     if ours is None or not isinstance(saved, Mapping):
         return
     theirs = saved.get("sketch_fingerprint")
-    if theirs == ours:
+    others = {k for k in set(saved) | set(config) if k != "sketch_fingerprint"}
+    if theirs == ours or any(saved.get(k) != config.get(k) for k in others):
         return
     why = (
         "records no fingerprint of its maps (saved by an older grabkit)"
