@@ -436,10 +436,13 @@ class PerSampleStats:
             output = output if replaced is None else replaced
             self._record_multiple_outputs(layer, module, (args, kwargs, output))
             return replaced
+        replaced = layer.rule.replace_output(module, output) if layer.rule.whole_call else None
+        if replaced is not None:  # the same values, laid out batch-first
+            output = replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return None
+            return replaced
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
         if self._step_finished():
@@ -451,7 +454,7 @@ class PerSampleStats:
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         hooked.register_hook(functools.partial(self._on_output_grad, call))
-        return expanded
+        return replaced if expanded is None else expanded
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
