@@ -8,6 +8,7 @@ without building a (B, d) tensor; ``SketchedStats`` reads a (B, k) random sketch
 """
 
 from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
+from grabkit.stats import transformers_rules as _transformers  # noqa: F401  (by class name)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
