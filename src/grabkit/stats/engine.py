@@ -43,8 +43,44 @@ __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
-# module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+# module -> a weak reference to the PerSampleStats whose hooks are on it (one engine per module
+# at a time); weak, as the hooks' own references are, so that an engine dropped without close()
+# is collected and its finalizer removes the hooks
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PerSampleStats]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _WeakHook:
+    """A hook calling ``method`` of an engine it holds weakly (``args`` first): the model's hooks
+    never keep an engine alive, and once it is collected they do nothing until its finalizer
+    removes them."""
+
+    __slots__ = ("_args", "_engine", "_method")
+
+    def __init__(self, engine: weakref.ref[PerSampleStats], method: str, *args: Any) -> None:
+        self._engine, self._method, self._args = engine, method, args
+
+    def __call__(self, *hook_args: Any) -> Any:
+        engine = self._engine()
+        if engine is None:
+            return None
+        return getattr(engine, self._method)(*self._args, *hook_args)
+
+
+def _detach(
+    handles: list[Any],
+    modules: list[weakref.ref[nn.Module]],
+    engine: weakref.ref[PerSampleStats],
+) -> None:
+    """Remove an engine's hooks and registrations (by ``close()``, or when it is collected)."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    for module_ref in modules:
+        module = module_ref()
+        if module is not None and _ATTACHED.get(module) is engine:
+            del _ATTACHED[module]
 
 
 def unwrap_data_parallel(model: nn.Module) -> nn.Module:
@@ -299,7 +335,8 @@ class PerSampleStats:
     @staticmethod
     def _check_not_attached(model: nn.Module) -> None:
         for name, module in model.named_modules():
-            if module in _ATTACHED:
+            engine = _ATTACHED.get(module)
+            if engine is not None and engine() is not None:
                 where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
                     f"a PerSampleStats is already attached to {where}; call close() on the "
@@ -343,27 +380,27 @@ class PerSampleStats:
         return layers
 
     def _attach(self, model: nn.Module) -> None:
-        self._handles.append(
-            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
-        )
+        me = weakref.ref(self)
+        hook = _WeakHook(me, "_on_model_input")
+        self._handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         for layer in self._layers:
-            hook = functools.partial(self._on_forward, layer)
+            hook = _WeakHook(me, "_on_forward", layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-            _ATTACHED[layer.module] = self
+            _ATTACHED[layer.module] = me
         for name, p in model.named_parameters():
             if p.requires_grad:
-                hook = functools.partial(self._on_param_grad, name)
-                self._handles.append(p.register_hook(hook))
-        _ATTACHED[model] = self
+                self._handles.append(p.register_hook(_WeakHook(me, "_on_param_grad", name)))
+        _ATTACHED[model] = me
+        modules = [weakref.ref(m) for m in (model, *(layer.module for layer in self._layers))]
+        # run by close(), or when the engine is collected unclosed: the hooks go either way
+        self._detach = weakref.finalize(self, _detach, self._handles, modules, me)
 
     def close(self) -> None:
-        """Remove every hook and drop the kept references; the object can no longer record."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for module in [self.model, *(layer.module for layer in self._layers)]:
-            if _ATTACHED.get(module) is self:
-                del _ATTACHED[module]
+        """Remove every hook and drop the kept references; the object can no longer record.
+
+        An engine dropped without ``close()`` is collected (the model's hooks hold it weakly),
+        and collection removes its hooks the same way."""
+        self._detach()
         self._new_step()
         self._spare_grads = {}
 
