@@ -3,6 +3,7 @@ and collection removes its hooks: the model runs as before and a new one attache
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -61,3 +62,14 @@ def test_a_live_object_still_blocks_a_second_attach():
         PerSampleStats(model)
     first.close()
     PerSampleStats(model).close()
+
+
+def test_a_deep_copy_of_a_measured_model_is_not_measured():
+    model, x = model_and_batch()
+    with PerSampleStats(model) as stats:
+        model(x[:3]).sum().backward()
+        norms = stats.norms_squared().clone()
+        twin = copy.deepcopy(model)  # an EMA or teacher copy
+        twin(x).sum().backward()
+        assert twin[0].weight.grad is not None
+        torch.testing.assert_close(stats.norms_squared(), norms)  # still the model's 3 examples

@@ -58,7 +58,9 @@ class _WeakHook:
 
     __slots__ = ("_args", "_engine", "_method")
 
-    def __init__(self, engine: weakref.ref[PerSampleStats], method: str, *args: Any) -> None:
+    def __init__(
+        self, engine: Callable[[], PerSampleStats | None], method: str, *args: Any
+    ) -> None:
         self._engine, self._method, self._args = engine, method, args
 
     def __call__(self, *hook_args: Any) -> Any:
@@ -66,6 +68,16 @@ class _WeakHook:
         if engine is None:
             return None
         return getattr(engine, self._method)(*self._args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
+        """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model
+        measured: its copies of the hooks do nothing."""
+        return _WeakHook(_no_engine, self._method)
+
+
+def _no_engine() -> None:
+    """The engine of a copied hook: none."""
+    return None
 
 
 def _detach(
