@@ -625,6 +625,12 @@ class PerSampleStats:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
 
+    @property
+    def parameter_gradients_seen(self) -> bool:
+        """Whether a backward since this step's first forward reached the trainable parameters,
+        not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one)."""
+        return bool(self._param_grads)
+
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:
