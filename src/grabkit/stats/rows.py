@@ -263,19 +263,31 @@ class RowsFactor:
         return self._scatter_rows([(s, f.dot(vectors)) for s, f in self._present])
 
     def gram(self) -> torch.Tensor:
-        out: torch.Tensor | None = None
-        for a, (s, u) in enumerate(self._present):
-            for t, v in self._present[a:]:
-                block = u.gram() if s == t else cross_gram(u, v)
-                if out is None:
-                    out = block.new_zeros(self.batch_size, self.batch_size)
-                rows, m = self._items(s, block)
-                cols, k = self._items(t, block)
-                block = block[:m, :k].to(out.dtype)
-                out[rows[:, None], cols[None, :]] = block
-                if s != t:
-                    out[cols[:, None], rows[None, :]] = block.T
+        """The (n, n) Gram matrix: each group's own Gram matrix and the cross products between
+        groups, assembled in group order and put in item order with one scatter."""
+        present = self._present
+        upper: dict[tuple[int, int], torch.Tensor] = {}
+        for a, (s, u) in enumerate(present):
+            for b, (t, v) in enumerate(present[a:], start=a):
+                block = u.gram() if a == b else cross_gram(u, v)
+                upper[a, b] = block[: self._size(s), : self._size(t)]
+        dtype = upper[0, 0].dtype
+        rows = [
+            torch.cat([upper[a, b] if a <= b else upper[b, a].T for b in range(len(present))], 1)
+            for a in range(len(present))
+        ]
+        assembled = torch.cat(rows, dim=0).to(dtype)  # in group order
+        order = torch.cat([self._items(s, assembled)[0] for s, _ in self._present])
+        if len(order) == self.batch_size:  # every item present: a permutation
+            inverse = torch.empty_like(order)
+            inverse[order] = torch.arange(len(order), device=order.device)
+            return assembled.index_select(0, inverse).index_select(1, inverse)
+        out = assembled.new_zeros(self.batch_size, self.batch_size)
+        out[order[:, None], order[None, :]] = assembled
         return out
+
+    def _size(self, s: int) -> int:
+        return len(self.layout.groups[s].items)
 
     def _group_weights(self, s: int, weights: torch.Tensor) -> torch.Tensor:
         """(rows_s, k) weights of group s's rows: its items' weights, zero on padding rows."""
