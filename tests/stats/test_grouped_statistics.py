@@ -16,7 +16,11 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from grabkit.group import (
+    AnnotatedModule,
+    DataCollection,
     GroupingCollate,
+    LengthThresholdGrouper,
+    UniGrouper,
     backward_by_group,
     group_batch,
     plan_from_partition,
@@ -109,8 +113,8 @@ def grouped_backward(entry: str, model: nn.Module, kind: str, tokens, targets) -
     plan = plan_from_partition([[0, 3, 6], [1, 4], [2, 5, 7]], lengths)
     if entry == "run":
         out = group_batch(padded, lengths, plan).run(model, pass_mask=True)
-    elif entry == "run_grouped":
-        out = run_grouped(model, padded, lengths, plan=plan, pass_mask=True)
+    elif entry == "run_grouped":  # the output lengths probed by calls of the model too
+        out, _ = run_grouped(model, padded, lengths, plan=plan, pass_mask=True, return_lengths=True)
     elif entry == "collate":  # rows padded in group order (each group a slice), plan by the DP
         batch = GroupingCollate(overhead=0.0, alpha=0.0)(list(zip(tokens, targets, strict=True)))
         assert len(batch.plan) > 1
@@ -225,6 +229,50 @@ def test_hook_mode_grab_on_grouped_batches_decides_on_the_right_items(entry, sta
     hooked, given = grab_run(entry, statistics)
     assert hooked == given
     assert len({tuple(o) for o in hooked}) > 1  # the orders did change
+
+
+class AnnotatedPool(AnnotatedModule):
+    """asym's API: a Linear per position, then a masked mean, (b, l_seq, m_in) -> (b, m_out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(4, 6), nn.LayerNorm(6)
+
+    def forward(self, x, mask):
+        h = self.norm(torch.tanh(self.linear(x)))
+        m = mask[..., None].to(h.dtype)
+        return {"pooled": (h * m).sum(1) / m.sum(1).clamp_min(1)}
+
+    def get_input_annot(self):
+        return "(b, l_seq, m_in)"
+
+    def get_output_annot(self):
+        return {"pooled": "(b, m_out)"}
+
+    def get_mask_hint(self):
+        return ["seq"]
+
+
+def test_data_collection_apply_statistics_equal_per_item_autograd(reference_tools):
+    torch.manual_seed(0)
+    module = AnnotatedPool()
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(n, 4, generator=gen) for n in LENGTHS]
+    params = list(module.parameters())
+    rows = []
+    for x in xs:
+        (pooled,) = module(x[None], torch.ones(1, len(x), dtype=torch.bool))["pooled"]
+        grads = torch.autograd.grad(pooled.square().sum(), params)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    reference = torch.stack(rows)
+    with PerSampleStats(module, loss_reduction="sum") as stats:
+        dc = DataCollection("(B, L_seq, M_in)", xs)
+        dc.group(LengthThresholdGrouper("seq", [2, 5]))
+        assert len(dc.data_groups) == 3
+        out = dc.apply(module)["pooled"]
+        out.regroup(UniGrouper())  # one group in item order
+        out.data_groups[0].value.square().sum().backward()
+        reference_tools.assert_matches(stats, reference)
 
 
 class Checkpointed(nn.Module):
