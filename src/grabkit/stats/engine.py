@@ -56,18 +56,19 @@ class _WeakHook:
     never keep an engine alive, and once it is collected they do nothing until its finalizer
     removes them."""
 
-    __slots__ = ("_args", "_engine", "_method")
+    __slots__ = ("_args", "_engine", "_function", "_method")
 
     def __init__(
         self, engine: Callable[[], PerSampleStats | None], method: str, *args: Any
     ) -> None:
         self._engine, self._method, self._args = engine, method, args
+        self._function = getattr(PerSampleStats, method)  # unbound: no bound method per call
 
     def __call__(self, *hook_args: Any) -> Any:
         engine = self._engine()
         if engine is None:
             return None
-        return getattr(engine, self._method)(*self._args, *hook_args)
+        return self._function(engine, *self._args, *hook_args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
         """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model

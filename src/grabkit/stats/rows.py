@@ -51,7 +51,15 @@ __all__ = [
 # row chunks of the (N_u, N_v) blocks an embedding cross product builds stay below this many entries
 _CROSS_CHUNK_ENTRIES = 1 << 24
 
-_active = threading.local()  # .runs: the grouped runs under way in this thread, innermost last
+
+class _ThreadRuns(threading.local):
+    """The grouped runs under way in this thread, innermost last."""
+
+    def __init__(self) -> None:
+        self.runs: list[GroupedRun] = []
+
+
+_active = _ThreadRuns()
 
 UNANNOUNCED_GROUPS_HELP = (
     "If the model was run group by group (a padded batch split by length), call it through "
@@ -101,23 +109,16 @@ class GroupedRun:
 def grouped_run(size: int) -> Iterator[GroupedRun]:
     """Announce a grouped batch of ``size`` items to every ``PerSampleStats`` whose model is
     called inside (in this thread); announce each group with ``run.group(items, rows)``."""
-    runs = _runs()
     run = GroupedRun(size)
-    runs.append(run)
+    _active.runs.append(run)
     try:
         yield run
     finally:
-        runs.remove(run)
-
-
-def _runs() -> list[GroupedRun]:
-    if not hasattr(_active, "runs"):
-        _active.runs = []
-    return _active.runs
+        _active.runs.remove(run)
 
 
 def _active_group() -> tuple[GroupedRun, GroupRows] | None:
-    runs = _runs()
+    runs = _active.runs
     if not runs or runs[-1].current is None:
         return None
     return runs[-1], runs[-1].current
