@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 
 import pytest
 import torch
@@ -64,12 +65,14 @@ def test_a_live_object_still_blocks_a_second_attach():
     PerSampleStats(model).close()
 
 
-def test_a_deep_copy_of_a_measured_model_is_not_measured():
+def test_a_copy_of_a_measured_model_is_not_measured():
     model, x = model_and_batch()
     with PerSampleStats(model) as stats:
         model(x[:3]).sum().backward()
         norms = stats.norms_squared().clone()
         twin = copy.deepcopy(model)  # an EMA or teacher copy
+        pickled = pickle.loads(pickle.dumps(model))  # torch.save(model), a worker's copy
         twin(x).sum().backward()
         assert twin[0].weight.grad is not None
+        pickled(x).sum().backward()
         torch.testing.assert_close(stats.norms_squared(), norms)  # still the model's 3 examples

@@ -75,6 +75,10 @@ class _WeakHook:
         measured: its copies of the hooks do nothing."""
         return _WeakHook(_no_engine, self._method)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with the model (``torch.save(model)``): unpickled, it does nothing."""
+        return (_WeakHook, (_no_engine, self._method))
+
 
 def _no_engine() -> None:
     """The engine of a copied hook: none."""
