@@ -22,7 +22,6 @@ statistics (``grabkit.order`` does, to balance every micro-batch of an accumulat
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -397,7 +396,7 @@ class PerSampleStats:
         return layers
 
     def _attach(self, model: nn.Module) -> None:
-        me = weakref.ref(self)
+        me = self._me = weakref.ref(self)  # what the hooks and the registry hold
         hook = _WeakHook(me, "_on_model_input")
         self._handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         for layer in self._layers:
@@ -507,7 +506,7 @@ class PerSampleStats:
         call = _Call(layer.rule.capture(module, layer_input), group=group)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
-        hooked.register_hook(functools.partial(self._on_output_grad, call))
+        hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
         return replaced if expanded is None else expanded
 
     def _record_multiple_outputs(
@@ -534,7 +533,7 @@ class PerSampleStats:
         call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
         layer.calls.append(call)
         for slot, t in hooked:
-            t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
+            t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
 
     def _layer_input(
         self,
