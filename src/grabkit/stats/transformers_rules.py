@@ -65,7 +65,17 @@ class LlamaRMSNormRule(_LastDimNormRule):
 
 
 class GemmaRMSNormRule(_LastDimNormRule):
-    """``(xhat * (1 + weight)).to(input dtype)``, xhat in float32 (``eps``)."""
+    """``(xhat * (1 + weight)).to(input dtype)``, xhat in float32 (``eps``).
+
+    The layer forms its weight's gradient in float32 whatever the parameters' dtype: the input
+    is kept in float32 where the parameters are wider (float64), so that the precision the
+    statistics were rounded to is read from the call.
+    """
+
+    def capture(self, module: nn.Module, layer_input: torch.Tensor) -> torch.Tensor:
+        if module.weight.dtype == torch.float64:
+            return layer_input.float()
+        return layer_input
 
     def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x32 = captured.float()
