@@ -62,6 +62,11 @@ class Backwards:
     ) -> list[tuple[frozenset[str], torch.Tensor | list]]:
         """A call's output gradients from the tasks that accumulated into the layer's parameters
         (``params``: local name -> full name), summed per set of such local names."""
+        if len(grads) == 1:  # the usual step: one backward, into every parameter
+            task, grad = next(iter(grads.items()))
+            names = self.accumulated.get(task)
+            if names is not None and all(full in names for full in params.values()):
+                return [(frozenset(params), grad)]
         groups: dict[frozenset[str], torch.Tensor | list] = {}
         for task, grad in grads.items():
             names = self.accumulated.get(task)

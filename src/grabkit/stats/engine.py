@@ -918,14 +918,23 @@ class PerSampleStats:
                 groups[groups.index((wanted, grad))] = (wanted, grad - scaled)
         return groups
 
-    def _batch_size(self) -> int:
-        sizes: dict[str, list[int]] = {}
+    def _kept_calls(self) -> list[tuple[_TrackedLayer, _Call, list[tuple[frozenset[str], Any]]]]:
+        """(layer, call, its kept gradients) of every call that has some, once per read."""
+        kept = []
         for layer in self._all_layers():
             for call in layer.calls:
-                for _, grad in self._kept_grads(layer, call):
-                    size = call.batch_size
-                    size = grad.shape[0] if size is None else size
-                    sizes.setdefault(layer.name, []).append(size)
+                groups = self._kept_grads(layer, call)
+                if groups:
+                    kept.append((layer, call, groups))
+        return kept
+
+    def _batch_size(self, kept: list) -> int:
+        sizes: dict[str, list[int]] = {}
+        for layer, call, groups in kept:
+            for _, grad in groups:
+                size = call.batch_size
+                size = grad.shape[0] if size is None else size
+                sizes.setdefault(layer.name, []).append(size)
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
@@ -966,14 +975,10 @@ class PerSampleStats:
                 f"(grabkit.stats.register_rule), or freeze the parameter."
             )
 
-    def _check_gradients_came_through_layers(self) -> None:
+    def _check_gradients_came_through_layers(self, kept: list) -> None:
+        reached = {name for layer, _, _ in kept for name in layer.params.values()}
         for layer in self._layers:
-            if any(self._kept_grads(layer, call) for call in layer.calls):
-                continue
-            if any(
-                any(full in f.params.values() and f.calls for f in self._functional.values())
-                for full in layer.params.values()
-            ):
+            if any(name in reached for name in layer.params.values()):
                 continue
             for name in layer.params.values():
                 if name in self._param_grads:
@@ -994,15 +999,15 @@ class PerSampleStats:
         With ``check_identity`` they are verified against the delivered gradients first.
         """
         self._check_step_is_defined()
-        self._check_gradients_came_through_layers()
-        batch_size = self._batch_size()
+        kept = self._kept_calls()
+        self._check_gradients_came_through_layers(kept)
+        batch_size = self._batch_size(kept)
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
         low: dict[str, float] = {}
-        for layer in self._all_layers():
-            for call in layer.calls:
-                for wanted, grad in self._kept_grads(layer, call):
-                    self._add_factors(factors, low, layer, call, wanted, grad)
+        for layer, call, groups in kept:
+            for wanted, grad in groups:
+                self._add_factors(factors, low, layer, call, wanted, grad)
         if self._identity is not None:
             self._identity.verify(factors, low, self._batch_term_gradient_sides())
         return factors, batch_size, scale

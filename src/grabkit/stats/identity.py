@@ -66,6 +66,7 @@ a loss that couples the examples (a batch-level statistic inside the loss), for 
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Callable, Mapping
@@ -88,6 +89,8 @@ FULL_SUPPORT_ENTRIES = 1 << 15
 
 #: the tail constant of the tolerance (see the module docstring)
 LAMBDA = 6.0
+
+_PROBE_DTYPES = (torch.float32, torch.float64)
 
 _CAUSES = (
     "Likely causes and fixes:\n"
@@ -112,6 +115,7 @@ class IdentityCheckError(RuntimeError):
     """The per-example gradients do not add up to the gradient autograd delivered."""
 
 
+@functools.cache
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = 2^-(mantissa bits + 1) of a floating dtype (float32: 2^-24); 0 for other dtypes."""
     if not dtype.is_floating_point:
@@ -242,10 +246,10 @@ class IdentityCheck:
 
     def gradient_side(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         probe = self.probes[name]
-        dtype = torch.promote_types(grad.dtype, torch.float32)
-        a, b = probe.vectors(grad.device, dtype)
-        g = grad.detach()
-        g = g if g.dtype == dtype else g.to(dtype)
+        g = grad.detach() if grad.requires_grad else grad  # (create_graph: no graph for this)
+        if g.dtype not in _PROBE_DTYPES:
+            g = g.float()  # low-precision gradients are probed in float32
+        a, b = probe.vectors(g.device, g.dtype)
         if not probe.matrix:
             return torch.dot(a, g.reshape(-1))
         g = g.reshape(probe.rows, probe.cols)
