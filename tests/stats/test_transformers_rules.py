@@ -130,12 +130,10 @@ def test_tiny_models_match_per_example_autograd(name, reference_tools):
                 module.weight.normal_()
     if name == "t5":
         # Frozen, as not this test's subject: T5's relative position bias, an Embedding looked up
-        # with (T, S) buckets shared by the batch whose output T5 permutes as 3-D, and the word
-        # embedding, whose weight its never-called ``shared`` module holds too (tied).
+        # with (T, S) buckets shared by the batch, whose output T5 permutes as 3-D.
         for module in model.modules():
             if type(module).__name__ == "T5Attention" and module.has_relative_attention_bias:
                 module.relative_attention_bias.weight.requires_grad_(False)
-        model.shared.weight.requires_grad_(False)
     loss_of = t5_losses if name == "t5" else causal_lm_losses
     idx = torch.randint(1, VOCAB, (3, 5))
     reference = reference_rows(model, loss_of, idx)
