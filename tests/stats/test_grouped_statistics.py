@@ -130,8 +130,16 @@ def grouped_backward(entry: str, model: nn.Module, kind: str, tokens, targets) -
     item_loss(kind, out, targets).mean().backward()
 
 
-@pytest.mark.parametrize("kind", ["masked_max", "tied_recurrent"])
-@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def _tiering(entry: str, kind: str) -> object:
+    """The recurrent model's other entry points in the slow tier (each costs seconds)."""
+    slow = kind == "tied_recurrent" and entry not in ("run", "backward_by_group")
+    return pytest.param(entry, kind, marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize(
+    ("entry", "kind"),
+    [_tiering(e, k) for e in ENTRY_POINTS for k in ("masked_max", "tied_recurrent")],
+)
 def test_grouped_statistics_equal_per_item_autograd(entry, kind, reference_tools):
     model = make(kind)
     tokens, targets = items(LENGTHS, kind)
