@@ -154,6 +154,9 @@ class _SnapshotAsIs(GraBCallback):
     def state_dict(self):
         return {"sampler": self.sampler.state_dict()}
 
+    def _load(self, state_dict):
+        self.sampler.load_state_dict(state_dict["sampler"])
+
 
 @pytest.mark.parametrize(("callback", "exact"), [(GraBCallback, True), (_SnapshotAsIs, False)])
 def test_worker_prefetch_needs_the_handed_back_snapshot(tmp_path, callback, exact):

@@ -21,6 +21,24 @@ def tiny_bert() -> BertForSequenceClassification:
     return BertForSequenceClassification(config)
 
 
+def tiny_gpt2(n_positions: int = 8):
+    """A causal LM whose loss is the window's token sum over ``num_items_in_batch``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=40, n_positions=n_positions, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def lm_dataset(length: int = 8) -> list[dict[str, torch.Tensor]]:
+    """N rows of ``length`` tokens, labels = inputs (the model shifts them)."""
+    ids = torch.randint(0, 40, (N, length), generator=torch.Generator().manual_seed(2))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
 def dataset() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 40, (N, T), generator=g)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import rewound_state
+from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.order import GraBBatchSampler, GraBSampler
 
 __all__ = ["SamplerCheckpoint", "adaptive_step"]
@@ -99,7 +99,9 @@ class SamplerCheckpoint:
         self.sampler = sampler
 
     def state_dict(self) -> dict[str, Any]:
-        return rewound_state(self.sampler.state_dict())
+        return rewound_state(self.sampler.state_dict(), self.sampler.num_samples)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+        sampler = self.sampler
+        state = rewound_state(state, sampler.num_samples)  # "ended" at an epoch's end
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))

@@ -48,7 +48,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import replay_state
+from grabkit.integrations.resume import adopt_rank, replay_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBSampler
@@ -213,7 +213,9 @@ class GrabkitTrainer(Trainer):
                     "order cannot be restored."
                 )
             state = torch.load(path, weights_only=True)
-            self.grab_sampler.load_state_dict(replay_state(state, len(self.grab_sampler)))
+            sampler = self.grab_sampler
+            state = replay_state(state, sampler.num_samples)  # "ended" at an epoch's end
+            sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
             self._resume_folder = None
         return self.grab_sampler
 

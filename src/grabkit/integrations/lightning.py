@@ -34,7 +34,7 @@ from lightning.pytorch import Callback
 from torch.utils.data import DistributedSampler
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import rewound_state
+from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBBatchSampler, GraBSampler
@@ -153,9 +153,10 @@ class GraBCallback(Callback):
     from it (Lightning's ``DistributedSamplerWrapper`` included).
 
     Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
-    stepped), at an optimizer step; a state saved after an epoch's last step resumes with the
-    next epoch, as Lightning does (a ``DataLoader(drop_last=True)`` whose last batch is partial
-    is not covered: its resume would draw the dropped rest). Lightning writes the callback state
+    stepped), at an optimizer step; a state saved after an epoch's last step is marked as ended
+    and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``; a
+    ``DataLoader(drop_last=True)`` whose last batch is partial is not covered: its resume would
+    draw the dropped rest). Lightning writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
     local examples, and the sketches are gathered, so the ordering state, order and position
@@ -207,7 +208,7 @@ class GraBCallback(Callback):
         if self.sampler is None:
             return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
-        return {"sampler": rewound_state(self.sampler.state_dict())}
+        return {"sampler": rewound_state(self.sampler.state_dict(), self.sampler.num_samples)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -217,15 +218,9 @@ class GraBCallback(Callback):
             self._load(state_dict)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict["sampler"])
-        config = state.get("config")
-        if isinstance(config, Mapping) and config.get("num_replicas") == self.sampler.num_replicas:
-            state["config"] = {**config, "rank": self.sampler.rank}  # rank 0's is every rank's
-        self.sampler.load_state_dict(state)
-        if int(state["live"]["stepped"]) >= self.sampler.num_samples:
-            # saved after the epoch's last step: Lightning resumes with the next epoch and draws
-            # from the loader once, so pass the (empty) rest of this one now
-            iter(self.sampler)
+        sampler = self.sampler
+        state = rewound_state(state_dict["sampler"], sampler.num_samples)  # "ended" at epoch end
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
         self._pending = None
 
 

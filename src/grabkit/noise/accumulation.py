@@ -159,6 +159,14 @@ class AccumulationNoiseScale:
         self.estimator.observe_microbatches(squares[:-1] / share[:, None] ** 2, counts)
         return self.estimator.observe_step(squares[-1])
 
+    def discard_step(self) -> None:
+        """Close the step without measuring it (where ``end_step`` would go): the averages stay
+        as they are. For a step whose microbatches are not weighted as ``end_microbatch``'s
+        counts say (e.g. equal shares 1 / K of microbatches of different sizes)."""
+        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
+        self._written, self._repeated = [False] * len(self._params), False
+        self._squares.zero_()
+
     @property
     def estimate(self) -> NoiseScaleResult | None:
         return self.estimator.estimate

@@ -407,7 +407,9 @@ class GraBSampler(Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
-        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
+        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
+        the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
+        last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
@@ -424,7 +426,7 @@ class GraBSampler(Sampler[int]):
         self._started = bool(state["started"]) or self._stepped > 0
         self._history = [torch.as_tensor(o) for o in live["orders_history"]]
         self.orders_history = [o.tolist() for o in self._history]
-        self._resume = self._started
+        self._resume = self._started and not state.get("ended", False)
         if self.source is not None:
             self.source.clear()
         self._token += 1
