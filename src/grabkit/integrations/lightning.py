@@ -26,20 +26,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from torch import nn
 from torch.utils.data import DistributedSampler
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
+from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
+from grabkit.integrations.grouped_forward import GroupedForward
 from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBBatchSampler, GraBSampler
 
-__all__ = ["AdaptiveAccumulationCallback", "GraBCallback", "NoiseScaleCallback", "batch_count"]
+__all__ = [
+    "AdaptiveAccumulationCallback",
+    "ExampleGradientNormsCallback",
+    "GraBCallback",
+    "GroupingCallback",
+    "NoiseScaleCallback",
+    "batch_count",
+]
 
 
 def batch_count(batch: Any) -> float:
@@ -345,3 +355,115 @@ class NoiseScaleCallback(Callback):
                 self._pending_state = state_dict["estimator"]
             else:
                 self.estimator.load_state_dict(state_dict["estimator"])
+
+
+def _transformers_models(pl_module: nn.Module) -> list[nn.Module]:
+    """The outermost transformers models (modules with a ``base_model``) inside ``pl_module``."""
+    found: list[nn.Module] = []
+    for module in pl_module.modules():
+        inside = any(module is m or any(module is d for d in m.modules()) for m in found)
+        if not inside and isinstance(getattr(module, "base_model", None), nn.Module):
+            found.append(module)
+    return found
+
+
+class GroupingCallback(Callback):
+    """Run the transformers models of the LightningModule by length groups while fitting.
+
+    Each right-padded batch runs through the model's body one length group at a time, each group
+    padded only to its own longest row, with the padded run's outputs at real positions (hence its
+    loss and gradients, up to float rounding): ``grabkit.integrations.grouped_forward``. The
+    batches, the loader and the ``training_step`` stay as they are.
+
+    Args:
+        model: the transformers model to group; None: every outermost module of the
+            LightningModule that has a ``base_model`` (a transformers ``PreTrainedModel``).
+        **planning: ``grabkit.group.plan_groups`` keywords.
+
+    Not with ``GraBCallback`` or ``ExampleGradientNormsCallback`` on the same model: their hook
+    statistics read one call of each layer per backward.
+    """
+
+    def __init__(self, model: nn.Module | None = None, **planning: Any) -> None:
+        self.model, self.planning = model, planning
+        self.grouped: list[GroupedForward] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        readers = (GraBCallback, ExampleGradientNormsCallback)
+        hooked = [c for c in trainer.callbacks if isinstance(c, readers)]
+        if hooked:
+            raise NotImplementedError(
+                f"GroupingCallback calls the model once per length group, and "
+                f"{type(hooked[0]).__name__} reads per-example statistics from one call of each "
+                "layer per backward; use one of them."
+            )
+        models = [self.model] if self.model is not None else _transformers_models(pl_module)
+        if not models:
+            raise ValueError(
+                "GroupingCallback found no transformers model (a module with base_model) in the "
+                "LightningModule; pass it: GroupingCallback(model=self.net)."
+            )
+        self.grouped = [GroupedForward(m, **self.planning) for m in models]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for grouped in self.grouped:
+            grouped.attach()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        for grouped in self.grouped:
+            grouped.detach()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.on_fit_end(trainer, pl_module)
+
+
+class ExampleGradientNormsCallback(Callback):
+    """Log quantiles (and a histogram) of the per-example gradient norms |g_i| of every step.
+
+    At each optimizer step, the norms of the step's examples (every microbatch's backward) are
+    logged with ``pl_module.log_dict`` as ``grad_norm_per_example/{min,q10,median,q90,max,mean,
+    count}`` and, when the logger's experiment has ``add_histogram`` (TensorBoard), as a
+    histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss term as
+    backpropagated (``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
+    statistics on the model are shared (one set of hooks).
+
+    Args:
+        module: the network to measure (default: the LightningModule).
+        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        quantiles: Sequence[float] = DEFAULT_QUANTILES,
+        loss_reduction: str = "mean",
+    ) -> None:
+        self.module, self.loss_reduction = module, loss_reduction
+        self.quantiles = ExampleGradientNorms.check_quantiles(quantiles)
+        self.norms: ExampleGradientNorms | None = None
+        self.last: dict[str, float] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        stats = None
+        for callback in trainer.callbacks:
+            sampler = getattr(callback, "sampler", None)
+            if isinstance(callback, GraBCallback) and sampler is not None:
+                stats = getattr(sampler.stats, "engine", sampler.stats)
+        module = self.module if self.module is not None else pl_module
+        self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norms = self.norms.take()
+        self.last = self.norms.summarize(norms)
+        if self.last:
+            pl_module.log_dict(self.last)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if norms.numel() and hasattr(experiment, "add_histogram"):
+            experiment.add_histogram("grad_norm_per_example", norms, trainer.global_step)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.norms is not None:
+            self.norms.close()
+            self.norms = None

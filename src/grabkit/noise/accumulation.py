@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from grabkit.integrations.wiring import check_wiring
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
@@ -135,6 +136,9 @@ class AccumulationNoiseScale:
         clips ``.grad`` (``grad_scaler.unscale_``, ``clip_grad_norm_``): it reads the accumulated
         ``.grad``. Returns None until a step with at least two microbatches was seen.
         """
+        if not getattr(self, "_wiring_checked", False):  # a framework that clipped already
+            self._wiring_checked = True
+            check_wiring(self, "noise")
         if any(self._written):
             raise RuntimeError(
                 "a backward pass ran after the last end_microbatch(); call "

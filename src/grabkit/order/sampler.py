@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from grabkit.integrations.wiring import check_sampler_iteration
 from grabkit.order import distributed as collective
 from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.configure import (
@@ -266,6 +267,7 @@ class GraBSampler(Sampler[int]):
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        check_sampler_iteration(self)  # a framework re-splitting or running it unintegrated
         if not self._agreed and collective.process_group_matches(self.num_replicas):
             collective.check_agreement({**self._config, "rank": None}, self.num_replicas)
             self._agreed = True
