@@ -6,11 +6,14 @@ norm of each example's gradient, after every ``loss.backward()`` from the hook s
 next log, and :meth:`ExampleGradientNorms.summary` reduces them to a few numbers (quantiles, mean,
 count) that any logger takes. The Hugging Face and Lightning callbacks log that summary.
 
-What a norm is: the gradient of example i's own loss term as backpropagated, so any factor the
-framework puts on the loss (Trainer's division by the accumulation steps or by the window's
-label tokens) scales every norm of that backward alike; with ``loss_reduction="mean"`` (the
-loss is a mean over the microbatch) the microbatch's mean is undone, so |g_i| does not shrink
-with the microbatch size. On a model that already carries a ``PerSampleStats`` (a hook-mode
+What a norm is: the gradient of example i's own term of the loss as backpropagated, times
+``scale``; with ``loss_reduction="mean"`` (the loss is a mean over the microbatch) the
+microbatch's mean is undone, so |g_i| does not shrink with the microbatch size. Lightning divides
+every loss by ``accumulate_grad_batches`` and its callback undoes that (``scale``): a norm is the
+gradient of the example's own loss. transformers' Trainer divides by the accumulation steps, or
+by the window's label tokens when the model takes ``num_items_in_batch`` (whether a model honours
+it is not visible from outside): its callback logs the norms as backpropagated, every norm of a
+run scaled alike. On a model that already carries a ``PerSampleStats`` (a hook-mode
 ``GraBSampler``'s), pass that one as ``stats``: one set of hooks serves both.
 """
 
@@ -61,6 +64,7 @@ class ExampleGradientNorms:
             )
         self._owns = stats is None
         self.stats = stats if stats is not None else PerSampleStats(model, loss_reduction)
+        self.scale = 1.0  # undoes a framework's factor on every loss (Lightning's 1 / accumulation)
         self._kept: list[torch.Tensor] = []
         self._taken: Any = lambda: None  # the statistics object last read, weakly
         self.stats.step_listeners.append(self.capture)
@@ -84,7 +88,8 @@ class ExampleGradientNorms:
         if current is self._taken():
             return
         self._taken = weakref.ref(current)
-        self._kept.append(self.stats.norms_squared().detach().clamp(min=0).sqrt().cpu())
+        norms = self.stats.norms_squared().detach().clamp(min=0).sqrt().cpu()
+        self._kept.append(norms * self.scale)
 
     def take(self) -> torch.Tensor:
         """The (m,) norms kept since the last ``take()``, in backward order; forgets them."""

@@ -140,9 +140,10 @@ class _FlushLastWindow(TrainerCallback):
 class ExampleGradientNormsCallback(TrainerCallback):
     """Log quantiles of the per-example gradient norms |g_i| of the steps since the last log.
 
-    Logged as ``grad_norm_per_example/{min,q10,median,q90,max,mean,count}`` (see
-    ``grabkit.integrations.example_norms`` for what a norm is). ``norms.take()`` on
-    ``callback.norms`` gives the raw values instead. With a ``GrabkitTrainer`` every reporter
+    Logged as ``grad_norm_per_example/{min,q10,median,q90,max,mean,count}``: the norms of the
+    examples' gradients as Trainer backpropagates them (its division by the accumulation steps or
+    by the window's label tokens included; ``grabkit.integrations.example_norms``);
+    ``callback.norms.take()`` gives the raw values instead. With a ``GrabkitTrainer`` every reporter
     receives them; with a plain ``Trainer`` they reach ``state.log_history`` and the callbacks
     after this one (Trainer runs its reporters first). Under several processes each rank measures
     its own examples and rank 0's are reported. A GraB sampler's statistics on the model are

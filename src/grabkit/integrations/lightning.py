@@ -425,8 +425,9 @@ class ExampleGradientNormsCallback(Callback):
     At each optimizer step, the norms of the step's examples (every microbatch's backward) are
     logged with ``pl_module.log_dict`` as ``grad_norm_per_example/{min,q10,median,q90,max,mean,
     count}`` and, when the logger's experiment has ``add_histogram`` (TensorBoard), as a
-    histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss term as
-    backpropagated (``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
+    histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss
+    (Lightning's division by ``accumulate_grad_batches`` undone; see
+    ``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
     statistics on the model are shared (one set of hooks).
 
     Args:
@@ -453,6 +454,7 @@ class ExampleGradientNormsCallback(Callback):
                 stats = getattr(sampler.stats, "engine", sampler.stats)
         module = self.module if self.module is not None else pl_module
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
+        self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         norms = self.norms.take()
