@@ -4,7 +4,8 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
 
     sampler = GraBSampler(dataset, model=model)
     loader = DataLoader(dataset, sampler=sampler, batch_size=16)
-    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)  # one process
+    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+    loader = shard_by_sampler(loader)  # several processes: keep the sampler's split
     accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
     for batch in loader:
         accelerator.backward(loss_fn(model, batch))
@@ -21,7 +22,15 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
   ``load_state`` the next ``iter(loader)`` yields exactly the untrained rest of the epoch. Do
-  not also ``skip_first_batches``.
+  not also ``skip_first_batches``. A state saved at an epoch's last step resumes with the next
+  epoch: accelerate's recipe (``load_state``, then the epoch loop from the saved epoch + 1, i.e.
+  ``step // len(loader)``) works unchanged. Under several processes rank 0's state is saved and
+  every rank loads it as its own.
+* :func:`shard_by_sampler`: several processes. Build the ``GraBSampler`` after ``Accelerator()``
+  with ``statistics="sketch"`` (it splits every epoch across the ranks, and its steps gather the
+  ranks' sketches) and call ``shard_by_sampler`` on the prepared loader, so that accelerate's
+  ``BatchSamplerShard`` does not split the batches again; a GraB loader re-split by accelerate is
+  refused at its first batch.
 
 Nothing here imports accelerate; it works with any object that has ``.optimizer`` and
 ``.scaler`` the way ``AcceleratedOptimizer`` has them.

@@ -345,6 +345,14 @@ class GrabkitTrainer(Trainer):
             if self.noise_scale is not None and os.path.isfile(noise_path):
                 self.noise_scale.load_state_dict(torch.load(noise_path, weights_only=True))
         if self.grouping_options is not None:
+            if any(
+                isinstance(c, ExampleGradientNormsCallback) for c in self.callback_handler.callbacks
+            ):
+                raise NotImplementedError(
+                    "GrabkitTrainer: grouping= calls the model once per length group, and "
+                    "ExampleGradientNormsCallback reads per-example statistics from one call of "
+                    "each layer per backward; use one of them."
+                )
             self.grouped_forward = GroupedForward(self.model, **self.grouping_options).attach()
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)

@@ -17,11 +17,16 @@
 * ``AdaptiveAccumulationCallback``: for a LightningModule whose ``configure_optimizers`` returns
   an ``AdaptiveAccumulationWrapper`` (a GQC wrapper). It passes each batch's ``count`` to the
   wrapper, moves ``gradient_clip_val`` from Lightning (which would clip every microbatch) to the
-  wrapper (which clips the averaged gradient), and lets step-interval LR schedulers advance only
-  on real updates. Keep ``accumulate_grad_batches=1``: the wrapper decides the window.
+  wrapper (which clips the averaged gradient), lets step-interval LR schedulers advance only
+  on real updates, and applies the window still open at train end. Keep
+  ``accumulate_grad_batches=1``: the wrapper decides the window.
 * ``NoiseScaleCallback``: ``AccumulationNoiseScale`` with Lightning's ``accumulate_grad_batches``
   windows, closed in ``on_before_optimizer_step`` (before Lightning clips) and logged with
   ``pl_module.log`` as ``noise_scale/*``. One process only (raises under DDP).
+* ``GroupingCallback``: the transformers models of the LightningModule run each right-padded
+  batch by length groups (``GroupedForward``), with the padded run's loss and gradients.
+* ``ExampleGradientNormsCallback``: quantiles (and a TensorBoard histogram) of the per-example
+  gradient norms of every optimizer step.
 """
 
 from __future__ import annotations
@@ -254,6 +259,11 @@ def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> Non
 class AdaptiveAccumulationCallback(Callback):
     """Wire an ``AdaptiveAccumulationWrapper`` optimizer into Lightning's automatic optimization.
 
+    Each batch's ``count`` reaches the wrapper, Lightning's clipping moves to the wrapper,
+    step-interval LR schedulers advance on real updates only (``RealUpdateSchedule``: warm-up and
+    decay are counted in updates), and the window still open when training ends is applied
+    (``flush``).
+
     Args:
         count_fn: batch -> its weight (examples, or tokens); default :func:`batch_count`.
     """
@@ -288,6 +298,9 @@ class AdaptiveAccumulationCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("grabkit/optimizer_updates", float(self.wrapper.num_steps))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.wrapper.flush()  # the window still open when training ends: applied, not dropped
 
 
 class NoiseScaleCallback(Callback):
