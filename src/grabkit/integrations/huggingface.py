@@ -147,7 +147,7 @@ class ExampleGradientNormsCallback(TrainerCallback):
     receives them; with a plain ``Trainer`` they reach ``state.log_history`` and the callbacks
     after this one (Trainer runs its reporters first). Under several processes each rank measures
     its own examples and rank 0's are reported. A GraB sampler's statistics on the model are
-    shared (one set of hooks).
+    shared (one set of hooks; a sketching sampler's give estimated norms).
 
     Args:
         quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
@@ -163,7 +163,7 @@ class ExampleGradientNormsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if self.norms is None:
             sampler = grab_sampler_of(train_dataloader)
-            stats = None if sampler is None else getattr(sampler.stats, "engine", sampler.stats)
+            stats = None if sampler is None else sampler.stats
             self.norms = ExampleGradientNorms(model, stats, self.loss_reduction, self.quantiles)
 
     def summary(self) -> dict[str, float]:

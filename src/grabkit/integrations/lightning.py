@@ -441,7 +441,8 @@ class ExampleGradientNormsCallback(Callback):
     histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss
     (Lightning's division by ``accumulate_grad_batches`` undone; see
     ``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
-    statistics on the model are shared (one set of hooks).
+    statistics on the model are shared (one set of hooks; a sketching sampler's give estimated
+    norms).
 
     Args:
         module: the network to measure (default: the LightningModule).
@@ -464,7 +465,7 @@ class ExampleGradientNormsCallback(Callback):
         for callback in trainer.callbacks:
             sampler = getattr(callback, "sampler", None)
             if isinstance(callback, GraBCallback) and sampler is not None:
-                stats = getattr(sampler.stats, "engine", sampler.stats)
+                stats = sampler.stats
         module = self.module if self.module is not None else pl_module
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
         self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
