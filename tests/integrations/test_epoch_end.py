@@ -85,7 +85,7 @@ def accelerate_run(root, *, stop_after=None, resume=None, epochs=3):
 
 @pytest.mark.usefixtures("fresh_accelerator_state")
 def test_accelerate_resume_recipe_at_an_epoch_end(tmp_path):
-    """6 batches an epoch: step 6 is epoch 0's last (mid-epoch: tests/.../test_accelerate.py)."""
+    """6 batches an epoch: step 6 is epoch 0's last (mid-epoch: test_accelerate.py)."""
     stop = N // B
     full_model, full_sampler, _ = accelerate_run(tmp_path, stop_after=stop)
     model, sampler, trained = accelerate_run(tmp_path, resume=stop)
