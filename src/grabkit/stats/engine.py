@@ -69,6 +69,9 @@ __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
+# parameter dtype -> unit roundoff of the arithmetic its statistics use (at least float32's)
+_OWN_ROUNDOFF: dict[torch.dtype, float] = {}
+
 # module -> a weak reference to the PerSampleStats whose hooks are on it (one engine per module
 # at a time); weak, as the hooks' own references are, so that an engine dropped without close()
 # is collected and its finalizer removes the hooks
@@ -1146,10 +1149,20 @@ class PerSampleStats:
     def _low_precision(self, call: _Call, grad: Any) -> float:
         """The unit roundoff of a precision below the parameters' that the call's operands were
         rounded to (bf16 / fp16 under autocast), or 0."""
-        found: set[torch.dtype] = set()
-        _dtypes(call.captured, found)
-        _dtypes(grad, found)
-        own = unit_roundoff(torch.promote_types(self.dtype, torch.float32))
+        captured = call.captured
+        if type(captured) is torch.Tensor and type(grad) is torch.Tensor:
+            if captured.dtype is self.dtype and grad.dtype is self.dtype:
+                return 0.0  # the usual case: nothing rounded below the parameters' precision
+            found = {captured.dtype, grad.dtype}
+        else:
+            found = set()
+            _dtypes(captured, found)
+            _dtypes(grad, found)
+        own = _OWN_ROUNDOFF.get(self.dtype)
+        if own is None:
+            own = _OWN_ROUNDOFF[self.dtype] = unit_roundoff(
+                torch.promote_types(self.dtype, torch.float32)
+            )
         coarsest = max((unit_roundoff(d) for d in found), default=0.0)
         return coarsest if coarsest > own else 0.0
 

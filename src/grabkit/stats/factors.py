@@ -209,6 +209,8 @@ class OuterProductFactor:
         output_grads: torch.Tensor,
         param_shape: torch.Size,
         strategy: str = "auto",
+        *,
+        flat: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if strategy not in _STRATEGIES:
             raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
@@ -220,6 +222,10 @@ class OuterProductFactor:
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
         self._output_gram: torch.Tensor | None = None
+        # (N, p) and (N, q) views, kept once made (``flat``: the caller's own 2-D tensors)
+        self._flat_views = None
+        if flat is not None and flat[0].dtype == dtype and flat[1].dtype == dtype:
+            self._flat_views = flat
 
     # -- helpers ---------------------------------------------------------------------------------
     def _use_ghost(self, pairs: int) -> bool:
@@ -256,10 +262,12 @@ class OuterProductFactor:
         Plain matrix products on these run as single GEMMs, without the batched-matmul
         dispatch the grouped (G, N, f) layout needs.
         """
-        return (
-            self.inputs.reshape(-1, self.in_features),
-            self.output_grads.reshape(-1, self.out_features),
-        )
+        if self._flat_views is None:
+            self._flat_views = (
+                self.inputs.reshape(-1, self.in_features),
+                self.output_grads.reshape(-1, self.out_features),
+            )
+        return self._flat_views
 
     def _per_example(self, per_row: torch.Tensor) -> torch.Tensor:
         """(B T, k) values per (example, position) -> (B, k) sums over the positions."""

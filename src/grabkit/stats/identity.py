@@ -70,7 +70,8 @@ import functools
 import math
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -124,71 +125,104 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-@dataclass
-class _Probe:
-    """One parameter's probe: rows x cols view, a (rows,), b (cols,), and this step's block."""
+class _Vector:
+    """A probe vector (float64, on the CPU) and its copies on the devices and dtypes it met."""
 
-    rows: int
-    cols: int
-    block: int  # columns probed per step (cols when the support is full)
-    a: torch.Tensor  # float64, on the CPU
-    b: torch.Tensor
-    a_norm: float
-    b_square_prefix: list[float]  # prefix sums of b^2, for the norm of any block
-    start: int = 0
-    moved_a: dict[tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
-    moved_b: dict[tuple[torch.device, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    __slots__ = ("cpu", "moved", "norm")
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.cpu = values
+        self.norm = float(values.norm())
+        self.moved: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def like(self, t: torch.Tensor) -> torch.Tensor:
+        """The vector on ``t``'s device in ``t``'s dtype (moved once)."""
+        key = (t.get_device(), t.dtype)
+        moved = self.moved.get(key)
+        if moved is None:
+            moved = self.moved[key] = self.cpu.to(t.device, t.dtype)
+        return moved
+
+
+class _Probe:
+    """One parameter's probe: its rows x cols view, row vector a, column vector b (a single 1
+    for a vector parameter) and, when the support is restricted, this step's block of columns.
+
+    Entries are independent and uniform in [-1, 1]. A vector parameter whose length is the rows
+    of a matrix parameter of the same layer shares that parameter's ``row`` (a Linear's bias and
+    weight): the product of the output gradients with a then serves both.
+    """
+
+    __slots__ = ("_columns", "block", "col", "cols", "constants", "row", "rows", "start")
+
+    def __init__(self, shape: torch.Size, gen: torch.Generator, row: _Vector | None) -> None:
+        numel = shape.numel()
+        self.rows = int(shape[0]) if len(shape) >= 2 else numel
+        self.cols = numel // self.rows if len(shape) >= 2 and self.rows else 1
+        full = self.rows * self.cols <= FULL_SUPPORT_ENTRIES
+        self.block = self.cols if full else max(1, FULL_SUPPORT_ENTRIES // self.rows)
+        self.start = 0
+        self._columns: tuple[tuple, torch.Tensor] | None = None  # this step's block of b
+        if row is None or row.cpu.numel() != self.rows or self.cols != 1:
+            row = _Vector(torch.rand(self.rows, generator=gen, dtype=torch.float64) * 2 - 1)
+        self.row = row
+        column = torch.ones(1, dtype=torch.float64)
+        if self.cols > 1:
+            column = torch.rand(self.cols, generator=gen, dtype=torch.float64) * 2 - 1
+        self.col = _Vector(column)
+        #: (kind, N) -> (scale, m, kappa) of the factor side's segments (see ``_Segment``)
+        self.constants: dict[tuple[str, int], tuple[float, int, float]] = {}
 
     @property
     def matrix(self) -> bool:
         return self.cols > 1
 
-    def block_norm(self) -> float:
-        prefix = self.b_square_prefix
-        return math.sqrt(max(prefix[self.start + self.block] - prefix[self.start], 0.0))
+    def block_bound(self) -> float:
+        """An upper bound of |b| over any block: the whole of it, or sqrt(block) (|b_j| <= 1),
+        so that the constants need not follow the block."""
+        return self.col.norm if self.block == self.cols else math.sqrt(self.block)
 
-    def vectors(
-        self, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a, b) on ``device`` in ``dtype`` (cached), b over the whole of cols."""
-        key = (device, dtype)
-        a = self.moved_a.get(key)
-        if a is None:
-            a = self.moved_a[key] = self.a.to(device, dtype)
-        b = self.moved_b.get(key)
-        if b is None:
-            b = self.moved_b[key] = self.b.to(device, dtype)
-        return a, b
+    def gradient_side(self, grad: torch.Tensor) -> torch.Tensor:
+        """a^T G b over this step's support, for a gradient G delivered to the parameter."""
+        g = grad.detach() if grad.requires_grad else grad  # (create_graph: no graph for this)
+        if g.dtype not in _PROBE_DTYPES:
+            g = g.float()  # low-precision gradients are probed in float32
+        a = self.row.like(g)
+        if self.cols == 1:
+            return torch.dot(a, g if g.dim() == 1 else g.reshape(-1))
+        if g.dim() != 2:
+            g = g.reshape(self.rows, self.cols)
+        if self.block < self.cols:
+            g = g.narrow(1, self.start, self.block)
+        return torch.dot(a, torch.mv(g, self.columns(g)))
+
+    def move_block(self, start: int) -> None:
+        self.start = start
+        self._columns = None
+
+    def columns(self, t: torch.Tensor) -> torch.Tensor:
+        """b over this step's block of columns, on ``t``'s device and dtype (cut once a step)."""
+        b = self.col.like(t)
+        if self.block == self.cols:
+            return b
+        cut = self._columns
+        key = (t.get_device(), t.dtype)
+        if cut is None or cut[0] != key:
+            cut = self._columns = (key, b.narrow(0, self.start, self.block))
+        return cut[1]
 
 
-def _draw_probe(shape: torch.Size, gen: torch.Generator, rows_of: _Probe | None) -> _Probe:
-    """The probe of a parameter of ``shape``; a vector whose length is ``rows_of``'s rows
-    takes that probe's row vector (and its moved copies), so both read one product."""
-    numel = shape.numel()
-    rows = int(shape[0]) if len(shape) >= 2 else numel
-    cols = numel // rows if len(shape) >= 2 and rows else 1
-    block = cols if rows * cols <= FULL_SUPPORT_ENTRIES else max(1, FULL_SUPPORT_ENTRIES // rows)
-    if rows_of is not None and cols == 1 and rows_of.rows == rows:
-        a, moved_a = rows_of.a, rows_of.moved_a
-    else:
-        a, moved_a = torch.rand(rows, generator=gen, dtype=torch.float64) * 2 - 1, {}
-    b = torch.ones(1, dtype=torch.float64)
-    if cols > 1:
-        b = torch.rand(cols, generator=gen, dtype=torch.float64) * 2 - 1
-    prefix = [0.0, *torch.cumsum(b.square(), 0).tolist()]
-    return _Probe(rows, cols, block, a, b, float(a.norm()), prefix, moved_a=moved_a)
+class _Segment(NamedTuple):
+    """One factor's probe products w_n for one parameter (a tied parameter has several):
+    they sum to the factor side; L = scale * sum |w_n| <= R (Cauchy-Schwarz); m the longest
+    chain of roundings, kappa the partial-sum factor (see the module docstring)."""
 
-
-@dataclass
-class _Segment:
-    """One factor's probe products w_n for one parameter (a tied parameter has several)."""
-
-    index: int  # the parameter's position in the check
-    products: torch.Tensor  # (N,) w_n, summing to the factor side of the probe
-    scale: float  # L = scale * sum |w_n| <= R
-    magnitude: Callable[[], torch.Tensor]  # R, computed only if the fast path fails
-    length: int  # m
+    index: int
+    products: torch.Tensor
+    scale: float
+    length: int
     kappa: float
+    magnitude: Callable[[], torch.Tensor]  # R, computed only if the fast path fails
 
 
 @dataclass
@@ -225,41 +259,30 @@ class IdentityCheck:
         shared_rows = shared_rows or {}
         self.names = list(param_shapes)
         self.probes: dict[str, _Probe] = {}
-        ordered = sorted(param_shapes, key=lambda n: n in shared_rows)  # matrices first
-        for name in ordered:
+        for name in sorted(param_shapes, key=lambda n: n in shared_rows):  # matrices first
             partner = self.probes.get(shared_rows.get(name, ""))
-            self.probes[name] = _draw_probe(torch.Size(param_shapes[name]), gen, partner)
+            row = None if partner is None else partner.row
+            self.probes[name] = _Probe(torch.Size(param_shapes[name]), gen, row)
         self.moving = [p for p in self.probes.values() if p.block < p.cols]
         self._blocks = random.Random(seed)
+        self._coefficients: dict[tuple, torch.Tensor] = {}
         self.gradient_sides: dict[str, torch.Tensor] = {}
 
     def begin_step(self) -> None:
         self.gradient_sides = {}
         for probe in self.moving:
-            probe.start = self._blocks.randrange(probe.cols - probe.block + 1)
+            probe.move_block(self._blocks.randrange(probe.cols - probe.block + 1))
 
-    # -- gradient side (hooks) ------------------------------------------------------------------
     def observe(self, name: str, grad: torch.Tensor) -> None:
         """Add a^T G b of a gradient G delivered to parameter ``name`` in this step."""
-        value = self.gradient_side(name, grad)
+        value = self.probes[name].gradient_side(grad)
         previous = self.gradient_sides.get(name)
         self.gradient_sides[name] = value if previous is None else previous + value
 
     def gradient_side(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        probe = self.probes[name]
-        g = grad.detach() if grad.requires_grad else grad  # (create_graph: no graph for this)
-        if g.dtype not in _PROBE_DTYPES:
-            g = g.float()  # low-precision gradients are probed in float32
-        a, b = probe.vectors(g.device, g.dtype)
-        if not probe.matrix:
-            return torch.dot(a, g.reshape(-1))
-        g = g.reshape(probe.rows, probe.cols)
-        if probe.block < probe.cols:
-            stop = probe.start + probe.block
-            g, b = g[:, probe.start : stop], b[probe.start : stop]
-        return torch.dot(a, torch.mv(g, b))
+        """a^T G b of a gradient G of parameter ``name`` (not added to the step)."""
+        return self.probes[name].gradient_side(grad)
 
-    # -- factor side and comparison -------------------------------------------------------------
     def verify(
         self,
         factors: Mapping[str, ParameterFactor | None],
@@ -273,9 +296,11 @@ class IdentityCheck:
         to (absent: none); ``left_out``: name -> gradient side of declared batch terms, taken
         from the delivered gradient's.
         """
-        sides = dict(self.gradient_sides)
-        for name, value in (left_out or {}).items():
-            sides[name] = sides[name] - value if name in sides else -value
+        sides = self.gradient_sides
+        if left_out:
+            sides = dict(sides)
+            for name, value in left_out.items():
+                sides[name] = sides[name] - value if name in sides else -value
         names = [n for n in self.names if factors.get(n) is not None or n in sides]
         if not names:
             return
@@ -284,9 +309,9 @@ class IdentityCheck:
         for index, name in enumerate(names):
             factor = factors.get(name)
             if factor is not None:
-                segments.extend(_segments(index, self.probes[name], factor, cache))
-        outcome = _Comparison(names, segments, sides, low_precision)
-        failing = outcome.failures()
+                _add_segments(segments, index, self.probes[name], factor, cache)
+        comparison = _Comparison(names, segments, sides, low_precision, self._coefficients)
+        failing = comparison.failures()
         if failing:
             raise IdentityCheckError(_message(failing))
 
@@ -300,65 +325,89 @@ class _Comparison:
         segments: list[_Segment],
         gradient_sides: Mapping[str, torch.Tensor],
         low_precision: Mapping[str, float],
+        coefficient_cache: dict[tuple, torch.Tensor],
     ) -> None:
         self.names, self.segments = names, segments
-        reference = next(iter(gradient_sides.values()), None)
-        if reference is None:
-            reference = segments[0].products
+        values = list(gradient_sides.values())
+        reference = values[0] if values else segments[0].products
         self.device = reference.device
-        self.dtype = torch.float64 if self._any_float64(gradient_sides) else torch.float32
-        self.constants = self._constants(low_precision)
-        zero = torch.zeros((), dtype=self.dtype, device=self.device)
-        self.gradient = torch.stack([gradient_sides.get(n, zero).to(self.dtype) for n in names])
-
-    def _any_float64(self, gradient_sides: Mapping[str, torch.Tensor]) -> bool:
-        return any(v.dtype == torch.float64 for v in gradient_sides.values()) or any(
-            s.products.dtype == torch.float64 for s in self.segments
+        wide = any(v.dtype == torch.float64 for v in values) or any(
+            s.products.dtype == torch.float64 for s in segments
         )
+        self.dtype = torch.float64 if wide else torch.float32
+        zero = None
+        sides = []
+        for name in names:
+            side = gradient_sides.get(name)
+            if side is None:
+                if zero is None:
+                    zero = torch.zeros((), dtype=self.dtype, device=self.device)
+                side = zero
+            sides.append(side if side.dtype == self.dtype else side.to(self.dtype))
+        self.gradient = torch.stack(sides)
+        self.constants = self._constants(low_precision)
+        scaled = (c * s.scale for c, s in zip(self.constants, segments, strict=True))
+        key = (self.device, self.dtype, *scaled)
+        coefficients = coefficient_cache.get(key)
+        if coefficients is None:
+            if len(coefficient_cache) > 64:  # shapes that vary step to step: keep a few
+                coefficient_cache.clear()
+            coefficients = coefficient_cache[key] = torch.tensor(
+                key[2:], dtype=self.dtype, device=self.device
+            )
+        self.coefficients = coefficients
 
     def _constants(self, low_precision: Mapping[str, float]) -> list[float]:
         """Per segment: lambda kappa (u sqrt(2 m) + 2 u_low), the factor of R in the bound."""
         u = unit_roundoff(self.dtype)
         out = []
         for s in self.segments:
-            low = low_precision.get(self.names[s.index], 0.0)
+            low = low_precision.get(self.names[s.index], 0.0) if low_precision else 0.0
             out.append(LAMBDA * s.kappa * (u * math.sqrt(2 * s.length) + 2 * low))
         return out
 
     def _per_parameter(self, per_segment: torch.Tensor) -> torch.Tensor:
-        if len(self.segments) == len(self.names) and all(
-            s.index == k for k, s in enumerate(self.segments)
-        ):
+        """(S,) per segment -> (P,) per parameter (the segments of a tied parameter added)."""
+        segments = self.segments
+        if len(segments) == len(self.names) and all(s.index == k for k, s in enumerate(segments)):
             return per_segment
-        index = torch.tensor([s.index for s in self.segments], device=self.device)
-        out = torch.zeros(len(self.names), dtype=per_segment.dtype, device=self.device)
-        return out.index_add_(0, index, per_segment)
+        index = torch.tensor([s.index for s in segments], device=self.device)
+        return per_segment.new_zeros(len(self.names)).index_add_(0, index, per_segment)
 
     def failures(self) -> list[_Outcome]:
+        """The parameters whose sides differ by more than the bound (fast path first)."""
         if not self.segments:
-            factor_side = torch.zeros_like(self.gradient)
-            tolerance = torch.zeros_like(self.gradient)
+            values = torch.stack([self.gradient, torch.zeros_like(self.gradient)])
+            factor_side = tolerance = [0.0] * len(self.names)
+            gradient_side = values[0].tolist()
         else:
             sums, absolute = self._segment_sums()
-            factor_side = self._per_parameter(sums)
-            coefficients = torch.tensor(
-                [c * s.scale for c, s in zip(self.constants, self.segments, strict=True)],
-                dtype=self.dtype,
-                device=self.device,
+            sums, tolerance = (
+                self._per_parameter(sums),
+                self._per_parameter(absolute.mul_(self.coefficients)),
             )
-            tolerance = self._per_parameter(absolute * coefficients)
-        difference = (factor_side - self.gradient).abs()
-        if bool((difference <= tolerance).all()):  # the one host sync of a passing check
+            numbers = torch.stack([sums, tolerance, self.gradient]).tolist()  # one transfer
+            factor_side, tolerance, gradient_side = numbers
+        # one host transfer; the comparison in double precision
+        failing = [
+            k
+            for k, (f, g, t) in enumerate(zip(factor_side, gradient_side, tolerance, strict=True))
+            if abs(f - g) > t
+        ]
+        if not failing:
             return []
-        return self._slow_path(factor_side, difference)
+        return self._slow_path(factor_side, gradient_side, failing)
 
     def _segment_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(per segment sum_n w_n, per segment sum_n |w_n|)."""
-        products = [s.products.to(self.dtype) for s in self.segments]
-        lengths = {p.numel() for p in products}
-        if len(lengths) == 1:
+        products = [
+            s.products if s.products.dtype == self.dtype else s.products.to(self.dtype)
+            for s in self.segments
+        ]
+        length = products[0].numel()
+        if all(p.numel() == length for p in products):
             stacked = torch.stack(products)
-            return stacked.sum(dim=1), stacked.abs().sum(dim=1)
+            return stacked.sum(dim=1), torch.linalg.vector_norm(stacked, 1, dim=1)
         flat = torch.cat(products)
         index = torch.repeat_interleave(
             torch.arange(len(products), device=self.device),
@@ -368,18 +417,18 @@ class _Comparison:
         absolute = torch.zeros_like(sums)
         return sums.index_add_(0, index, flat), absolute.index_add_(0, index, flat.abs())
 
-    def _slow_path(self, factor_side: torch.Tensor, difference: torch.Tensor) -> list[_Outcome]:
-        """The bound with R itself, for every parameter (only when the fast path failed)."""
-        bound = torch.zeros(len(self.names), dtype=torch.float64)
+    def _slow_path(
+        self, factor_side: tuple, gradient_side: tuple, candidates: list[int]
+    ) -> list[_Outcome]:
+        """The bound with R itself, for the parameters that failed the fast path."""
+        bound = dict.fromkeys(candidates, 0.0)
         for constant, s in zip(self.constants, self.segments, strict=True):
-            bound[s.index] += constant * float(s.magnitude())
-        factor_values = factor_side.double().cpu()
-        gradient_values = self.gradient.double().cpu()
-        differences = difference.double().cpu()
+            if s.index in bound:
+                bound[s.index] += constant * float(s.magnitude())
         return [
-            _Outcome(name, float(factor_values[k]), float(gradient_values[k]), float(bound[k]))
-            for k, name in enumerate(self.names)
-            if differences[k] > bound[k]
+            _Outcome(self.names[k], factor_side[k], gradient_side[k], bound[k])
+            for k in candidates
+            if abs(factor_side[k] - gradient_side[k]) > bound[k]
         ]
 
 
@@ -412,24 +461,33 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1)
 
 
-def _segments(
-    index: int, probe: _Probe, factor: ParameterFactor, cache: dict[tuple, torch.Tensor]
-) -> list[_Segment]:
-    if isinstance(factor, SumFactor):
-        return [s for part in factor.parts for s in _segments(index, probe, part, cache)]
-    if isinstance(factor, RowsFactor):  # a grouped batch: its groups' factors (padding rows: 0)
-        parts = [part for part in factor.parts if part is not None]
-        return [s for part in parts for s in _segments(index, probe, part, cache)]
-    if isinstance(factor, OuterProductFactor):
-        return [_outer_product(index, probe, factor, cache)]
-    if isinstance(factor, EmbeddingFactor):
-        return [_embedding(index, probe, factor)]
-    if isinstance(factor, PerExampleFactor):
-        return [_per_example(index, probe, factor.grads, factor, cache)]
-    # another factor type: its per-example gradients, materialised (B, *shape)
-    eye = torch.eye(factor.batch_size, dtype=torch.float64)
-    dense = factor.weighted_sum(eye.to(_any_dtype(factor)))
-    return [_per_example(index, probe, dense.reshape(factor.batch_size, -1), None, cache)]
+def _add_segments(
+    segments: list[_Segment],
+    index: int,
+    probe: _Probe,
+    factor: ParameterFactor,
+    cache: dict[tuple, torch.Tensor],
+) -> None:
+    kind = type(factor)
+    if kind is OuterProductFactor:
+        segments.append(_outer_product(index, probe, factor, cache))
+    elif kind is PerExampleFactor:
+        segments.append(_per_example(index, probe, factor.grads, factor, cache))
+    elif kind is EmbeddingFactor:
+        segments.append(_embedding(index, probe, factor))
+    elif isinstance(factor, SumFactor):
+        for part in factor.parts:
+            _add_segments(segments, index, probe, part, cache)
+    elif isinstance(factor, RowsFactor):  # a grouped batch: its groups' factors (padding rows: 0)
+        for part in factor.parts:
+            if part is not None:
+                _add_segments(segments, index, probe, part, cache)
+    else:  # another factor type: its per-example gradients, materialised (B, *shape)
+        eye = torch.eye(factor.batch_size, dtype=torch.float64)
+        dense = factor.weighted_sum(eye.to(_any_dtype(factor)))
+        segments.append(
+            _per_example(index, probe, dense.reshape(factor.batch_size, -1), None, cache)
+        )
 
 
 def _any_dtype(factor: ParameterFactor) -> torch.dtype:
@@ -444,63 +502,72 @@ def _cached_mv(
 ) -> torch.Tensor:
     """``matrix @ vector``, shared by the factors that hold the same matrix (a Linear's weight
     and bias read the same output gradients with the same row probe)."""
-    key = (matrix.data_ptr(), tuple(matrix.shape), matrix.stride(), id(vector), matrix.dtype)
-    if key not in cache:
-        cache[key] = torch.mv(matrix, vector)
-    return cache[key]
+    key = (matrix.data_ptr(), matrix.shape, matrix.stride(), id(vector))
+    product = cache.get(key)
+    if product is None:
+        product = cache[key] = torch.mv(matrix, vector)
+    return product
+
+
+def _flat(t: torch.Tensor, features: int) -> torch.Tensor:
+    return t.view(-1, features) if t.is_contiguous() else t.reshape(-1, features)
+
+
+def _constants(probe: _Probe, kind: str, rows: int, entries: int, kappa_cap: float) -> tuple:
+    """(scale, m, kappa) of a segment of ``rows`` products over ``entries`` probed entries."""
+    key = (kind, rows)
+    found = probe.constants.get(key)
+    if found is None:
+        if len(probe.constants) > 64:  # sizes that vary step to step: keep a few
+            probe.constants.clear()
+        # |a . D_n| <= |a| |D_n| and |b . A_n| <= |b| |A_n|; an embedding's a[idx] is at most 1
+        norm = probe.block_bound() * (1.0 if kind == "embedding" else probe.row.norm)
+        found = probe.constants[key] = (
+            1.0 / max(norm, 1e-300),
+            rows + entries,
+            min(math.sqrt(entries), kappa_cap),
+        )
+    return found
 
 
 def _outer_product(
     index: int, probe: _Probe, f: OuterProductFactor, cache: dict[tuple, torch.Tensor]
 ) -> _Segment:
     """g_i = sum_t D_it A_it^T (per group): w_(n, g) = (a_g . D_ng)(b . A_ng) over the block."""
-    a, b = probe.vectors(f.inputs.device, f.inputs.dtype)
+    a, b = probe.row.like(f.inputs), probe.columns(f.inputs)
     groups, q, p = f.groups, f.out_features, f.in_features
-    start, stop = probe.start, probe.start + probe.block
+    start, block = probe.start, probe.block
     if groups == 1:
-        d = f.output_grads.reshape(-1, q)
-        x = f.inputs.reshape(-1, p)[:, start:stop]
-        u = _cached_mv(cache, d, a)
-        products = u * torch.mv(x, b[start:stop])
+        x, d = f._flat()
+        if block < p:
+            x = x.narrow(1, start, block)
+        products = _cached_mv(cache, d, a).mul(torch.mv(x, b))
     else:
         d = f.output_grads.reshape(-1, groups, q)
-        x = f.inputs.reshape(-1, groups, p)[..., start:stop]
+        x = f.inputs.reshape(-1, groups, p).narrow(2, start, block)
         u = torch.einsum("ngq,gq->ng", d, a.view(groups, q))
-        products = (u * torch.matmul(x, b[start:stop])).reshape(-1)
+        products = (u * torch.matmul(x, b)).reshape(-1)
+    scale, length, kappa = _constants(probe, "outer", products.numel(), q + block, LAMBDA**2)
+    magnitude = functools.partial(_outer_magnitude, d, x)
+    return _Segment(index, products, scale, length, kappa, magnitude)
 
-    def magnitude() -> torch.Tensor:
-        return (_row_norms(d) * _row_norms(x)).sum()
 
-    block = stop - start
-    return _Segment(
-        index,
-        products,
-        1.0 / max(probe.a_norm * probe.block_norm(), 1e-300),
-        magnitude,
-        products.numel() + q + block,
-        min(math.sqrt(q * block), LAMBDA**2),
-    )
+def _outer_magnitude(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (_row_norms(d) * _row_norms(x)).sum()
 
 
 def _embedding(index: int, probe: _Probe, f: EmbeddingFactor) -> _Segment:
     """g_i = sum_t onehot(idx_it) D_it^T: w_n = a[idx_n] (b . D_n) over the block of columns."""
-    a, b = probe.vectors(f.output_grads.device, f.output_grads.dtype)
-    start, stop = probe.start, probe.start + probe.block
-    d = f.output_grads.reshape(f.indices.numel(), -1)[:, start:stop]
-    products = a.index_select(0, f.indices.reshape(-1)) * torch.mv(d, b[start:stop])
+    a, b = probe.row.like(f.output_grads), probe.columns(f.output_grads)
+    d = f.output_grads.reshape(f.indices.numel(), -1).narrow(1, probe.start, probe.block)
+    products = a.index_select(0, f.indices.reshape(-1)) * torch.mv(d, b)
+    scale, length, kappa = _constants(probe, "embedding", products.numel(), probe.block, LAMBDA)
+    magnitude = functools.partial(_embedding_magnitude, d)
+    return _Segment(index, products, scale, length + 1, kappa, magnitude)
 
-    def magnitude() -> torch.Tensor:
-        return _row_norms(d).sum()
 
-    block = stop - start
-    return _Segment(
-        index,
-        products,
-        1.0 / max(probe.block_norm(), 1e-300),
-        magnitude,
-        products.numel() + block + 1,
-        min(math.sqrt(block), LAMBDA),
-    )
+def _embedding_magnitude(d: torch.Tensor) -> torch.Tensor:
+    return _row_norms(d).sum()
 
 
 def _per_example(
@@ -511,28 +578,24 @@ def _per_example(
     cache: dict[tuple, torch.Tensor],
 ) -> _Segment:
     """g_i held outright, (B, numel): w_i = <a b^T, g_i> over the probed support."""
-    a, b = probe.vectors(grads.device, grads.dtype)
+    a = probe.row.like(grads)
     positions = 1 if factor is None else factor.positions
     if probe.matrix:
-        start, stop = probe.start, probe.start + probe.block
-        held = grads.reshape(-1, probe.rows, probe.cols)[..., start:stop]
-        products = torch.matmul(held, b[start:stop]) @ a
-        rows = held.reshape(held.shape[0], -1)
-        scale = 1.0 / max(probe.a_norm * probe.block_norm(), 1e-300)
-        entries, kappa = (
-            probe.rows * (stop - start),
-            min(math.sqrt(probe.rows * (stop - start)), LAMBDA**2),
-        )
+        b = probe.columns(grads)
+        rows = grads.reshape(-1, probe.rows, probe.cols).narrow(2, probe.start, probe.block)
+        products = torch.matmul(rows, b) @ a
+        rows = rows.reshape(rows.shape[0], -1)
+        entries, cap = probe.rows * probe.block, LAMBDA**2
     else:
         products = _cached_mv(cache, grads, a)
         rows = grads
-        scale = 1.0 / max(probe.a_norm, 1e-300)
-        entries, kappa = probe.rows, min(math.sqrt(probe.rows), LAMBDA)
+        entries, cap = probe.rows, LAMBDA
+    kind = "matrix" if probe.matrix else "vector"
+    scale, length, kappa = _constants(probe, kind, products.numel() * positions, entries, cap)
     terms = None if factor is None else factor.terms
+    magnitude = functools.partial(_rows_magnitude, rows) if terms is None else terms
+    return _Segment(index, products, scale, length, kappa, magnitude)
 
-    def magnitude() -> torch.Tensor:
-        return _row_norms(rows).sum() if terms is None else terms()
 
-    return _Segment(
-        index, products, scale, magnitude, products.numel() * positions + entries, kappa
-    )
+def _rows_magnitude(rows: torch.Tensor) -> torch.Tensor:
+    return _row_norms(rows).sum()

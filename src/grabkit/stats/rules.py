@@ -193,10 +193,12 @@ class LinearRule(LayerRule):
         _require_batched(module, layer_input, 2)
         out: dict[str, ParameterFactor] = {}
         if "weight" in wanted:
+            flat = (layer_input, output_grad) if output_grad.dim() == 2 else None  # (B, f) already
             out["weight"] = OuterProductFactor(
                 _as_sequence(layer_input, module.in_features),
                 _as_sequence(output_grad, module.out_features),
                 module.weight.shape,
+                flat=flat,
             )
         if "bias" in wanted:
             weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
