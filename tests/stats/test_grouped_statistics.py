@@ -335,18 +335,82 @@ def test_model_called_per_group_without_the_grouped_runner_is_refused():
             stats.norms_squared()
 
 
-def test_a_plain_call_in_a_grouped_step_is_refused():
+def test_a_forward_before_the_grouped_run_is_refused():
     model = make("masked_max")
     tokens, _ = items(LENGTHS, "masked_max")
     lengths = torch.tensor(LENGTHS)
     padded = pad_sequence(tokens, batch_first=True)
     mask = torch.arange(padded.shape[1])[None] < lengths[:, None]
     with PerSampleStats(model) as stats:
-        grouped = run_grouped(model, padded, lengths, pass_mask=True, planning={"alpha": 0.0})
         plain = model(padded, mask)
+        grouped = run_grouped(model, padded, lengths, pass_mask=True, planning={"alpha": 0.0})
         (grouped + plain).sum().backward()
-        with pytest.raises(ValueError, match="outside the grouped"):
+        with pytest.raises(ValueError, match="before the grouped batch's run"):
             stats.norms_squared()
+
+
+class SplitTied(TiedRecurrent):
+    """TiedRecurrent called in two parts: the body (grouped) and the tied head on its output."""
+
+    def body(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h, _ = self.gru(self.norm(self.emb(x)))
+        m = mask[..., None].to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def split_reference(model: SplitTied, tokens, targets) -> torch.Tensor:
+    params = list(model.parameters())
+    rows = []
+    for x, t in zip(tokens, targets, strict=True):
+        out = model(x[None], torch.ones(1, len(x), dtype=torch.bool))
+        (loss,) = item_loss("tied_recurrent", out, t[None])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+def split_backward(entry: str, model: SplitTied, tokens, targets) -> None:
+    """The body through a grouped runner, the head on its (merged or trimmed) output."""
+    lengths = torch.tensor(LENGTHS)
+    padded = pad_sequence(tokens, batch_first=True)
+    plan = plan_from_partition([[0, 3, 6], [1, 4], [2, 5, 7]], lengths)
+    if entry != "run":  # groups padded with rows of no item
+        plan = plan_groups(lengths, alpha=0.0, size_buckets=[3, 8])
+    batch = group_batch(padded, lengths, plan)
+    if entry == "backward_by_group":  # the head inside loss_fn, on the trimmed rows
+        backward_by_group(
+            model.body, batch,
+            lambda o, i: item_loss("tied_recurrent", model.head(o), targets[i]),
+            pass_mask=True,
+        )  # fmt: skip
+        return
+    logits = model.head(batch.run(model.body, pass_mask=True))
+    item_loss("tied_recurrent", logits, targets).mean().backward()
+
+
+@pytest.mark.parametrize("entry", ["run", "buckets", "backward_by_group"])
+def test_a_head_on_the_merged_output_is_exact(entry, reference_tools):
+    """Layers called outside the groups after the run hold the whole batch in item order; the
+    tied table's per-item gradient sums its group's part (embedding) and the head's."""
+    torch.manual_seed(0)
+    model = SplitTied()
+    tokens, targets = items(LENGTHS, "tied_recurrent")
+    reference = split_reference(model, tokens, targets)
+    with PerSampleStats(model) as stats:
+        split_backward(entry, model, tokens, targets)
+        reference_tools.assert_matches(stats, reference)
+
+
+@pytest.mark.parametrize("entry", ["run", "backward_by_group"])
+def test_a_head_on_the_merged_output_is_sketched_exactly(entry):
+    torch.manual_seed(0)
+    model = SplitTied()
+    tokens, targets = items(LENGTHS, "tied_recurrent")
+    reference = split_reference(model, tokens, targets)
+    with SketchedStats(model, dim=16, seed=4) as stats:
+        split_backward(entry, model, tokens, targets)
+        sketches = stats.sketches()
+        expected = reference @ stats.sketch.matrix().T
+    torch.testing.assert_close(sketches, expected, rtol=1e-10, atol=1e-10 * expected.abs().max())
 
 
 def test_two_grouped_batches_in_one_step_are_refused():

@@ -386,21 +386,16 @@ def backward_by_group(
     with grouped_run(len(batch)) as run:
         for x, mask, items, rows in groups:
             with run.group(items, rows):
-                loss = _group_loss(module, x, mask, items, loss_fn) * scale
+                out = _call(module, x, mask, (), {})[: len(items)]  # padding rows cut off
+                with run.group(items):  # what loss_fn computes holds the items' rows only
+                    loss = _group_loss(out, items, loss_fn) * scale
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()  # no host sync
     return total if total is not None else torch.zeros(())
 
 
-def _group_loss(
-    module: Callable[..., Tensor],
-    x: Tensor,
-    mask: Tensor | None,
-    items: Tensor,
-    loss_fn: Callable[[Tensor, Tensor], Tensor],
-) -> Tensor:
-    """The summed per-item losses of one group (its padding rows cut off first)."""
-    out = _call(module, x, mask, (), {})[: len(items)]
+def _group_loss(out: Tensor, items: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The summed per-item losses of one group's output ``out`` (its items' rows)."""
     losses = loss_fn(out, items)
     if losses.shape != (len(items),):
         raise ValueError(

@@ -10,6 +10,12 @@ backwards included), and at read time builds each parameter's factor group by gr
 the groups' rows back in the batch's item order (``RowsFactor``). So every statistic, sketch
 and GraB decision describes item i of the batch, exactly as the padded run would.
 
+Layers called in the same step after the grouped run began but outside its groups hold the
+whole batch in its item order: what a runner's merged output is (a head applied to
+``GroupedBatch.run``'s output, or to a grouped body's). Their rows are one more segment, which
+overlaps every group: item i's gradient is its group's part plus its whole-batch part, cross
+terms included.
+
 The per-group factors are read as they are: norms, dots and weighted sums cost what they cost on
 each group (the padding the grouping saved is never computed), and the Gram matrix's blocks
 between two groups are cross products of their factors (``cross_gram``: ghost-style for weights,
@@ -83,7 +89,7 @@ class GroupRows:
                 f"a group of {self.rows} rows cannot hold {len(self.items)} items; announce the "
                 f"rows the group is computed with"
             )
-        self.key = tuple(self.items.tolist())
+        self.key = (tuple(self.items.tolist()), self.rows)
 
 
 class GroupedRun:
@@ -125,11 +131,14 @@ def _active_group() -> tuple[GroupedRun, GroupRows] | None:
 
 
 class ItemLayout:
-    """Where a grouped step's items sit: ``size`` items, ``groups[s]`` the rows of group s."""
+    """Where a grouped step's items sit: ``size`` items, ``groups[s]`` the rows of group s
+    (``overlapping``: whether some item sits in two of them: a whole-batch segment beside the
+    groups, or a group's output trimmed to its items before a loss with parameters)."""
 
-    def __init__(self, size: int, groups: Sequence[GroupRows]) -> None:
+    def __init__(self, size: int, groups: Sequence[GroupRows], overlapping: bool = False) -> None:
         self.size = size
         self.groups = list(groups)
+        self.overlapping = overlapping
         self._indices: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def index(self, s: int, device: torch.device) -> torch.Tensor:
@@ -145,14 +154,16 @@ class StepRows:
 
     def __init__(self) -> None:
         self.run: GroupedRun | None = None
-        self.groups: dict[tuple[int, ...], GroupRows] = {}
+        self.groups: dict[tuple[tuple[int, ...], int], GroupRows] = {}
+        self.whole: GroupRows | None = None  # calls after the run began, outside its groups
 
     @property
     def grouped(self) -> bool:
         return self.run is not None
 
     def tag(self) -> GroupRows | None:
-        """The group a layer call made now holds (None outside a grouped run), recorded.
+        """The group a layer call made now holds, recorded: None before any grouped run of the
+        step, the whole batch in item order outside the groups once one began.
 
         A call of a grouped step recomputed during its backward outside the run (activation
         checkpointing with use_reentrant=True after ``GroupedBatch.run`` returned) raises at
@@ -160,7 +171,9 @@ class StepRows:
         """
         active = _active_group()
         if active is None:
-            if self.run is not None and torch._C._current_graph_task_id() != -1:
+            if self.run is None:
+                return None
+            if torch._C._current_graph_task_id() != -1:
                 raise ValueError(
                     "a layer was recomputed during the backward of a grouped batch (activation "
                     "checkpointing with use_reentrant=True) after the grouped run had returned, "
@@ -168,7 +181,10 @@ class StepRows:
                     "use_reentrant=False, or backward_by_group (each group's backward runs "
                     "inside the group)."
                 )
-            return None
+            if self.whole is None:
+                whole = GroupRows(torch.arange(self.run.size), self.run.size)
+                self.whole = self.groups.setdefault(whole.key, whole)
+            return self.whole
         run, rows = active
         if self.run is None:
             self.run = run
@@ -192,25 +208,31 @@ class StepRows:
         for name, group, size in calls:
             if group is None:
                 raise ValueError(
-                    f"layer {name!r} was called outside the grouped batch's run in the same "
-                    f"step as the grouped batch (a forward of another batch before the "
-                    f"backward), so its rows cannot be matched to the batch's items: run every "
-                    f"forward of a step through the grouped batch, or call backward and read "
-                    f"the statistics before the other forward."
+                    f"layer {name!r} was called before the grouped batch's run in the same step "
+                    f"(a forward of another batch before the backward), so its rows cannot be "
+                    f"matched to the batch's items: run the step's forwards through the grouped "
+                    f"batch (layers called on its merged output are fine), or call backward and "
+                    f"read the statistics before the other forward."
                 )
             if size != group.rows:
+                where = (
+                    f"the whole grouped batch of {group.rows} items (a call after its run, "
+                    f"outside its groups: the merged output, in item order)"
+                    if group is self.whole
+                    else f"a grouped batch's group of {group.rows} rows"
+                )
                 raise ValueError(
-                    f"layer {name!r} holds {size} examples in a call of a grouped batch's group "
-                    f"of {group.rows} rows; PerSampleStats needs each group's rows in dim 0 of "
-                    f"every layer's input (batch_first layouts)."
+                    f"layer {name!r} holds {size} examples in a call on {where}; PerSampleStats "
+                    f"needs those rows in dim 0 of every layer's input (batch_first layouts)."
                 )
         seen = torch.cat([g.items for g in self.groups.values()])
-        if len(seen) != len(torch.unique(seen)) or (len(seen) and int(seen.max()) >= self.run.size):
+        if len(seen) and (int(seen.min()) < 0 or int(seen.max()) >= self.run.size):
             raise ValueError(
-                f"the groups announced for a grouped batch of {self.run.size} items overlap or "
-                f"name items outside it; build the plan from the batch's lengths."
+                f"the groups announced for a grouped batch of {self.run.size} items name items "
+                f"outside it; build the plan from the batch's lengths."
             )
-        return ItemLayout(self.run.size, list(self.groups.values()))
+        overlapping = len(seen) != len(torch.unique(seen))
+        return ItemLayout(self.run.size, list(self.groups.values()), overlapping)
 
     def factors(
         self,
@@ -233,7 +255,8 @@ class StepRows:
 class RowsFactor:
     """Per-item gradients of a grouped batch: group s's factor (``parts[s]``, None where the
     parameter got no gradient there) holds in its first m_s rows the items
-    ``layout.groups[s].items``; every read is put back in the batch's item order."""
+    ``layout.groups[s].items``; every read is put back in the batch's item order, summed over
+    the segments an item sits in (a group and the whole batch, ``layout.overlapping``)."""
 
     def __init__(
         self, layout: ItemLayout, parts: list[ParameterFactor | None], param_shape: torch.Size
@@ -249,23 +272,47 @@ class RowsFactor:
         return index, len(index)
 
     def _scatter_rows(self, values: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-        """(n, ...) with group s's leading rows of ``values`` put at its items, zeros elsewhere."""
+        """(n, ...) with group s's leading rows of ``values`` added at its items (zeros where no
+        segment holds an item)."""
         first = values[0][1]
         out = first.new_zeros(self.batch_size, *first.shape[1:])
         for s, v in values:
             index, m = self._items(s, v)
-            out.index_copy_(0, index, v[:m].to(out.dtype))
+            out.index_add_(0, index, v[:m].to(out.dtype))
         return out
 
     def norms_squared(self) -> torch.Tensor:
-        return self._scatter_rows([(s, f.norms_squared()) for s, f in self._present])
+        out = self._scatter_rows([(s, f.norms_squared()) for s, f in self._present])
+        if self.layout.overlapping:  # + 2 <g_i^s, g_i^t> for the items two segments share
+            for a, (s, u) in enumerate(self._present):
+                for t, v in self._present[a + 1 :]:
+                    items, rows_s, rows_t = self._shared(s, t, out.device)
+                    if len(items):
+                        cross = cross_gram(u, v)[rows_s, rows_t]
+                        out.index_add_(0, items, 2 * cross.to(out.dtype))
+        return out
+
+    def _shared(
+        self, s: int, t: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(items in both segments s and t, their rows in s, their rows in t)."""
+        index_s, index_t = self.layout.index(s, device), self.layout.index(t, device)
+        row_s = torch.full((self.batch_size,), -1, dtype=torch.long, device=device)
+        row_t = row_s.clone()
+        row_s[index_s] = torch.arange(len(index_s), device=device)
+        row_t[index_t] = torch.arange(len(index_t), device=device)
+        items = torch.nonzero((row_s >= 0) & (row_t >= 0)).reshape(-1)
+        return items, row_s[items], row_t[items]
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         return self._scatter_rows([(s, f.dot(vectors)) for s, f in self._present])
 
     def gram(self) -> torch.Tensor:
         """The (n, n) Gram matrix: each group's own Gram matrix and the cross products between
-        groups, assembled in group order and put in item order with one scatter."""
+        groups, assembled in group order and put in item order with one scatter (added block
+        by block where segments overlap)."""
+        if self.layout.overlapping:
+            return self._overlapping_gram()
         present = self._present
         upper: dict[tuple[int, int], torch.Tensor] = {}
         for a, (s, u) in enumerate(present):
@@ -285,6 +332,22 @@ class RowsFactor:
             return assembled.index_select(0, inverse).index_select(1, inverse)
         out = assembled.new_zeros(self.batch_size, self.batch_size)
         out[order[:, None], order[None, :]] = assembled
+        return out
+
+    def _overlapping_gram(self) -> torch.Tensor:
+        """sum over segment pairs (s, t) of their cross block, added at (items_s, items_t)."""
+        out: torch.Tensor | None = None
+        for a, (s, u) in enumerate(self._present):
+            for t, v in self._present[a:]:
+                block = u.gram() if s == t else cross_gram(u, v)
+                if out is None:
+                    out = block.new_zeros(self.batch_size, self.batch_size)
+                rows, m = self._items(s, block)
+                cols, k = self._items(t, block)
+                block = block[:m, :k].to(out.dtype)
+                out.index_put_((rows[:, None], cols[None, :]), block, accumulate=True)
+                if s != t:
+                    out.index_put_((cols[:, None], rows[None, :]), block.T, accumulate=True)
         return out
 
     def _size(self, s: int) -> int:

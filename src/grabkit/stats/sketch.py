@@ -478,7 +478,8 @@ class GradientSketch:
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """(n, k) sketches of a grouped batch: each group's factors sketched as one batch of its
-        rows, the rows of its items put in the batch's item order (no item's row: zero)."""
+        rows, the rows of its items added in the batch's item order (a whole-batch segment adds
+        to every item; no item's row: dropped)."""
         out = torch.zeros(layout.size, self.dim, device=device, dtype=dtype)
         for s, group in enumerate(layout.groups):
             parts = {
@@ -489,7 +490,7 @@ class GradientSketch:
                 continue
             rows = self.apply(parts, group.rows, scale, device=device, dtype=dtype)
             index = layout.index(s, device)
-            out.index_copy_(0, index, rows[: len(index)])
+            out.index_add_(0, index, rows[: len(index)])  # S is linear: segments add
         return out
 
     def _direct_map(
