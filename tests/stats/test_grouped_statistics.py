@@ -335,6 +335,43 @@ def test_model_called_per_group_without_the_grouped_runner_is_refused():
             stats.norms_squared()
 
 
+class GroupsInside(nn.Module):
+    """A model whose own forward runs its padded batch group by group (positions shared by the
+    batch inside each group), then a head on the merged output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(16, WIDTH)
+        self.mix, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def body(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.emb(x) + self.pos(torch.arange(x.shape[1]))))
+        m = mask[..., None].to(h.dtype)
+        return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+    def forward(self, padded: torch.Tensor, lengths: torch.Tensor, plan=None) -> torch.Tensor:
+        pooled = run_grouped(self.body, padded, lengths, plan=plan, pass_mask=True)
+        return self.head(pooled)[:, 0]
+
+
+def test_a_model_that_groups_inside_its_forward_is_exact(reference_tools):
+    torch.manual_seed(0)
+    model = GroupsInside()
+    tokens, targets = items(LENGTHS, "masked_max")
+    params = list(model.parameters())
+    rows = []
+    for x, t in zip(tokens, targets, strict=True):
+        loss = (model(x[None], torch.tensor([len(x)]))[0] - t) ** 2
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    reference = torch.stack(rows)
+    lengths = torch.tensor(LENGTHS)
+    plan = plan_from_partition([[0, 3, 6], [1, 4], [2, 5, 7]], lengths)
+    with PerSampleStats(model, loss_reduction="sum") as stats:
+        out = model(pad_sequence(tokens, batch_first=True), lengths, plan)
+        ((out - targets) ** 2).sum().backward()
+        reference_tools.assert_matches(stats, reference)
+
+
 def test_a_forward_before_the_grouped_run_is_refused():
     model = make("masked_max")
     tokens, _ = items(LENGTHS, "masked_max")

@@ -164,7 +164,7 @@ class GroupedBatch:
         outputs = []
         with grouped_run(len(self)) as run:
             for g, (x, m) in enumerate(zip(self.group_inputs(), masks, strict=False)):
-                with run.group(self.plan.groups[g], self.plan.rows[g]):
+                with run.group(self.plan.groups[g], self.plan.rows[g], (x, m)):
                     outputs.append(_call(module, x, m, args, kwargs))
         return self.merge(outputs)
 
@@ -385,7 +385,7 @@ def backward_by_group(
     groups = zip(batch.group_inputs(), masks, batch.plan.groups, batch.plan.rows, strict=False)
     with grouped_run(len(batch)) as run:
         for x, mask, items, rows in groups:
-            with run.group(items, rows):
+            with run.group(items, rows, (x, mask)):
                 out = _call(module, x, mask, (), {})[: len(items)]  # padding rows cut off
                 with run.group(items):  # what loss_fn computes holds the items' rows only
                     loss = _group_loss(out, items, loss_fn) * scale

@@ -638,6 +638,7 @@ class PerSampleStats:
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
         self._rows = StepRows()  # the grouped batch this step's calls came from, if any
+        self._group_batches: dict[int, _ModelBatch] = {}  # id(group) -> its input's batch
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
         self._readers: list[weakref.ref[StepStatistics]] = []
         if all(reader() is None for reader in readers):
@@ -743,7 +744,7 @@ class PerSampleStats:
             self._new_step()
         self._check_training_mode(layer, module)
         group = self._rows.tag()
-        layer_input, expanded = self._layer_input(layer, args, kwargs, output)
+        layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
         call = _Call(layer.rule.capture(module, layer_input), group=group)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
@@ -774,12 +775,29 @@ class PerSampleStats:
         self._check_training_mode(layer, module)
         group = self._rows.tag()
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
-        if self._batch is not None:
-            self._batch.check_batch_dim(layer.name, size, x, dim)
+        batch = self._batch_for(group)
+        if batch is not None:
+            batch.check_batch_dim(layer.name, size, x, dim)
         call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
+
+    def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
+        """The batch a call's input is checked against: the model's input, or for a call in a
+        group of a grouped batch the group's own input as the runner announced it (the model
+        may run the grouped batch inside its forward); None where neither fits the call's rows
+        (the input is then taken as it is)."""
+        if group is None:
+            return self._batch
+        if group.inputs:
+            batch = self._group_batches.get(id(group))
+            if batch is None:
+                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs))
+            return batch
+        if self._batch is not None and self._batch.size == group.rows:
+            return self._batch
+        return None
 
     def _layer_input(
         self,
@@ -787,6 +805,7 @@ class PerSampleStats:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: torch.Tensor,
+        group: GroupRows | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """(what the rule keeps from the call, the output expanded to (B, ...) or None).
 
@@ -795,9 +814,10 @@ class PerSampleStats:
         """
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
+        batch = self._batch_for(group)
         if isinstance(layer_input, torch.Tensor):
-            if self._batch is not None:
-                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if batch is not None:
+                layer_input, expanded = batch.align(layer.name, layer_input, output)
             if layer.rule.whole_call and expanded is not None:
                 raise NotImplementedError(
                     f"layer {layer.name!r} ({type(layer.module).__name__}) got an input shared "
@@ -844,9 +864,9 @@ class PerSampleStats:
                 self._new_step()
             layer = self._functional_layer(use, weight_name, bias_name)
             group = self._rows.tag()
-            x, expanded = layer_input, None
-            if self._batch is not None and isinstance(x, torch.Tensor):
-                x, expanded = self._batch.align(layer.name, x, output)
+            x, expanded, batch = layer_input, None, self._batch_for(group)
+            if batch is not None and isinstance(x, torch.Tensor):
+                x, expanded = batch.align(layer.name, x, output)
             if expanded is not None:
                 raise NotImplementedError(
                     f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "

@@ -77,11 +77,13 @@ UNANNOUNCED_GROUPS_HELP = (
 
 class GroupRows:
     """One group of a grouped batch: its first ``len(items)`` rows are items ``items``; the
-    rest of its ``rows`` rows (padding to a bucketed size) belong to no item."""
+    rest of its ``rows`` rows (padding to a bucketed size) belong to no item. ``inputs``: the
+    tensors the group's call received (its rows in dim 0 of the first), which the engine checks
+    layer inputs against; empty where the runner does not know them."""
 
-    __slots__ = ("items", "key", "rows")
+    __slots__ = ("inputs", "items", "key", "rows")
 
-    def __init__(self, items: torch.Tensor, rows: int) -> None:
+    def __init__(self, items: torch.Tensor, rows: int, inputs: Sequence[torch.Tensor] = ()) -> None:
         self.items = torch.as_tensor(items, dtype=torch.long).reshape(-1).cpu()
         self.rows = int(rows)
         if self.rows < len(self.items):
@@ -90,6 +92,7 @@ class GroupRows:
                 f"rows the group is computed with"
             )
         self.key = (tuple(self.items.tolist()), self.rows)
+        self.inputs = tuple(t for t in inputs if isinstance(t, torch.Tensor))
 
 
 class GroupedRun:
@@ -100,11 +103,16 @@ class GroupedRun:
         self.current: GroupRows | None = None
 
     @contextmanager
-    def group(self, items: torch.Tensor, rows: int | None = None) -> Iterator[None]:
+    def group(
+        self,
+        items: torch.Tensor,
+        rows: int | None = None,
+        inputs: Sequence[torch.Tensor] = (),
+    ) -> Iterator[None]:
         """Model calls inside hold, in their first rows, the batch's items ``items`` (then
-        ``rows - len(items)`` padding rows)."""
+        ``rows - len(items)`` padding rows); ``inputs``: the tensors the group is called with."""
         previous = self.current
-        self.current = GroupRows(items, len(items) if rows is None else rows)
+        self.current = GroupRows(items, len(items) if rows is None else rows, inputs)
         try:
             yield
         finally:
