@@ -459,3 +459,44 @@ def test_two_grouped_batches_in_one_step_are_refused():
         run_grouped(model, padded, lengths, pass_mask=True)
         with pytest.raises(ValueError, match="two grouped batches"):
             run_grouped(model, padded, lengths, pass_mask=True)
+
+
+@pytest.mark.slow
+def test_transformers_body_grouped_inside_the_model_is_exact(reference_tools):
+    """grabkit.integrations' GroupedForward runs a transformers model's body group by group on a
+    right-padded batch; the head and the loss run on the merged output."""
+    pytest.importorskip("transformers")
+    from tests.integrations.tiny import pad_right, ragged_lm_dataset, tiny_gpt2
+
+    from grabkit.integrations.grouped_forward import GroupedForward
+
+    model = tiny_gpt2(n_positions=32).double()
+    rows = ragged_lm_dataset()[:6]
+
+    def token_losses(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        labels = batch["labels"][:, 1:]
+        per_token = F.cross_entropy(
+            logits[:, :-1].transpose(1, 2), labels, ignore_index=-100, reduction="none"
+        )
+        return per_token.sum(dim=1)  # (n,) each row's summed token losses
+
+    params = list(model.parameters())
+    reference = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(token_losses(pad_right([r]))[0], params)
+                ]
+            )
+            for r in rows
+        ]
+    )
+    with (
+        PerSampleStats(model, loss_reduction="sum") as stats,
+        GroupedForward(model, alpha=0.0) as grouped,
+    ):
+        token_losses(pad_right(rows)).sum().backward()
+        assert grouped.groups_run > 1
+        reference_tools.assert_matches(stats, reference)
