@@ -639,7 +639,9 @@ class PerSampleStats:
         self._on_layer_exit(layer)
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
-        with torch._C.DisableTorchFunctionSubclass():  # the engine reads shapes the model may not
+        # The engine's own tensor work is not the model's: no functional-use watch, and it may
+        # read shapes of an expanded shared output that the model may not.
+        with torch._C.DisableTorchFunction():
             return self._record_call(layer, module, args, kwargs, output)
 
     def _record_call(
@@ -757,7 +759,7 @@ class PerSampleStats:
         output: torch.Tensor,
     ) -> torch.Tensor:
         """Record a functional use of a tracked weight as one more call; return the output."""
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunction():
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return output
             if self._gradient_seen and not _inside_backward():
