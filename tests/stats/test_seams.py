@@ -93,6 +93,53 @@ def test_weight_used_functionally_is_refused_by_the_identity_check_when_not_foll
             stats.norms_squared()
 
 
+class SometimesTied(nn.Module):
+    """Adds a tied-head term only when ``tie`` is set (a use that may first appear later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.mix = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.tie = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.wte(idx))
+        out = self.mix(h)
+        return out + F.linear(h, self.wte.weight) if self.tie else out
+
+
+def test_auto_keeps_watching_a_model_that_uses_weights_functionally(reference_tools):
+    torch.manual_seed(0)
+    model = SometimesTied()
+    model.tie = True
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    expected = per_example_rows(
+        model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        for _ in range(2):  # the second step is watched too: the first made a use
+            model.zero_grad()
+            sequence_loss(model(idx), y).sum().backward()
+        assert stats.functional_uses is True
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_auto_stops_watching_and_the_check_reports_a_use_that_appears_later():
+    torch.manual_seed(0)
+    model = SometimesTied()
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    with PerSampleStats(model, "sum") as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        stats.norms_squared()
+        model.tie = True
+        model.zero_grad()
+        sequence_loss(model(idx), y).sum().backward()
+        assert stats._watch is None  # no cost after the first step
+        with pytest.raises(IdentityCheckError, match="functional_uses=True"):
+            stats.norms_squared()
+    with pytest.raises(ValueError, match="`functional_uses` should be"):
+        PerSampleStats(model, functional_uses="sometimes")
+
+
 def test_unsupported_functional_use_of_a_tracked_weight_is_refused():
     class Scaled(nn.Module):
         def __init__(self) -> None:

@@ -375,8 +375,12 @@ class PerSampleStats:
             penalty counted into some example, a weight use the hooks did not see).
         functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
             weights outside their layers, made inside the model's forward (a tied head), as
-            extra calls (``grabkit.stats.functional``; a Python call per torch function of the
-            forward). With False such a use is not computed, and the identity check reports it.
+            extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call
+            per torch function in it, so ``"auto"`` (the default) watches the forwards of the
+            first step with a backward and keeps watching only if that step made such a use
+            (a use that first appears later is reported by the identity check, which names
+            this option); True watches every forward; False none (the identity check reports
+            such a use).
 
     Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
     ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
@@ -409,7 +413,7 @@ class PerSampleStats:
         batch_norm_constant_statistics: bool = False,
         keep_batch_gradients: bool = True,
         check_identity: bool = True,
-        functional_uses: bool = True,
+        functional_uses: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -425,13 +429,22 @@ class PerSampleStats:
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self.keep_batch_gradients = bool(keep_batch_gradients)
         self.check_identity = bool(check_identity)
-        self.functional_uses = bool(functional_uses)
+        if functional_uses not in (True, False, "auto"):
+            raise ValueError(
+                f"`functional_uses` should be True, False or 'auto', but got {functional_uses!r}"
+            )
+        self.functional_uses = functional_uses
+        # "auto": watching until the first step with a backward shows whether the model makes
+        # functional uses (then it keeps watching) or not (then it stops)
+        self._discovering = functional_uses == "auto"
+        self._functional_seen = False
         #: counts every change of the recorded statistics (a gradient arrived, a step began), so
         #: a reader can cache what it computed from them
         self.generation = 0
         self._me = weakref.ref(self)  # what the hooks and the registry hold
         self._model_handles: list[Any] = []
         self._handles: list[Any] = []
+        self._enter_handles: list[Any] = []
         self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._layers: list[_TrackedLayer] = []
@@ -535,17 +548,35 @@ class PerSampleStats:
         for layer in self._layers:
             hook = _WeakHook(me, "_on_forward", layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-            if self.functional_uses:
-                enter = _WeakHook(me, "_on_layer_enter")
-                self._handles.append(layer.module.register_forward_pre_hook(enter))
+            if self._watching_forwards:
+                handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
+                self._handles.append(handle)
+                self._enter_handles.append(handle)
             _ATTACHED[layer.module] = me
         for name, p in self._params:
             if p.requires_grad:
                 node = _accumulate_grad_node(p)
                 self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
                 self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
-        if self.functional_uses:
+        self._watch = None
+        if self._watching_forwards:
             self._watch = FunctionalUses(self._owners(), self._record_functional, self._refuse)
+
+    @property
+    def _watching_forwards(self) -> bool:
+        return self.functional_uses is True or self._discovering
+
+    def _end_discovery(self) -> None:
+        """``functional_uses="auto"``: after the first step with a backward, keep watching only
+        if it made a functional use (the watch and its layer pre-hooks go otherwise)."""
+        self._discovering = False
+        if self._functional_seen:
+            self.functional_uses = True
+            return
+        for handle in self._enter_handles:
+            handle.remove()
+        self._enter_handles.clear()
+        self._watch = None
 
     def _owners(self) -> dict[int, tuple[str, nn.Parameter, frozenset[int]]]:
         """id(parameter) -> (full name, parameter, ids of the tracked layers' modules owning it)."""
@@ -577,6 +608,7 @@ class PerSampleStats:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._enter_handles.clear()
         self._grad_nodes.clear()
         for layer in self._layers:
             if _ATTACHED.get(layer.module) is self._me and layer.module is not self.model:
@@ -622,6 +654,8 @@ class PerSampleStats:
         if getattr(self, "_backward_seen", False):
             for listener in list(self.step_listeners):
                 listener()  # before the finished step's data is dropped
+            if self._discovering and self._watching == 0:
+                self._end_discovery()
         for layer in [*self._layers, *self._functional.values()]:
             layer.calls = []
         copies = getattr(self, "_param_grads", {})
@@ -715,7 +749,9 @@ class PerSampleStats:
         self._on_layer_exit(layer)
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
-        with torch._C.DisableTorchFunctionSubclass():  # the engine reads shapes the model may not
+        # The engine's own tensor work is not the model's: no functional-use watch, and it may
+        # read shapes of an expanded shared output that the model may not.
+        with torch._C.DisableTorchFunction():
             return self._record_call(layer, module, args, kwargs, output)
 
     def _record_call(
@@ -857,11 +893,12 @@ class PerSampleStats:
         output: torch.Tensor,
     ) -> torch.Tensor:
         """Record a functional use of a tracked weight as one more call; return the output."""
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunction():
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return output
             if self._step_finished():
                 self._new_step()
+            self._functional_seen = True
             layer = self._functional_layer(use, weight_name, bias_name)
             group = self._rows.tag()
             x, expanded, batch = layer_input, None, self._batch_for(group)
@@ -893,6 +930,7 @@ class PerSampleStats:
         return layer
 
     def _refuse(self, parameter: str, operation: str) -> None:
+        self._functional_seen = True
         self._refused.append((parameter, operation))
 
     # -- gradients ---------------------------------------------------------------------------

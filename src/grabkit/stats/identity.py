@@ -20,14 +20,19 @@ from the factors: O(N (rows + cols)) instead of O(N rows cols). A vector paramet
 a alone. Since the probe's entries are continuous and drawn independently of the data, any
 difference on the probed support is detected with probability 1.
 
-**Support.** A matrix of more than ``FULL_SUPPORT_ENTRIES`` entries is probed on all its rows but
-only a block of ``FULL_SUPPORT_ENTRIES // rows`` consecutive columns, moved to a random place at
-every step (a private ``random.Random``), so that the hook reads at most that many entries of G
-(a full pass over a large G costs a few percent of a small model's step). What that can miss: a
-difference confined to the columns outside this step's block (input features that are zero
-everywhere else, say a one-hot input); a difference spread over the matrix, or confined to rows
-(a table's other rows, an output unit), is still caught at every step, and a persistent one
-confined to columns within about cols / block steps.
+**Support.** A matrix of more than ``FULL_SUPPORT_ENTRIES`` (32,768) entries is probed on a
+rectangle of that many: a block of consecutive rows times a block of consecutive columns, about
+181 x 181 (a side narrower than that whole, the other side widened to match), both moved to a
+random place at every step (a private ``random.Random``). So the hook reads at most that many
+entries of G (a full pass over a large G costs a few percent of a small model's step), and the
+factor side reads N (rows + cols) numbers of the layer's output gradients and inputs instead of
+N (all rows + all cols) (the output gradients of a language model's head are the largest
+tensors a step holds). What that can miss: a difference confined to rows or columns outside this
+step's rectangle. A difference spread over the matrix (a penalty, a missing or doubled use, an
+unseen backward) is caught at every step; one confined to a few rows or columns (an output unit,
+an input feature, some vocabulary entries) is caught once the moving rectangle covers it, within
+about rows x cols / 32,768 steps for a single entry. Vectors (biases, normalisation parameters)
+are probed whole, or on the rows of the matrix whose row probe they share.
 
 **Tolerance, derived from the dtype and the reduction lengths.** Both sides evaluate the same
 real number S = sum_{n, j, k} a_j D_nj A_nk b_k from the same stored operands, in different
@@ -98,8 +103,10 @@ _CAUSES = (
     "Likely causes and fixes:\n"
     "  * a weight used outside its layer (F.linear(h, layer.weight), x @ W.T, a tied head): "
     "PerSampleStats computes F.linear / F.embedding / matmul uses made inside the model's "
-    "forward (functional_uses=True, the default); call the layer as a module for other uses, "
-    "or register a rule for the module that makes them;\n"
+    "forward when it watches it (functional_uses='auto', the default, watches the first step "
+    "and keeps watching only if it saw such a use; pass functional_uses=True for a use that "
+    "appears later); call the layer as a module for other uses, or register a rule for the "
+    "module that makes them;\n"
     "  * a loss term that is not a sum over examples (an L2 penalty in the loss, an auxiliary "
     "loss on shared parameters or batch statistics): declare it, "
     "loss = per_example_loss + stats.batch_term(term), and it is left out of every g_i;\n"
@@ -125,91 +132,124 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-class _Vector:
-    """A probe vector (float64, on the CPU) and its copies on the devices and dtypes it met."""
+class _Axis:
+    """One side of a probe: a vector of independent entries uniform in [-1, 1] (float64, on the
+    CPU), the block of it probed this step, and its copies on the devices and dtypes it met.
 
-    __slots__ = ("cpu", "moved", "norm")
+    A Linear's weight and bias share their row axis: the output gradients' product with the
+    rows' probe then serves both.
+    """
 
-    def __init__(self, values: torch.Tensor) -> None:
+    __slots__ = ("_cut", "_masked", "block", "cpu", "moved", "norm", "size", "start")
+
+    def __init__(self, values: torch.Tensor, block: int) -> None:
         self.cpu = values
+        self.size = values.numel()
+        self.block = block
+        self.start = 0
         self.norm = float(values.norm())
         self.moved: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._cut: tuple[tuple, torch.Tensor] | None = None
+        self._masked: tuple[tuple, torch.Tensor] | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.block < self.size
+
+    def move(self, start: int) -> None:
+        self.start = start
+        self._cut = self._masked = None
+
+    def bound(self) -> float:
+        """An upper bound of the norm of the probed block whatever its place (|entries| <= 1)."""
+        return math.sqrt(self.block) if self.blocked else self.norm
 
     def like(self, t: torch.Tensor) -> torch.Tensor:
-        """The vector on ``t``'s device in ``t``'s dtype (moved once)."""
+        """The whole vector on ``t``'s device in ``t``'s dtype (moved once)."""
         key = (t.get_device(), t.dtype)
         moved = self.moved.get(key)
         if moved is None:
             moved = self.moved[key] = self.cpu.to(t.device, t.dtype)
         return moved
 
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        """This step's block, on ``t``'s device and dtype (cut once a step)."""
+        if not self.blocked:
+            return self.like(t)
+        key = (t.get_device(), t.dtype)
+        cut = self._cut
+        if cut is None or cut[0] != key:
+            cut = self._cut = (key, self.like(t).narrow(0, self.start, self.block))
+        return cut[1]
+
+    def masked(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole vector with zeros outside this step's block (for gathers and groups)."""
+        if not self.blocked:
+            return self.like(t)
+        key = (t.get_device(), t.dtype)
+        masked = self._masked
+        if masked is None or masked[0] != key:
+            values = torch.zeros_like(self.like(t))
+            values.narrow(0, self.start, self.block).copy_(self.cut(t))
+            masked = self._masked = (key, values)
+        return masked[1]
+
+    def narrow(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """``t`` cut to this step's block along ``dim``."""
+        return t.narrow(dim, self.start, self.block) if self.blocked else t
+
+
+def _support(rows: int, cols: int) -> tuple[int, int]:
+    """(rows, cols) of the probed rectangle of a rows x cols matrix: all of it up to
+    ``FULL_SUPPORT_ENTRIES`` entries, else about sqrt of that on each side (fewest reads of the
+    factors, N (rows + cols), for that many entries), a side narrower than that whole."""
+    if rows * cols <= FULL_SUPPORT_ENTRIES:
+        return rows, cols
+    side = math.isqrt(FULL_SUPPORT_ENTRIES)
+    if rows <= side:
+        return rows, max(1, FULL_SUPPORT_ENTRIES // rows)
+    if cols <= side:
+        return max(1, FULL_SUPPORT_ENTRIES // cols), cols
+    return side, side
+
 
 class _Probe:
-    """One parameter's probe: its rows x cols view, row vector a, column vector b (a single 1
-    for a vector parameter) and, when the support is restricted, this step's block of columns.
+    """One parameter's probe: its rows x cols view (a vector: cols = 1), its row and column
+    axes, and the constants of its segments, by (kind, number of products)."""
 
-    Entries are independent and uniform in [-1, 1]. A vector parameter whose length is the rows
-    of a matrix parameter of the same layer shares that parameter's ``row`` (a Linear's bias and
-    weight): the product of the output gradients with a then serves both.
-    """
+    __slots__ = ("col", "cols", "constants", "row", "rows")
 
-    __slots__ = ("_columns", "block", "col", "cols", "constants", "row", "rows", "start")
-
-    def __init__(self, shape: torch.Size, gen: torch.Generator, row: _Vector | None) -> None:
+    def __init__(self, shape: torch.Size, gen: torch.Generator, row: _Axis | None) -> None:
         numel = shape.numel()
         self.rows = int(shape[0]) if len(shape) >= 2 else numel
         self.cols = numel // self.rows if len(shape) >= 2 and self.rows else 1
-        full = self.rows * self.cols <= FULL_SUPPORT_ENTRIES
-        self.block = self.cols if full else max(1, FULL_SUPPORT_ENTRIES // self.rows)
-        self.start = 0
-        self._columns: tuple[tuple, torch.Tensor] | None = None  # this step's block of b
-        if row is None or row.cpu.numel() != self.rows or self.cols != 1:
-            row = _Vector(torch.rand(self.rows, generator=gen, dtype=torch.float64) * 2 - 1)
+        row_block, col_block = _support(self.rows, self.cols)
+        if row is None or row.size != self.rows or self.cols != 1:
+            values = torch.rand(self.rows, generator=gen, dtype=torch.float64) * 2 - 1
+            row = _Axis(values, row_block if self.cols > 1 else self.rows)
         self.row = row
         column = torch.ones(1, dtype=torch.float64)
         if self.cols > 1:
             column = torch.rand(self.cols, generator=gen, dtype=torch.float64) * 2 - 1
-        self.col = _Vector(column)
-        #: (kind, N) -> (scale, m, kappa) of the factor side's segments (see ``_Segment``)
+        self.col = _Axis(column, col_block)
         self.constants: dict[tuple[str, int], tuple[float, int, float]] = {}
 
     @property
     def matrix(self) -> bool:
         return self.cols > 1
 
-    def block_bound(self) -> float:
-        """An upper bound of |b| over any block: the whole of it, or sqrt(block) (|b_j| <= 1),
-        so that the constants need not follow the block."""
-        return self.col.norm if self.block == self.cols else math.sqrt(self.block)
-
     def gradient_side(self, grad: torch.Tensor) -> torch.Tensor:
         """a^T G b over this step's support, for a gradient G delivered to the parameter."""
         g = grad.detach() if grad.requires_grad else grad  # (create_graph: no graph for this)
         if g.dtype not in _PROBE_DTYPES:
             g = g.float()  # low-precision gradients are probed in float32
-        a = self.row.like(g)
-        if self.cols == 1:
-            return torch.dot(a, g if g.dim() == 1 else g.reshape(-1))
+        a = self.row.cut(g)
+        if not self.matrix:
+            return torch.dot(a, self.row.narrow(g if g.dim() == 1 else g.reshape(-1), 0))
         if g.dim() != 2:
             g = g.reshape(self.rows, self.cols)
-        if self.block < self.cols:
-            g = g.narrow(1, self.start, self.block)
-        return torch.dot(a, torch.mv(g, self.columns(g)))
-
-    def move_block(self, start: int) -> None:
-        self.start = start
-        self._columns = None
-
-    def columns(self, t: torch.Tensor) -> torch.Tensor:
-        """b over this step's block of columns, on ``t``'s device and dtype (cut once a step)."""
-        b = self.col.like(t)
-        if self.block == self.cols:
-            return b
-        cut = self._columns
-        key = (t.get_device(), t.dtype)
-        if cut is None or cut[0] != key:
-            cut = self._columns = (key, b.narrow(0, self.start, self.block))
-        return cut[1]
+        g = self.col.narrow(self.row.narrow(g, 0), 1)
+        return torch.dot(a, torch.mv(g, self.col.cut(g)))
 
 
 class _Segment(NamedTuple):
@@ -263,15 +303,16 @@ class IdentityCheck:
             partner = self.probes.get(shared_rows.get(name, ""))
             row = None if partner is None else partner.row
             self.probes[name] = _Probe(torch.Size(param_shapes[name]), gen, row)
-        self.moving = [p for p in self.probes.values() if p.block < p.cols]
+        axes = {id(a): a for p in self.probes.values() for a in (p.row, p.col) if a.blocked}
+        self.moving = list(axes.values())  # each once (a shared row axis moves once)
         self._blocks = random.Random(seed)
         self._coefficients: dict[tuple, torch.Tensor] = {}
         self.gradient_sides: dict[str, torch.Tensor] = {}
 
     def begin_step(self) -> None:
         self.gradient_sides = {}
-        for probe in self.moving:
-            probe.move_block(self._blocks.randrange(probe.cols - probe.block + 1))
+        for axis in self.moving:
+            axis.move(self._blocks.randrange(axis.size - axis.block + 1))
 
     def observe(self, name: str, grad: torch.Tensor) -> None:
         """Add a^T G b of a gradient G delivered to parameter ``name`` in this step."""
@@ -509,23 +550,25 @@ def _cached_mv(
     return product
 
 
-def _flat(t: torch.Tensor, features: int) -> torch.Tensor:
-    return t.view(-1, features) if t.is_contiguous() else t.reshape(-1, features)
-
-
-def _constants(probe: _Probe, kind: str, rows: int, entries: int, kappa_cap: float) -> tuple:
-    """(scale, m, kappa) of a segment of ``rows`` products over ``entries`` probed entries."""
+def _constants(probe: _Probe, kind: str, rows: int) -> tuple[float, int, float]:
+    """(scale, m, kappa) of a segment of ``rows`` products of ``probe`` (see ``_Segment``)."""
     key = (kind, rows)
     found = probe.constants.get(key)
     if found is None:
         if len(probe.constants) > 64:  # sizes that vary step to step: keep a few
             probe.constants.clear()
-        # |a . D_n| <= |a| |D_n| and |b . A_n| <= |b| |A_n|; an embedding's a[idx] is at most 1
-        norm = probe.block_bound() * (1.0 if kind == "embedding" else probe.row.norm)
+        entries = probe.row.block * probe.col.block
+        if kind == "embedding":  # |a[idx] . onehot| <= 1: only the column side is a sum
+            norm, cap, chain = probe.col.bound(), LAMBDA, probe.col.block + 1
+        elif probe.matrix:
+            norm, cap = probe.row.bound() * probe.col.bound(), LAMBDA**2
+            chain = probe.row.block + probe.col.block
+        else:
+            norm, cap, chain = probe.row.bound(), LAMBDA, probe.row.block
         found = probe.constants[key] = (
             1.0 / max(norm, 1e-300),
-            rows + entries,
-            min(math.sqrt(entries), kappa_cap),
+            rows + chain,
+            min(math.sqrt(entries), cap),
         )
     return found
 
@@ -533,21 +576,20 @@ def _constants(probe: _Probe, kind: str, rows: int, entries: int, kappa_cap: flo
 def _outer_product(
     index: int, probe: _Probe, f: OuterProductFactor, cache: dict[tuple, torch.Tensor]
 ) -> _Segment:
-    """g_i = sum_t D_it A_it^T (per group): w_(n, g) = (a_g . D_ng)(b . A_ng) over the block."""
-    a, b = probe.row.like(f.inputs), probe.columns(f.inputs)
+    """g_i = sum_t D_it A_it^T (per group): w_(n, g) = (a_g . D_ng)(b . A_ng) over the probed
+    rows and columns."""
+    row, col = probe.row, probe.col
     groups, q, p = f.groups, f.out_features, f.in_features
-    start, block = probe.start, probe.block
     if groups == 1:
         x, d = f._flat()
-        if block < p:
-            x = x.narrow(1, start, block)
-        products = _cached_mv(cache, d, a).mul(torch.mv(x, b))
-    else:
+        d, x = row.narrow(d, 1), col.narrow(x, 1)
+        products = _cached_mv(cache, d, row.cut(d)).mul(torch.mv(x, col.cut(x)))
+    else:  # the rows' block may span groups: the masked row vector, group by group
         d = f.output_grads.reshape(-1, groups, q)
-        x = f.inputs.reshape(-1, groups, p).narrow(2, start, block)
-        u = torch.einsum("ngq,gq->ng", d, a.view(groups, q))
-        products = (u * torch.matmul(x, b)).reshape(-1)
-    scale, length, kappa = _constants(probe, "outer", products.numel(), q + block, LAMBDA**2)
+        x = col.narrow(f.inputs.reshape(-1, groups, p), 2)
+        u = torch.einsum("ngq,gq->ng", d, row.masked(d).view(groups, q))
+        products = (u * torch.matmul(x, col.cut(x))).reshape(-1)
+    scale, length, kappa = _constants(probe, "outer", products.numel())
     magnitude = functools.partial(_outer_magnitude, d, x)
     return _Segment(index, products, scale, length, kappa, magnitude)
 
@@ -557,13 +599,15 @@ def _outer_magnitude(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding(index: int, probe: _Probe, f: EmbeddingFactor) -> _Segment:
-    """g_i = sum_t onehot(idx_it) D_it^T: w_n = a[idx_n] (b . D_n) over the block of columns."""
-    a, b = probe.row.like(f.output_grads), probe.columns(f.output_grads)
-    d = f.output_grads.reshape(f.indices.numel(), -1).narrow(1, probe.start, probe.block)
-    products = a.index_select(0, f.indices.reshape(-1)) * torch.mv(d, b)
-    scale, length, kappa = _constants(probe, "embedding", products.numel(), probe.block, LAMBDA)
+    """g_i = sum_t onehot(idx_it) D_it^T: w_n = a[idx_n] (b . D_n) over the probed rows (a
+    zero for a row outside them) and columns."""
+    row, col = probe.row, probe.col
+    d = col.narrow(f.output_grads.reshape(f.indices.numel(), -1), 1)
+    looked_up = row.masked(d).index_select(0, f.indices.reshape(-1))
+    products = looked_up * torch.mv(d, col.cut(d))
+    scale, length, kappa = _constants(probe, "embedding", products.numel())
     magnitude = functools.partial(_embedding_magnitude, d)
-    return _Segment(index, products, scale, length + 1, kappa, magnitude)
+    return _Segment(index, products, scale, length, kappa, magnitude)
 
 
 def _embedding_magnitude(d: torch.Tensor) -> torch.Tensor:
@@ -578,20 +622,18 @@ def _per_example(
     cache: dict[tuple, torch.Tensor],
 ) -> _Segment:
     """g_i held outright, (B, numel): w_i = <a b^T, g_i> over the probed support."""
-    a = probe.row.like(grads)
+    row, col = probe.row, probe.col
     positions = 1 if factor is None else factor.positions
     if probe.matrix:
-        b = probe.columns(grads)
-        rows = grads.reshape(-1, probe.rows, probe.cols).narrow(2, probe.start, probe.block)
-        products = torch.matmul(rows, b) @ a
-        rows = rows.reshape(rows.shape[0], -1)
-        entries, cap = probe.rows * probe.block, LAMBDA**2
+        held = grads.reshape(-1, probe.rows, probe.cols)
+        held = col.narrow(row.narrow(held, 1), 2)
+        products = torch.matmul(held, col.cut(held)) @ row.cut(held)
+        rows = held.reshape(held.shape[0], -1)
     else:
-        products = _cached_mv(cache, grads, a)
-        rows = grads
-        entries, cap = probe.rows, LAMBDA
+        rows = row.narrow(grads, 1)
+        products = _cached_mv(cache, rows, row.cut(rows))
     kind = "matrix" if probe.matrix else "vector"
-    scale, length, kappa = _constants(probe, kind, products.numel() * positions, entries, cap)
+    scale, length, kappa = _constants(probe, kind, products.numel() * positions)
     terms = None if factor is None else factor.terms
     magnitude = functools.partial(_rows_magnitude, rows) if terms is None else terms
     return _Segment(index, products, scale, length, kappa, magnitude)
