@@ -368,11 +368,12 @@ class PerSampleStats:
             statistics held as constants. These g_i sum to the batch gradient but differ from
             the gradient of example i's loss alone for BatchNorm and every layer before it.
         check_identity: verify, per parameter and per backward, that sum_i g_i equals the
-            gradient autograd delivered (``grabkit.stats.identity``; a random probe, about 1-2%
-            of a small model's step), and raise ``IdentityCheckError`` instead of returning
-            statistics when it does not. Turning it off (False) is for a user who knows the
-            difference is intended: the statistics may then silently describe another loss (a
-            penalty counted into some example, a weight use the hooks did not see).
+            gradient autograd delivered (``grabkit.stats.identity``: random probes, a few small
+            tensor operations per parameter; cost in ``benchmarks/RESULTS.md``), and raise
+            ``IdentityCheckError`` instead of returning statistics when it does not. Turning
+            it off (False) is for a user who knows the difference is intended: the statistics
+            may then silently describe another loss (a penalty counted into some example, a
+            weight use the hooks did not see).
         functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
             weights outside their layers, made inside the model's forward (a tied head), as
             extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call
