@@ -37,7 +37,7 @@ class Backwards:
 
     def parameter_gradient(self, name: str) -> None:
         """A gradient reached parameter ``name``'s ``AccumulateGrad`` node in the current task."""
-        task = current_task()
+        task = torch._C._current_graph_task_id()
         names = self.accumulated.get(task)
         if names is None:
             self.accumulated[task] = {name}
@@ -58,15 +58,16 @@ class Backwards:
         return bool(self.accumulated) and any(t not in self.accumulated for t in self.with_graph)
 
     def kept(
-        self, params: Mapping[str, str], grads: GradientsByTask
+        self, params: Mapping[str, str], grads: GradientsByTask, every: frozenset[str]
     ) -> list[tuple[frozenset[str], torch.Tensor | list]]:
         """A call's output gradients from the tasks that accumulated into the layer's parameters
-        (``params``: local name -> full name), summed per set of such local names."""
+        (``params``: local name -> full name; ``every``: all the local names), summed per set
+        of such local names."""
         if len(grads) == 1:  # the usual step: one backward, into every parameter
-            task, grad = next(iter(grads.items()))
-            names = self.accumulated.get(task)
-            if names is not None and all(full in names for full in params.values()):
-                return [(frozenset(params), grad)]
+            for task, grad in grads.items():
+                names = self.accumulated.get(task)
+                if names is not None and names.issuperset(params.values()):
+                    return [(every, grad)]
         groups: dict[frozenset[str], torch.Tensor | list] = {}
         for task, grad in grads.items():
             names = self.accumulated.get(task)

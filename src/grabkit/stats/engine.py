@@ -237,6 +237,7 @@ class _TrackedLayer:
         self.module = module
         self.rule = rule
         self.params = params  # local name ("weight") -> full name ("encoder.0.weight")
+        self.locals = frozenset(params)
         self.calls: list[_Call] = []
 
     def __deepcopy__(self, memo: dict) -> _TrackedLayer:
@@ -391,7 +392,8 @@ class PerSampleStats:
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
         self._params = list(model.named_parameters())
-        self._trainable = tuple(p.requires_grad for _, p in self._params)
+        self._param_list = [p for _, p in self._params]
+        self._trainable = [p.requires_grad for p in self._param_list]
         self._attach_trainable()
         self._new_step()
         self._attach_model()
@@ -549,7 +551,7 @@ class PerSampleStats:
     def _follow_trainable_set(self) -> None:
         """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
         tell: one flag per parameter)."""
-        trainable = tuple(p.requires_grad for _, p in self._params)
+        trainable = [p.requires_grad for p in self._param_list]
         if trainable == self._trainable:
             return
         self._trainable = trainable
@@ -866,8 +868,9 @@ class PerSampleStats:
         if grad is None:
             return
         self._backwards.parameter_gradient(name)
-        self._backward_seen = True
-        self._gradient_arrived()
+        self._backward_seen = self._gradient_seen = True
+        self._statistics = None
+        self.generation += 1
         if self._identity is not None:
             self._identity.observe(name, grad)
         if not self.keep_batch_gradients:
@@ -950,7 +953,7 @@ class PerSampleStats:
         names they reached, less the gradient of declared batch terms."""
         if not call.grads:
             return []
-        groups = self._backwards.kept(layer.params, call.grads)
+        groups = self._backwards.kept(layer.params, call.grads, layer.locals)
         for term in self._batch_terms:
             entry = term.call_grads.get(id(call))
             if entry is None or entry[0] is not call or not groups:
@@ -1106,6 +1109,9 @@ class PerSampleStats:
 
     def _batch_gradients(self) -> dict[str, torch.Tensor]:
         """name -> this step's gradient, less the declared batch terms' (zeros where none)."""
+        grads = self._param_grads
+        if not self._batch_terms and len(grads) == len(self.param_shapes):
+            return {name: as_dtype(grads[name], self.dtype) for name in self.param_shapes}
         out = {}
         for name, shape in self.param_shapes.items():
             grad = self._param_grads.get(name)
