@@ -32,17 +32,10 @@ class Backwards:
     """The graph tasks seen in one step (see module docstring)."""
 
     def __init__(self) -> None:
-        self.accumulated: dict[int, set[str]] = {}  # task -> parameters it accumulated into
+        #: task -> parameters it accumulated into (filled by the parameters' AccumulateGrad
+        #: pre-hooks, ``PerSampleStats._on_param_grad``)
+        self.accumulated: dict[int, set[str]] = {}
         self.with_graph: set[int] = set()  # tasks whose hooks ran with grad mode on
-
-    def parameter_gradient(self, name: str) -> None:
-        """A gradient reached parameter ``name``'s ``AccumulateGrad`` node in the current task."""
-        task = torch._C._current_graph_task_id()
-        names = self.accumulated.get(task)
-        if names is None:
-            self.accumulated[task] = {name}
-        else:
-            names.add(name)
 
     def output_gradient(self) -> int:
         """Note an output-gradient hook of the current task; return the task."""

@@ -867,7 +867,13 @@ class PerSampleStats:
         grad = grad_outputs[0]
         if grad is None:
             return
-        self._backwards.parameter_gradient(name)
+        accumulated = self._backwards.accumulated  # this backward accumulates into ``name``
+        task = torch._C._current_graph_task_id()
+        names = accumulated.get(task)
+        if names is None:
+            accumulated[task] = {name}
+        else:
+            names.add(name)
         self._backward_seen = self._gradient_seen = True
         self._statistics = None
         self.generation += 1
