@@ -12,7 +12,7 @@ Where the step gradient comes from:
   synchronising every microbatch) the hooks still see each rank's local increments (DDP averages
   after accumulation) and ``.grad`` holds the ranks' average once the last backward synchronised;
   ``fully_shard`` (FSDP2) likewise, with the hooks on the unsharded parameters of each forward
-  (:mod:`grabkit.noise.taps`) and the average in sharded ``.grad`` s;
+  (:mod:`grabkit.taps`) and the average in sharded ``.grad`` s;
 * an :class:`~grabkit.accumulate.AdaptiveAccumulationWrapper` folds and clears ``.grad`` after
   every microbatch, so the estimator follows the wrapper instead (``optimizer=wrapper``): each
   backward's gradient is a whole microbatch's, and the step gradient is the window's weighted
@@ -33,9 +33,9 @@ from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
-from grabkit.noise.taps import GradientTaps
 from grabkit.noise.windows import combine, gather_terms, rank_terms
 from grabkit.sharding import gradient_layout_of, local, world_size
+from grabkit.taps import GradientTaps
 from grabkit.validation import check_positive
 
 if TYPE_CHECKING:

@@ -64,7 +64,8 @@ class DDPNoiseScale(TrackedEstimator):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 f"DDPNoiseScale expects a DistributedDataParallel model, but got "
-                f"{type(model).__name__}; wrap it first (or use AccumulationNoiseScale)"
+                f"{type(model).__name__}; wrap it first, or use AccumulationNoiseScale(model), "
+                "which also measures fully_shard (FSDP2) models and one process"
             )
         self.process_group = model.process_group
         self.world_size = dist.get_world_size(self.process_group)
