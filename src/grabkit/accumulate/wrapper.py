@@ -152,7 +152,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         max_batch_draws: int = 64,
         default_count: float = 1.0,
         clip_grad_norm: float | None = None,
-        process_group=None,
+        process_group: Any = None,
         gradient_layout: GradientLayout | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):

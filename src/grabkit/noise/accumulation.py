@@ -98,7 +98,11 @@ class AccumulationNoiseScale:
     Args:
         params: a module (a ``DistributedDataParallel`` or ``fully_shard`` one too), tensors, or
             ``(name, tensor)`` pairs; one block per tensor. Sharded parameters need the module.
-        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
+        update_rate: EMA weight of the newest step, as in ``MicrobatchNoiseScale``.
+        window: ``"steps"`` or ``"examples"``, the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        population_size: the data set size N when steps draw without replacement (see
+            ``NoiseScaleTracker``).
         grad_scaler: a ``torch.amp.GradScaler`` whose scale multiplies the losses; its current
             scale is read as each microbatch closes and divided out (squared) before use.
         optimizer: an ``AdaptiveAccumulationWrapper`` over these parameters, to follow its

@@ -45,7 +45,11 @@ class DDPNoiseScale(TrackedEstimator):
 
     Args:
         model: the DDP-wrapped model (its comm hook slot must be free: DDP allows one hook).
-        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
+        update_rate: EMA weight of the newest step, as in ``MicrobatchNoiseScale``.
+        window: ``"steps"`` or ``"examples"``, the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        population_size: the data set size N when steps draw without replacement (see
+            ``NoiseScaleTracker``).
         grad_scaler: a ``torch.amp.GradScaler`` multiplying the losses; its scale is divided out
             (call ``observe_step`` before ``grad_scaler.update()``).
 
