@@ -2,8 +2,8 @@
 one-process reference; ``FullyShardedDataParallel`` (FSDP1) refused at construction.
 
 One spawn runs every capability (a module-scoped fixture): the noise scale under accumulation
-(gradient sync off for all but the last microbatch) and per example, adaptive accumulation
-(GNTS), per-example statistics and sketch-mode GraB.
+(gradient sync off for all but the last microbatch), following the wrapper's windows, and per
+example, adaptive accumulation (GNTS), per-example statistics and sketch-mode GraB.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from grabkit.noise import (
     AccumulationNoiseScale,
     DDPNoiseScale,
     GradientNoiseScaleEstimator,
+    MicrobatchNoiseScale,
     PerExampleNoiseScale,
 )
 from grabkit.stats import PerSampleStats
@@ -89,6 +90,7 @@ def adaptive_accumulation(rank: int, data: dict) -> dict:
     x, y = data["x"].flatten(0, 1), data["y"].flatten(0, 1)  # (steps * world, local, ...)
     model = shard(make_model(data["seed"]))
     optimizer = OptimizerWrapperGNTS(torch.optim.SGD(model.parameters(), lr=data["lr"]), **GNTS)
+    following = AccumulationNoiseScale(model, update_rate=1.0, optimizer=optimizer)
     per_example = PerExampleNoiseScale(update_rate=1.0)
     decisions = []
     for batch in range(0, x.shape[0], WORLD):
@@ -97,6 +99,7 @@ def adaptive_accumulation(rank: int, data: dict) -> dict:
             per_example_loss(model, xm, ym).mean().backward()
             decisions.append(optimizer.step(count=len(ym)))
     optimizer.flush()
+    following.remove()
     params = [p.full_tensor().tolist() for p in model.parameters()]
     with PerSampleStats(model, loss_reduction="mean") as stats:
         per_example_loss(model, x[rank], y[rank]).mean().backward()
@@ -107,6 +110,7 @@ def adaptive_accumulation(rank: int, data: dict) -> dict:
         "params": params,
         "norms": norms,
         "per_example": _estimate(per_example.estimate),
+        "following": _estimate(following.estimate),
     }
 
 
@@ -186,20 +190,39 @@ def test_accumulation_noise_scale_under_fully_shard_equals_one_process(ranks):
 
 
 def _one_process_adaptive(data: dict) -> dict:
-    """The same GNTS run in one process on global microbatches (both ranks' parts)."""
+    """The same GNTS run in one process on global microbatches (both ranks' parts), and the
+    noise scale of its last window from the ranks' own microbatches (the two-batch identity
+    with every rank's part a small batch and the window's mean the big one)."""
     x, y = data["x"].flatten(0, 1), data["y"].flatten(0, 1)
     model = make_model(data["seed"])
-    optimizer = OptimizerWrapperGNTS(torch.optim.SGD(model.parameters(), lr=data["lr"]), **GNTS)
-    decisions = []
+    params = list(model.parameters())
+    optimizer = OptimizerWrapperGNTS(torch.optim.SGD(params, lr=data["lr"]), **GNTS)
+    decisions, window, last = [], [], None
+
+    def close_window() -> None:
+        nonlocal window, last
+        names = tuple(n for n, _ in model.named_parameters())
+        reference = MicrobatchNoiseScale(update_rate=1.0, block_names=names)
+        for grads, count in window:
+            reference.observe_microbatch(torch.stack([(g * g).sum() for g in grads]), count)
+        mean = [sum(g[i] for g, _ in window) / len(window) for i in range(len(params))]
+        last, window = reference.observe_step(torch.stack([(m * m).sum() for m in mean])), []
+
     for batch in range(0, x.shape[0], WORLD):
         parts = [(x[batch + r].chunk(MICRO), y[batch + r].chunk(MICRO)) for r in range(WORLD)]
         for m in range(MICRO):
+            for xs, ys in parts:  # each rank's own microbatch gradient
+                loss = per_example_loss(model, xs[m], ys[m]).mean()
+                window.append((torch.autograd.grad(loss, params), len(ys[m])))
             xm = torch.cat([xs[m] for xs, _ in parts])
             ym = torch.cat([ys[m] for _, ys in parts])
             per_example_loss(model, xm, ym).mean().backward()
             decisions.append(optimizer.step(count=len(ym)))
-    optimizer.flush()
-    return {"decisions": decisions, "model": model, "x": x, "y": y}
+            if decisions[-1]:
+                close_window()
+    if optimizer.flush():
+        close_window()
+    return {"decisions": decisions, "model": model, "x": x, "y": y, "last_window": last}
 
 
 @pytest.mark.distributed
@@ -209,6 +232,7 @@ def test_adaptive_accumulation_under_fully_shard_decides_and_updates_like_one_pr
     assert 0 < sum(want["decisions"]) < len(want["decisions"])  # some windows, not every step
     for rank in per_rank:
         assert rank["adaptive"]["decisions"] == want["decisions"]
+        _assert_estimates(rank["adaptive"]["following"], want["last_window"])
         for got, p in zip(rank["adaptive"]["params"], want["model"].parameters(), strict=True):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), p.detach())
 
