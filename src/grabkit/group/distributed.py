@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from grabkit.sharding import refuse_flat_parameters, world_size
 
+from .coupling import warn_if_batch_coupled
 from .plumbing import length_mask
 
 if TYPE_CHECKING:
@@ -140,14 +141,11 @@ class _DDPGroups:
             return self._forward(self.ddp.module, *inputs, **kwargs)
 
         if len(batch) == 0 and reduction == "sum":  # still take part in the reduction
-            self._empty_backward(batch, pass_mask, module)
+            _call_empty(module, batch, pass_mask).sum().backward()
             return torch.zeros(())
+        warn_if_batch_coupled(self.ddp.module, len(batch.plan))
         with _plain():
             return backward_by_group(module, batch, loss_fn, pass_mask, reduction)
-
-    @staticmethod
-    def _empty_backward(batch: GroupedBatch, pass_mask: bool, module: Callable) -> None:
-        _call_empty(module, batch, pass_mask).sum().backward()
 
 
 def _call_empty(module: Callable, batch: GroupedBatch, pass_mask: bool) -> Tensor:
