@@ -244,10 +244,11 @@ class AccumulationNoiseScale:
             )
         grads = [p.grad for p in self._params]
         if self._row and all(g is None for g in grads):
+            closed = self._row
             self._clear_step()
             raise RuntimeError(
                 "end_step() found no gradient in .grad after "
-                f"{len(self._micro_counts)} microbatch(es): something cleared it (zero_grad() "
+                f"{closed} microbatch(es): something cleared it (zero_grad() "
                 "before end_step(), or an AdaptiveAccumulationWrapper, which folds .grad away "
                 "after every microbatch: build the estimator with optimizer=wrapper instead)"
             )
