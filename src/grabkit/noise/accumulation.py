@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from grabkit.integrations.wiring import check_wiring
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
@@ -237,6 +238,9 @@ class AccumulationNoiseScale:
         microbatches (over all ranks) was seen.
         """
         self._refuse_if_following("end_step")
+        if not getattr(self, "_wiring_checked", False):  # a framework that clipped already
+            self._wiring_checked = True
+            check_wiring(self, "noise")
         if any(self._written):
             raise RuntimeError(
                 "a backward pass ran after the last end_microbatch(); call "
@@ -274,6 +278,14 @@ class AccumulationNoiseScale:
                 f"{what}() is called by the AdaptiveAccumulationWrapper this estimator follows "
                 "(optimizer=); just call the wrapper's step() after each backward"
             )
+
+    def discard_step(self) -> None:
+        """Close the step without measuring it (where ``end_step`` would go): the averages stay
+        as they are. For a step whose microbatches are not weighted as ``end_microbatch``'s
+        counts say (e.g. equal shares 1 / K of microbatches of different sizes)."""
+        self._refuse_if_following("discard_step")
+        self._clear_step()
+        self._written, self._repeated = [False] * len(self._params), False
 
     # ------------------------------------------------------------------ shared
     def _world(self) -> int:
