@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
@@ -64,6 +65,7 @@ from grabkit.stats.identity import IdentityCheck, unit_roundoff
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.step import StepStatistics
+from grabkit.taps import GradientTaps
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
@@ -360,6 +362,7 @@ class PerSampleStats:
                 f"`loss_reduction` should be one of {_LOSS_REDUCTIONS}, but got "
                 f"loss_reduction={loss_reduction!r}"
             )
+        refuse_flat_parameters(model.parameters(), "PerSampleStats")  # FSDP1
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
@@ -490,12 +493,20 @@ class PerSampleStats:
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
             _ATTACHED[layer.module] = self
+        sharded = []
         for name, p in self._params:
-            if p.requires_grad:
-                node = _accumulate_grad_node(p)
-                hook = functools.partial(self._on_param_grad, name)
-                self._handles.append(node.register_prehook(hook))
-                self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+            if not p.requires_grad:
+                continue
+            if is_sharded(p):  # fully_shard: the forward differentiates an unsharded copy
+                sharded.append((name, p))
+                continue
+            node = _accumulate_grad_node(p)
+            hook = functools.partial(self._on_param_grad, name)
+            self._handles.append(node.register_prehook(hook))
+            self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+        if sharded:  # taps on the unsharded copies (grabkit.taps)
+            on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in sharded])
+            self._handles.append(GradientTaps(sharded, on_grad, self.model))
         self._watch = None
         if self._watching_forwards:
             self._watch = FunctionalUses(self._owners(), self._record_functional, self._refuse)
@@ -860,6 +871,11 @@ class PerSampleStats:
         grad = grad.detach()
         per_slot[slot] = grad if previous is None else previous + grad
         self._gradient_arrived()
+
+    def _on_tapped_grad(self, names: list[str], index: int, grad: torch.Tensor) -> None:
+        """A tap on a ``fully_shard`` parameter's unsharded copy (its gradient, local, before
+        the reduce-scatter). Every backward reaching the copy counts as accumulating."""
+        self._on_param_grad(names[index], (grad,))
 
     def _on_param_grad(self, name: str, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         """Pre-hook of the parameter's ``AccumulateGrad`` node: a backward adds this gradient
