@@ -9,7 +9,9 @@ Two workloads, each timed side by side in one run (interleaved rounds, medians):
   step, and the MiB of tensors the engine holds for one step.
 * ``identity``: the run-time identity check's cost, check on against off (and the functional-use
   watch off too), on the MLP's hook-mode GraB pair step and the tied small GPT's step reading
-  norms, each in exact and sketch mode, as a fraction of a plain step.
+  norms (or sketches), each in exact and sketch mode, as a fraction of a plain step; and the
+  thread CPU time spent inside the check's own code per step (its methods wrapped), against a
+  plain step timed between the steps.
 
 Contenders, each with its own copy of the model and its own SGD optimizer:
 
@@ -600,6 +602,56 @@ IDENTITY_OPTIONS = {
 }
 
 
+class _CheckClock:
+    """Thread CPU time spent inside the identity check's own code (its hooks' probes, the read,
+    the step's block moves, the precision scan), by wrapping those methods while it is used."""
+
+    def __init__(self) -> None:
+        from grabkit.stats import engine, identity
+
+        self.spent = 0.0
+        self._patched = [
+            (identity.IdentityCheck, "observe"),
+            (identity.IdentityCheck, "verify"),
+            (identity.IdentityCheck, "begin_step"),
+            (engine.PerSampleStats, "_low_precision"),
+        ]
+        self._originals = [getattr(owner, name) for owner, name in self._patched]
+
+    def __enter__(self) -> _CheckClock:
+        for (owner, name), original in zip(self._patched, self._originals, strict=True):
+            setattr(owner, name, self._timed(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for (owner, name), original in zip(self._patched, self._originals, strict=True):
+            setattr(owner, name, original)
+
+    def _timed(self, original: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent += time.thread_time() - start
+
+        return timed
+
+
+def _own_cost(step: Callable[[], None], plain: Callable[[], None], steps: int) -> tuple:
+    """(median CPU seconds of the check's own code per step, median plain step), alternating."""
+    own, plain_times = [], []
+    with _CheckClock() as clock:
+        for _ in range(steps):
+            before = clock.spent
+            step()
+            own.append(clock.spent - before)
+            start = time.thread_time()
+            plain()
+            plain_times.append(time.thread_time() - start)
+    return statistics.median(own), statistics.median(plain_times)
+
+
 def run_identity(args: argparse.Namespace) -> None:
     """The identity check's cost: each workload's hook-mode step with the check on and off (and
     without the functional-use watch), beside a plain step, interleaved (CPU medians)."""
@@ -626,8 +678,10 @@ def run_identity(args: argparse.Namespace) -> None:
                 )
             check = (cpu["check on"] - cpu["check off"]) / cpu["plain"]
             watch = (cpu["check off"] - cpu["check off, no functional uses"]) / cpu["plain"]
+            own, plain = _own_cost(contenders["check on"], contenders["plain"], rounds * inner)
             print(
-                f"| {workload} | {mode} | **check: {check:+.2%} of plain; functional-use "
+                f"| {workload} | {mode} | **check on - off: {check:+.2%} of plain; the check's "
+                f"own code: {own * 1e3:.3f} ms = {own / plain:.2%} of plain; functional-use "
                 f"watch: {watch:+.2%}** | | |"
             )
 

@@ -81,13 +81,19 @@ class GraBSampler(Sampler[int]):
             ``grabkit.order.balance.SignRule``).
         projection: ``None``, ``"gaussian"``, ``"sparse"``, ``"kronecker"`` or a callable
             (B, d) -> (B, k): random projection applied to dense batches before balancing.
-        projection_dim, pi_eps, kron_order: k (default: the Johnson-Lindenstrauss dimension
-            for ``pi_eps``, capped at d); ``kron_order`` must be 2.
+        projection_dim: k (default: the Johnson-Lindenstrauss dimension for ``pi_eps``, capped
+            at d).
+        pi_eps: the distortion the default ``projection_dim`` is chosen for.
+        kron_order: must be 2.
         normalize: balance g_i / ||g_i||.
-        num_replicas, rank, drop_last, seed: as ``torch.utils.data.DistributedSampler``;
-            ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
+        num_replicas: as ``torch.utils.data.DistributedSampler``; defaults to the initialised
+            process group's size (else 1).
+        rank: as ``DistributedSampler``; defaults to this process's rank (else 0).
+        drop_last: as ``DistributedSampler``.
+        seed: as ``DistributedSampler``.
         random_first_epoch: the first epoch in a random order (else 0..n-1).
-        dtype, device: move dense gradients there before balancing (default: as given).
+        dtype: cast dense gradients to it before balancing (default: as given).
+        device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
         block_policy: how dense batches are cut for balancing (``grabkit.order.balance.

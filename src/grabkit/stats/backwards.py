@@ -32,17 +32,10 @@ class Backwards:
     """The graph tasks seen in one step (see module docstring)."""
 
     def __init__(self) -> None:
-        self.accumulated: dict[int, set[str]] = {}  # task -> parameters it accumulated into
+        #: task -> parameters it accumulated into (filled by the parameters' AccumulateGrad
+        #: pre-hooks, ``PerSampleStats._on_param_grad``)
+        self.accumulated: dict[int, set[str]] = {}
         self.with_graph: set[int] = set()  # tasks whose hooks ran with grad mode on
-
-    def parameter_gradient(self, name: str) -> None:
-        """A gradient reached parameter ``name``'s ``AccumulateGrad`` node in the current task."""
-        task = current_task()
-        names = self.accumulated.get(task)
-        if names is None:
-            self.accumulated[task] = {name}
-        else:
-            names.add(name)
 
     def output_gradient(self) -> int:
         """Note an output-gradient hook of the current task; return the task."""
@@ -58,15 +51,16 @@ class Backwards:
         return bool(self.accumulated) and any(t not in self.accumulated for t in self.with_graph)
 
     def kept(
-        self, params: Mapping[str, str], grads: GradientsByTask
+        self, params: Mapping[str, str], grads: GradientsByTask, every: frozenset[str]
     ) -> list[tuple[frozenset[str], torch.Tensor | list]]:
         """A call's output gradients from the tasks that accumulated into the layer's parameters
-        (``params``: local name -> full name), summed per set of such local names."""
+        (``params``: local name -> full name; ``every``: all the local names), summed per set
+        of such local names."""
         if len(grads) == 1:  # the usual step: one backward, into every parameter
-            task, grad = next(iter(grads.items()))
-            names = self.accumulated.get(task)
-            if names is not None and all(full in names for full in params.values()):
-                return [(frozenset(params), grad)]
+            for task, grad in grads.items():
+                names = self.accumulated.get(task)
+                if names is not None and names.issuperset(params.values()):
+                    return [(every, grad)]
         groups: dict[frozenset[str], torch.Tensor | list] = {}
         for task, grad in grads.items():
             names = self.accumulated.get(task)

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
 
+from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
@@ -64,6 +65,7 @@ from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.step import StepStatistics
+from grabkit.taps import GradientTaps
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
@@ -301,6 +303,7 @@ class _TrackedLayer:
         self.module = module
         self.rule = rule
         self.params = params  # local name ("weight") -> full name ("encoder.0.weight")
+        self.locals = frozenset(params)
         self.calls: list[_Call] = []
 
     def __deepcopy__(self, memo: dict) -> _TrackedLayer:
@@ -423,6 +426,7 @@ class PerSampleStats:
                 f"`loss_reduction` should be one of {_LOSS_REDUCTIONS}, but got "
                 f"loss_reduction={loss_reduction!r}"
             )
+        refuse_flat_parameters(model.parameters(), "PerSampleStats")  # FSDP1
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
@@ -456,7 +460,8 @@ class PerSampleStats:
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
         self._params = list(model.named_parameters())
-        self._trainable = tuple(p.requires_grad for _, p in self._params)
+        self._param_list = [p for _, p in self._params]
+        self._trainable = [p.requires_grad for p in self._param_list]
         self._attach_trainable()
         self._new_step()
         self._attach_model()
@@ -554,11 +559,19 @@ class PerSampleStats:
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
             _ATTACHED[layer.module] = me
+        sharded = []
         for name, p in self._params:
-            if p.requires_grad:
-                node = _accumulate_grad_node(p)
-                self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
-                self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+            if not p.requires_grad:
+                continue
+            if is_sharded(p):  # fully_shard: the forward differentiates an unsharded copy
+                sharded.append((name, p))
+                continue
+            node = _accumulate_grad_node(p)
+            self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
+            self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+        if sharded:  # taps on the unsharded copies (grabkit.taps)
+            on_grad = _WeakHook(me, "_on_tapped_grad", [name for name, _ in sharded])
+            self._handles.append(GradientTaps(sharded, on_grad, self.model))
         self._watch = None
         if self._watching_forwards:
             self._watch = FunctionalUses(self._owners(), self._record_functional, self._refuse)
@@ -618,7 +631,7 @@ class PerSampleStats:
     def _follow_trainable_set(self) -> None:
         """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
         tell: one flag per parameter)."""
-        trainable = tuple(p.requires_grad for _, p in self._params)
+        trainable = [p.requires_grad for p in self._param_list]
         if trainable == self._trainable:
             return
         self._trainable = trainable
@@ -959,15 +972,27 @@ class PerSampleStats:
         per_slot[slot] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
+    def _on_tapped_grad(self, names: list[str], index: int, grad: torch.Tensor) -> None:
+        """A tap on a ``fully_shard`` parameter's unsharded copy (its gradient, local, before
+        the reduce-scatter). Every backward reaching the copy counts as accumulating."""
+        self._on_param_grad(names[index], (grad,))
+
     def _on_param_grad(self, name: str, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         """Pre-hook of the parameter's ``AccumulateGrad`` node: a backward adds this gradient
         into ``.grad`` (so the backward belongs to the step)."""
         grad = grad_outputs[0]
         if grad is None:
             return
-        self._backwards.parameter_gradient(name)
-        self._backward_seen = True
-        self._gradient_arrived()
+        accumulated = self._backwards.accumulated  # this backward accumulates into ``name``
+        task = torch._C._current_graph_task_id()
+        names = accumulated.get(task)
+        if names is None:
+            accumulated[task] = {name}
+        else:
+            names.add(name)
+        self._backward_seen = self._gradient_seen = True
+        self._statistics = None
+        self.generation += 1
         if self._identity is not None:
             self._identity.observe(name, grad)
         if not self.keep_batch_gradients:
@@ -1056,7 +1081,7 @@ class PerSampleStats:
         names they reached, less the gradient of declared batch terms."""
         if not call.grads:
             return []
-        groups = self._backwards.kept(layer.params, call.grads)
+        groups = self._backwards.kept(layer.params, call.grads, layer.locals)
         for term in self._batch_terms:
             entry = term.call_grads.get(id(call))
             if entry is None or entry[0] is not call or not groups:
@@ -1237,6 +1262,9 @@ class PerSampleStats:
 
     def _batch_gradients(self) -> dict[str, torch.Tensor]:
         """name -> this step's gradient, less the declared batch terms' (zeros where none)."""
+        grads = self._param_grads
+        if not self._batch_terms and len(grads) == len(self.param_shapes):
+            return {name: as_dtype(grads[name], self.dtype) for name in self.param_shapes}
         out = {}
         for name, shape in self.param_shapes.items():
             grad = self._param_grads.get(name)
