@@ -1,0 +1,86 @@
+"""Bodies run on every rank by tests/accumulate/test_no_sync.py (module level, picklable):
+adaptive wrappers stepped after every microbatch of a DDP model whose backwards run under
+``no_sync()`` (by hand, or through accelerate's ``accumulate()``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+from tests.accumulate.distributed_bodies import KINDS, build
+from tests.accumulate.helpers import make_microbatches, make_model, mean_loss
+from torch import nn
+
+SYNC_EVERY = 3  # the microbatches of one "round": the first two under no_sync()
+
+
+def _step(wrapper, kind: str, loss: torch.Tensor, count: int) -> bool:
+    if kind == "mht":
+        return wrapper.step(loss.detach(), count=count)
+    return wrapper.step(count=count)
+
+
+def _params(model: nn.Module) -> list[list[float]]:
+    # plain lists: tensors would travel through shared memory that dies with the rank
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def ddp_no_sync_run(rank: int, world_size: int, payload: dict) -> dict:
+    """Every wrapper kind on a DDP model, each rank holding its half of every microbatch and
+    running two of every three backwards under ``no_sync()``."""
+    out: dict = {}
+    for kind in KINDS:
+        model = make_model(0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        wrapper = build(kind, ddp.parameters())
+        decisions = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, (x, y) in enumerate(make_microbatches(payload["sizes"], seed=11)):
+                xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+                local = i % SYNC_EVERY < SYNC_EVERY - 1
+                with ddp.no_sync() if local else contextlib.nullcontext():
+                    loss = mean_loss(ddp, xs, ys)
+                    loss.backward()
+                decisions.append(_step(wrapper, kind, loss, len(xs)))
+            wrapper.flush()
+        messages = [str(w.message) for w in caught if "not all-reduced" in str(w.message)]
+        out[kind] = {"decisions": decisions, "params": _params(model), "warned": len(messages)}
+    return out
+
+
+def accelerate_run(rank: int, world_size: int, payload: dict) -> dict:
+    """GNS on a model prepared by accelerate (DDP on CPU), microbatches in its
+    ``accumulate()`` (no_sync on all but every third), the wrapper stepped after each."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=SYNC_EVERY)
+    model = make_model(0)
+    prepared = accelerator.prepare(model)
+    assert isinstance(prepared, nn.parallel.DistributedDataParallel)
+    wrapper = build("gns", prepared.parameters(), noise_multiplier=0.3)
+    decisions = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for x, y in make_microbatches(payload["sizes"], seed=11):
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            with accelerator.accumulate(prepared):
+                accelerator.backward(mean_loss(prepared, xs, ys))  # divides by SYNC_EVERY
+                decisions.append(wrapper.step(count=len(xs)))
+        wrapper.flush()
+    return {"decisions": decisions, "params": _params(model)}
+
+
+def body(rank: int, world_size: int, payload: dict) -> dict:
+    torch.manual_seed(0)
+    result = {"ddp": ddp_no_sync_run(rank, world_size, payload)}
+    if payload.get("accelerate"):
+        result["accelerate"] = accelerate_run(rank, world_size, payload)
+    return result
