@@ -51,6 +51,48 @@ def ddp_no_sync_run(rank: int, world_size: int, payload: dict) -> dict:
     return out
 
 
+def scaled_unsynced_run(rank: int, world_size: int, payload: dict) -> dict:
+    """GNTS on a DDP model whose every backward runs under ``no_sync()``, through a GradScaler
+    whose scale differs by rank (and changes): each rank's gradient is unscaled by its own scale
+    before the wrapper averages the ranks."""
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gnts", ddp.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (4 + 3 * rank), growth_interval=1)
+    decisions = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for x, y in make_microbatches(payload["sizes"], seed=11):
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            with ddp.no_sync():
+                scaler.scale(mean_loss(ddp, xs, ys)).backward()
+            decisions.append(bool(scaler.step(wrapper, count=len(xs))))
+            scaler.update()
+        wrapper.flush()
+    return {"decisions": decisions, "params": _params(model)}
+
+
+def fully_shard_no_sync_run(rank: int, world_size: int, payload: dict) -> str:
+    """GNTS on a ``fully_shard`` model whose first backward runs with gradient sync off: FSDP2
+    keeps that gradient unsharded and .grad empty; the wrapper must refuse, on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(0)
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    fully_shard(model)
+    wrapper = build("gnts", model.parameters())
+    x, y = make_microbatches(payload["sizes"], seed=11)[0]
+    model.set_requires_gradient_sync(False)
+    mean_loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+    try:
+        wrapper.step(count=len(x) // world_size)
+    except ValueError as error:
+        return str(error)
+    return f"stepped: {wrapper.last_reason}"
+
+
 def accelerate_run(rank: int, world_size: int, payload: dict) -> dict:
     """GNS on a model prepared by accelerate (DDP on CPU), microbatches in its
     ``accumulate()`` (no_sync on all but every third), the wrapper stepped after each."""
@@ -81,6 +123,8 @@ def accelerate_run(rank: int, world_size: int, payload: dict) -> dict:
 def body(rank: int, world_size: int, payload: dict) -> dict:
     torch.manual_seed(0)
     result = {"ddp": ddp_no_sync_run(rank, world_size, payload)}
+    result["scaled"] = scaled_unsynced_run(rank, world_size, payload)
+    result["fully_shard"] = fully_shard_no_sync_run(rank, world_size, payload)
     if payload.get("accelerate"):
         result["accelerate"] = accelerate_run(rank, world_size, payload)
     return result

@@ -68,6 +68,19 @@ def test_no_sync_microbatches_give_the_one_process_run(ranks, kind):
         assert result["ddp"][kind]["warned"] == 1  # once, naming no_sync
 
 
+def test_grad_scaled_unsynced_microbatches_give_the_one_process_run(ranks):
+    decisions, params = one_process("gnts")  # the scales are powers of two: exact
+    assert 1 < sum(decisions) < len(decisions)
+    for rank, result in enumerate(ranks):
+        assert_same_run(result["scaled"], decisions, params, f"GradScaler, rank {rank}")
+
+
+def test_fully_shard_without_gradient_sync_is_refused_on_every_rank(ranks):
+    for result in ranks:
+        assert "set_requires_gradient_sync(False)" in result["fully_shard"]
+        assert "on 2 of 2 ranks" in result["fully_shard"]
+
+
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="needs accelerate")
 def test_accelerate_accumulate_gives_the_one_process_run(ranks):
     # accelerator.backward divides every loss by gradient_accumulation_steps

@@ -32,6 +32,7 @@ __all__ = [
     "GradientLayout",
     "StatisticsReducer",
     "average_over_ranks",
+    "held_by_fully_shard",
     "replica_fingerprint",
     "replicas_differ",
 ]
@@ -137,3 +138,31 @@ def average_over_ranks(
         for p, mean in zip(members, flat.split([p.numel() for p in members]), strict=True):
             averaged.append((p, mean.view(p.shape)))
     return averaged
+
+
+def held_by_fully_shard(params: list[torch.Tensor]) -> bool:
+    """Whether ``fully_shard`` (FSDP2) holds an unreduced gradient of one of ``params``.
+
+    Under ``set_requires_gradient_sync(False)`` FSDP2 accumulates the unsharded gradient and
+    writes nothing into the sharded ``.grad``, so a microbatch looks like one without backward;
+    the gradient reaches ``.grad`` at the next synchronised backward, summed with that
+    microbatch's. Read from FSDP2's per-module states (a private registry of torch; without it
+    nothing is found).
+    """
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # pragma: no cover - a torch without FSDP2's registry
+        return False
+    wanted = set(params)
+    for reference in list(_module_state_mapping.values()):
+        state = reference() if callable(reference) else reference
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            if fsdp_param.sharded_param not in wanted:
+                continue
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if getattr(fsdp_param, "unsharded_accumulated_grad", None) is not None or (
+                unsharded is not None and unsharded.grad is not None
+            ):
+                return True
+    return False

@@ -49,6 +49,7 @@ from grabkit.accumulate.distributed import (
     GradientLayout,
     StatisticsReducer,
     average_over_ranks,
+    held_by_fully_shard,
     replica_fingerprint,
     replicas_differ,
 )
@@ -364,7 +365,11 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         squares = self._microbatch_squares(pending, device)
         norm_sq = squares.sum() if self.controller.needs_microbatch_norm and pending else None
         world = self._reducer.world_size
+        held = not pending and self._reducer.gradient_layout == "sharded"
+        held = held and held_by_fully_shard(self._params())
         if world == 1 and found_inf is None and not isinstance(count, torch.Tensor):
+            if held:
+                _refuse_unreduced_shards(1, 1)
             if not pending:
                 return "no_gradient"
             global_count = torch.tensor(count, dtype=torch.float64, device=device)
@@ -382,8 +387,11 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         head[4] = float(not pending)
         if squares is not None and self._compares_replicas():
             head[5:] = replica_fingerprint(squares, self._indices_of(pending, device))
+        head[5] += float(held)  # sharded: the ranks whose gradient fully_shard holds back
         self._reducer.sum(head)
         overflow, invalid, empty, fingerprint, fingerprint_sq = head[2:].tolist()  # host reads
+        if self._reducer.gradient_layout == "sharded" and fingerprint > 0:
+            _refuse_unreduced_shards(int(fingerprint), world)
         reason = self._drop_reason(count, overflow, invalid, empty)
         if reason is not None:
             return reason
@@ -701,6 +709,17 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 f"the checkpoint's configuration differs from this wrapper's ({detail}); build "
                 "the wrapper with the checkpoint's options to resume"
             )
+
+
+def _refuse_unreduced_shards(ranks: int, world: int) -> None:
+    where = f" on {ranks} of {world} ranks" if world > 1 else ""
+    raise ValueError(
+        f"fully_shard holds this microbatch's gradient unreduced{where} "
+        "(set_requires_gradient_sync(False)), so .grad is empty now and the next synchronised "
+        "backward would bring several microbatches' gradients as one: the adaptive wrapper "
+        "cannot weigh or decide on them. Keep gradient sync on (the default) and step the "
+        "wrapper after every microbatch: it accumulates and decides itself"
+    )
 
 
 def _check_layout(
