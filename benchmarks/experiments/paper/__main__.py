@@ -29,9 +29,8 @@ import torch
 from benchmarks.experiments.common import SCRATCH
 from benchmarks.experiments.data import DataMissing
 from benchmarks.experiments.paper import lstm, records, vision
+from benchmarks.experiments.paper.records import RESULTS, TASKS
 
-RESULTS = Path(__file__).resolve().parents[1] / "results" / "paper"
-TASKS = ("mnist", "cifar", "lstm")
 DEFAULTS = {
     "mnist": ("rr,mean,pair", "0-4"),
     "cifar": ("rr,pair", "0-2"),

@@ -26,6 +26,9 @@ import torch
 from benchmarks.experiments.data import CACHE
 
 ROOT = Path(__file__).resolve().parents[3]
+#: the committed results: per-run records in runs/<task>/, reports beside them
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "paper"
+TASKS = ("mnist", "cifar", "lstm")
 
 
 class Trainer(Protocol):
