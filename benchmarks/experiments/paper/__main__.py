@@ -5,6 +5,8 @@
     python -m benchmarks.experiments.paper lstm --orderings rr,mean --seeds 0-2
     python -m benchmarks.experiments.paper queue --jobs 2 --log FILE -- "mnist ..." "cifar ..."
     python -m benchmarks.experiments.paper --report
+    python -m benchmarks.experiments.paper cifar --orderings rr,pair,pair-units --seeds 0-2 \
+        --epochs 100 --device cuda --out benchmarks/experiments/results/paper-gpu  # on a GPU
 
 A task command trains each (ordering, seed) in turn, seeds outermost, resuming any run that
 stopped. ``queue`` runs task commands' single runs as subprocesses, at most ``--jobs`` at once,
@@ -54,6 +56,9 @@ def task_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default=None, help="e.g. 0-4 or 0,3 (default per task)")
     parser.add_argument("--epochs", type=int, default=None, help="default: the authors'")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--device", default="cpu", help="cpu or cuda (a GPU run: give it its own --out)"
+    )
     parser.add_argument("--quick", action="store_true", help="2 epochs, 1 seed, scratch folder")
     parser.add_argument("--synthetic", action="store_true", help="tiny random data (tests)")
     return parser
@@ -80,14 +85,16 @@ def make_trainer(args: argparse.Namespace, ordering: str, seed: int, data):
     if args.task == "lstm":
         settings = dict(lstm.SETTINGS, epochs=args.epochs or lstm.SETTINGS["epochs"])
         settings["synthetic"] = args.synthetic
-        trainer = lstm.LSTMTrainer(ordering, seed, data)
+        trainer = lstm.LSTMTrainer(ordering, seed, data, device=args.device)
         metric, higher = "test perplexity", False
     else:
         task = vision.TASKS[args.task]
         settings = task.settings(args.synthetic)
         settings["epochs"] = args.epochs or task.epochs
-        trainer = vision.VisionTrainer(task, ordering, seed, data)
+        trainer = vision.VisionTrainer(task, ordering, seed, data, device=args.device)
         metric, higher = "test accuracy (%)", True
+    if args.device != "cpu":
+        settings["device"] = args.device  # a CPU run's settings stay as they were
     record = records.RunRecord(
         task=args.task, ordering=ordering, seed=seed, epochs_planned=settings["epochs"],
         metric=metric, higher_is_better=higher, settings=settings,
@@ -120,7 +127,7 @@ def run_task(argv: Sequence[str]) -> int:
 def expand(spec: str) -> list[list[str]]:
     """A task command's options -> one option list per single run, seeds outermost."""
     args = resolve(task_parser().parse_args(shlex.split(spec)))
-    common = [args.task, f"--out={args.out}"]
+    common = [args.task, f"--out={args.out}", f"--device={args.device}"]
     common += [f"--epochs={args.epochs}"] * (args.epochs is not None)
     common += ["--synthetic"] * args.synthetic
     return [

@@ -81,7 +81,7 @@ class RNNModel(nn.Module):
         return nn.functional.log_softmax(self.decoder(output).flatten(0, 1), dim=1), hidden
 
     def init_hidden(self, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
-        zeros = torch.zeros(self.nlayers, streams, self.nhid)
+        zeros = self.decoder.weight.new_zeros(self.nlayers, streams, self.nhid)
         return zeros, zeros.clone()
 
 
@@ -112,17 +112,25 @@ def load_corpus(synthetic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 class LSTMTrainer:
     """One (ordering, seed) of the LSTM task; the model's draw depends only on the seed."""
 
-    def __init__(self, ordering: str, seed: int, corpus: tuple, settings: dict = SETTINGS):
+    def __init__(
+        self,
+        ordering: str,
+        seed: int,
+        corpus: tuple,
+        settings: dict = SETTINGS,
+        device: str = "cpu",
+    ):
         if ordering not in ORDERINGS:
             raise ValueError(f"unknown ordering {ordering!r}; expected one of {ORDERINGS}")
         train, valid, test, vocab = corpus
         self.ordering, self.seed, self.s = ordering, seed, settings
-        self.train = batchify(train, settings["streams"])
-        self.valid = batchify(valid, settings["valid_streams"])
-        self.test = batchify(test, settings["test_streams"])
+        self.device = torch.device(device)
+        self.train = batchify(train, settings["streams"]).to(self.device)
+        self.valid = batchify(valid, settings["valid_streams"]).to(self.device)
+        self.test = batchify(test, settings["test_streams"]).to(self.device)
         self.chunks = len(self.train) // settings["bptt"]
         torch.manual_seed(seed)
-        self.model = RNNModel(vocab)
+        self.model = RNNModel(vocab).to(self.device)  # drawn on the CPU: the same on a GPU
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=settings["lr"], momentum=settings["momentum"]
         )
@@ -161,6 +169,8 @@ class LSTMTrainer:
             if self.sampler is not None:
                 self.sampler.step(torch.cat([p.grad.flatten() for p in params])[None])
             self.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the epoch's time is the finished work
         return {"lr": lr}
 
     def _mean_loss(self, source: torch.Tensor) -> float:

@@ -151,13 +151,18 @@ def task_section(c: Comparison, figure: Path) -> tuple[str, list[str]]:
         else ""
     )
     status = "" if c.planned == E else f" **(partial: {E} of {c.planned} epochs so far)**"
+    where = (
+        f"on {first.settings['device']} (wall seconds; CPU seconds are the host process's)"
+        if "device" in first.settings
+        else "one thread, `nice -n 19` on a shared 2-core machine (process CPU seconds barely "
+        "depend on the other load; wall seconds do)"
+    )
     text = (
         f"## {TASK_TITLES[c.task]}{status}\n\n"
         f"Settings: {settings}.  \n"
         f"Seeds {c.seeds}; ± is half the min-max range over seeds; every ordering of a seed starts "
         f"from the same weights. Time: the training loop of each epoch (evaluation excluded), "
-        f"mean over epochs 1-{E}, one thread, `nice -n 19` on a shared 2-core machine (process "
-        f"CPU seconds barely depend on the other load; wall seconds do). grabkit revision "
+        f"mean over epochs 1-{E}, {where}. grabkit revision (where each run started) "
         f"{', '.join(revisions)}; host {first.host}, torch {first.torch_version}.\n\n"
         f"{legend}\n\n{markdown_table(header, rows)}\n\n"
         f"Full-train loss (mean over seeds):\n\n{per_epoch}{pending}\n\n"

@@ -96,14 +96,20 @@ class VisionTrainer:
     same for every ordering of that seed."""
 
     def __init__(
-        self, task: VisionTask, ordering: str, seed: int, tensors: tuple[torch.Tensor, ...]
+        self,
+        task: VisionTask,
+        ordering: str,
+        seed: int,
+        tensors: tuple[torch.Tensor, ...],
+        device: str = "cpu",
     ) -> None:
         if ordering not in ORDERINGS:
             raise ValueError(f"unknown ordering {ordering!r}; expected one of {ORDERINGS}")
         self.task, self.ordering, self.seed = task, ordering, seed
-        self.x, self.y, self.x_test, self.y_test = tensors
+        self.device = torch.device(device)
+        self.x, self.y, self.x_test, self.y_test = (t.to(self.device) for t in tensors)
         torch.manual_seed(seed)
-        self.model = task.make_model()
+        self.model = task.make_model().to(self.device)  # drawn on the CPU: the same on a GPU
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=task.lr, momentum=task.momentum,
             weight_decay=task.weight_decay,
@@ -128,9 +134,9 @@ class VisionTrainer:
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self.sampler is None:
             generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-            return torch.randperm(len(self.x), generator=generator)
+            return torch.randperm(len(self.x), generator=generator).to(self.device)
         order = list(iter(self.sampler))
-        return torch.tensor(order, dtype=torch.int64)
+        return torch.tensor(order, dtype=torch.int64, device=self.device)
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
@@ -139,6 +145,8 @@ class VisionTrainer:
             self._train_units(order)
         else:
             self._train_examples(order)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the epoch's time is the finished work
         return {"lr": self.optimizer.param_groups[0]["lr"]}
 
     def _train_examples(self, order: torch.Tensor) -> None:
