@@ -71,6 +71,15 @@ def _epoch_reaching(losses: list[float], target: float, upto: int) -> int | None
     return next((e + 1 for e, v in enumerate(losses[:upto]) if v <= target), None)
 
 
+def _time_to_reach(run: RunRecord, base: RunRecord, upto: int) -> float | None:
+    """CPU seconds ``run`` trained until its loss first reached ``base``'s at epoch ``upto``, as
+    a fraction of ``base``'s CPU seconds over those ``upto`` epochs (None: never reached)."""
+    epoch = _epoch_reaching(run.series("train_loss"), base.epochs[upto - 1]["train_loss"], upto)
+    if epoch is None:
+        return None
+    return sum(run.series("cpu_s")[:epoch]) / sum(base.series("cpu_s")[:upto])
+
+
 def _per_epoch_mean(runs: list[RunRecord], key: str, upto: int) -> float:
     return statistics.fmean(statistics.fmean(r.series(key)[:upto]) for r in runs)
 
@@ -95,6 +104,8 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
             for s in c.seeds
         ]
         got = [e for e in reach if e is not None]
+        fractions = [_time_to_reach(runs[s], base[s], E) for s in c.seeds] if base else []
+        timed = [f for f in fractions if f is not None]
         cpu = _per_epoch_mean(list(runs.values()), "cpu_s", E)
         wall = _per_epoch_mean(list(runs.values()), "wall_s", E)
         is_base = o == BASELINE
@@ -105,6 +116,8 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
                 f"{statistics.fmean(got):.1f} ({min(got)}-{max(got)}), {len(got)}/{len(reach)}"
                 if got else f"never (0/{len(reach)})"
             ),
+            "-" if is_base else (mean_spread(timed, "{:.2f}") + f"x, {len(timed)}/{len(reach)}"
+                                 if timed else "never"),
             f"{cpu:.2f}", f"{wall:.2f}", f"{cpu / base_cpu:.2f}x" if base_cpu else "-",
         ])  # fmt: skip
         if not is_base and base:
@@ -114,7 +127,12 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
                 f"{metric} {statistics.fmean(test):.2f} vs "
                 f"{statistics.fmean(base[s].epochs[E - 1]['test_metric'] for s in c.seeds):.2f}, "
                 f"rr's final loss reached in {len(got)}/{len(reach)} seeds"
-                + (f" (epoch {statistics.fmean(got):.1f} on average)" if got else "")
+                + (
+                    f" (epoch {statistics.fmean(got):.1f} on average, after "
+                    f"{statistics.fmean(timed):.2f}x rr's CPU time for {E} epochs)"
+                    if got
+                    else ""
+                )
                 + f", {cpu / base_cpu:.2f}x rr's CPU time per epoch"
             )
     return rows, sentences
@@ -127,6 +145,7 @@ def task_section(c: Comparison, figure: Path) -> tuple[str, list[str]]:
     header = [
         "ordering", f"train loss, epoch {E}", "vs rr (same seed)", "GraB below rr",
         first.metric, "first epoch at rr's final loss (mean, range, seeds)",
+        "CPU time to rr's final loss / rr's CPU time",
         "CPU s / epoch", "wall s / epoch", "CPU vs rr",
     ]  # fmt: skip
     marks = sorted({1, 2, 5, *range(10, E + 1, 10), E} & set(range(1, E + 1)))
