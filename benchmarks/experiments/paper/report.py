@@ -37,6 +37,37 @@ LSTM_NOTES = {
 }
 
 
+COMMANDS = """## Commands
+
+Each task command runs its (ordering, seed) runs one after another and resumes any that stopped
+(`--quick`: 2 epochs of one seed into `benchmarks/out/paper-quick`):
+
+```bash
+python -m benchmarks.experiments.paper mnist --orderings=rr,mean,pair,mean-units --seeds=0-4
+python -m benchmarks.experiments.paper cifar --orderings=rr,pair,pair-units --seeds=0-2 --epochs=30
+python -m benchmarks.experiments.paper lstm --orderings=rr,mean --seeds=0-2
+```
+
+The runs here went through the queue, two single-threaded runs at a time, seeds interleaved:
+
+```bash
+nice -n 19 python -m benchmarks.experiments.paper queue --jobs 2 --log queue.log \\
+  "mnist --orderings=rr,mean,pair --seeds=0-4" "mnist --orderings=mean-units --seeds=0-2" \\
+  "cifar --orderings=rr,pair --seeds=0-2 --epochs=30" "mnist --orderings=mean-units --seeds=3-4" \\
+  "cifar --orderings=pair-units --seeds=0-2 --epochs=30" "lstm --orderings=rr,mean --seeds=0-2" \\
+  "mnist --orderings=pair-units --seeds=0-4"
+```
+
+The authors' full 100 CIFAR-10 epochs on a GPU (its own results folder; then `--report --out`
+that folder):
+
+```bash
+python -m benchmarks.experiments.paper cifar --orderings=rr,pair,pair-units --seeds=0-2 \\
+  --epochs=100 --device=cuda --out=benchmarks/experiments/results/paper-gpu
+```
+"""
+
+
 @dataclass
 class Comparison:
     """The runs of one task compared at ``epoch``: ``by[ordering][seed]``."""
@@ -267,7 +298,8 @@ def build(out: Path, tasks: Sequence[str]) -> list[str]:
         + "\n".join(f"- {line}" for line in summary)
         + "\n\nPer task:\n\n"
         + "\n".join(sections)
-        + "\n"
+        + "\n\n"
+        + COMMANDS
     )
     (out / "README.md").write_text(readme)
     print(readme)
