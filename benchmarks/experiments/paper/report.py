@@ -111,6 +111,13 @@ def _time_to_reach(run: RunRecord, base: RunRecord, upto: int) -> float | None:
     return sum(run.series("cpu_s")[:epoch]) / sum(base.series("cpu_s")[:upto])
 
 
+def _signed_spread(values: list[float]) -> str:
+    """``+mean ± half-range`` with the sign on the mean only."""
+    if len(values) == 1:
+        return f"{values[0]:+.2f}"
+    return f"{statistics.fmean(values):+.2f} ± {(max(values) - min(values)) / 2:.2f}"
+
+
 def _per_epoch_mean(runs: list[RunRecord], key: str, upto: int) -> float:
     return statistics.fmean(statistics.fmean(r.series(key)[:upto]) for r in runs)
 
@@ -141,7 +148,7 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
         wall = _per_epoch_mean(list(runs.values()), "wall_s", E)
         is_base = o == BASELINE
         rows.append([
-            o, mean_spread(final), "-" if is_base else mean_spread(rel, "{:+.2f}") + " %",
+            o, mean_spread(final), "-" if is_base else _signed_spread(rel) + " %",
             "-" if is_base else f"{below}/{len(rel)}", mean_spread(test, "{:.2f}"),
             "-" if is_base else (
                 f"{statistics.fmean(got):.1f} ({min(got)}-{max(got)}), {len(got)}/{len(reach)}"
