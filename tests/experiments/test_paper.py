@@ -148,12 +148,16 @@ def test_the_lstm_schedule_drops_tenfold_every_six_epochs(tmp_path):
 
 
 def test_report_builds_tables_and_figures_from_partial_runs(tmp_path):
-    for ordering in ("rr", "pair"):
-        _run("mnist", ordering, 3, tmp_path, seed=0)
-    _run("mnist", "rr", 3, tmp_path, seed=1)  # seed 1's pair has not started: pending
+    for seed in (0, 1):
+        _run("mnist", "rr", 3, tmp_path, seed=seed)
+    _run("mnist", "pair", 3, tmp_path, seed=0)
+    _run("mnist", "pair", 2, tmp_path, seed=1)  # still short of epoch 3: pending
+    _run("mnist", "mean-units", 1, tmp_path, seed=0)  # a later ordering, just started
     summary = report.build(tmp_path, ["mnist", "cifar", "lstm"])
     text = (tmp_path / "mnist.md").read_text()
-    assert "| pair |" in text and "|---|" in text and "Still running" in text
+    assert "| rr | 2 |" in text and "| pair | 1 |" in text and "|---|" in text
+    assert "Still running" in text and "pair seed 1 (2/2)" in text
+    assert "mean-units seed 0 (1/1)" in text
     assert (tmp_path / "mnist.png").read_bytes()[:8] == PNG_MAGIC
     assert any("pair vs rr at epoch 3" in line for line in summary)
     assert "mnist.md" in (tmp_path / "README.md").read_text()

@@ -1,9 +1,10 @@
 """Tables and figures from whatever run records exist: ``python -m benchmarks.experiments.paper
 --report [--out DIR]``.
 
-Per task, runs are compared at one epoch E: the planned number where some seed finished every
-ordering, else the furthest epoch that some seed reached in every ordering; the seeds that reached
-E in every ordering are the ones reported (runs still in progress are listed beside the table).
+Per task, runs are compared at one epoch E: the planned number where some seed's rr run and
+another ordering's run both finished, else the furthest epoch both reached; each ordering is
+reported over its seeds whose run and rr's run of the same seed reached E (runs still short of it
+are listed beside the table).
 Writes ``<task>.md`` and ``<task>.png`` per task and ``README.md`` (the summary) into the folder.
 """
 
@@ -70,32 +71,45 @@ python -m benchmarks.experiments.paper cifar --orderings=rr,pair,pair-units --se
 
 @dataclass
 class Comparison:
-    """The runs of one task compared at ``epoch``: ``by[ordering][seed]``."""
+    """The runs of one task compared at ``epoch``: ``by[ordering][seed]``, every run there has
+    reached ``epoch`` and (but for rr's own) so has rr's run of the same seed."""
 
     task: str
     epoch: int
     planned: int
-    seeds: list[int]
     by: dict[str, dict[int, RunRecord]]
     pending: list[RunRecord]
 
+    @property
+    def seeds(self) -> list[int]:
+        """Every seed in the comparison."""
+        return sorted({s for runs in self.by.values() for s in runs})
+
 
 def compare(task: str, records: list[RunRecord]) -> Comparison | None:
-    orderings = sorted({r.ordering for r in records}, key=lambda o: (o != BASELINE, o))
-    by: dict[str, dict[int, RunRecord]] = {o: {} for o in orderings}
-    for r in records:
-        by[r.ordering][r.seed] = r
-    common = [s for s in sorted({r.seed for r in records}) if all(s in by[o] for o in orderings)]
-    reach = {s: min(len(by[o][s].epochs) for o in orderings) for s in common}
-    reach = {s: e for s, e in reach.items() if e > 0}
-    if not reach:
+    """Compare at the planned epoch when some seed has rr and another ordering there, else at
+    the furthest epoch that some seed's rr and other ordering both reached."""
+    base = {r.seed: r for r in records if r.ordering == BASELINE}
+    paired = [
+        min(len(r.epochs), len(base[r.seed].epochs))
+        for r in records
+        if r.ordering != BASELINE and r.seed in base
+    ]
+    if not paired or max(paired) == 0:
         return None
     planned = max(r.epochs_planned for r in records)
-    epoch = planned if max(reach.values()) >= planned else max(reach.values())
-    seeds = [s for s, e in reach.items() if e >= epoch]
-    kept = {o: {s: by[o][s] for s in seeds} for o in orderings}
-    pending = [r for r in records if r.seed not in seeds]
-    return Comparison(task, epoch, planned, seeds, kept, pending)
+    epoch = min(max(paired), planned)
+    orderings = sorted({r.ordering for r in records}, key=lambda o: (o != BASELINE, o))
+    by: dict[str, dict[int, RunRecord]] = {o: {} for o in orderings}
+    pending = []
+    for r in records:
+        ready = len(r.epochs) >= epoch and len(base.get(r.seed, r).epochs) >= epoch
+        if ready and r.seed in base:
+            by[r.ordering][r.seed] = r
+        else:
+            pending.append(r)
+    by = {o: dict(sorted(runs.items())) for o, runs in by.items() if runs}
+    return Comparison(task, epoch, planned, by, pending)
 
 
 def _epoch_reaching(losses: list[float], target: float, upto: int) -> int | None:
@@ -130,25 +144,27 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
     metric = next(iter(next(iter(c.by.values())).values())).metric
     rows, sentences = [], []
     for o, runs in c.by.items():
-        final = [runs[s].epochs[E - 1]["train_loss"] for s in c.seeds]
-        test = [runs[s].epochs[E - 1]["test_metric"] for s in c.seeds]
+        seeds = list(runs)
+        final = [runs[s].epochs[E - 1]["train_loss"] for s in seeds]
+        test = [runs[s].epochs[E - 1]["test_metric"] for s in seeds]
         rel = [
             100 * (f / base[s].epochs[E - 1]["train_loss"] - 1)
-            for f, s in zip(final, c.seeds, strict=True)
+            for f, s in zip(final, seeds, strict=True)
         ]
         below = sum(v < 0 for v in rel)
         reach = [
             _epoch_reaching(runs[s].series("train_loss"), base[s].epochs[E - 1]["train_loss"], E)
-            for s in c.seeds
+            for s in seeds
         ]
         got = [e for e in reach if e is not None]
-        fractions = [_time_to_reach(runs[s], base[s], E) for s in c.seeds] if base else []
+        fractions = [_time_to_reach(runs[s], base[s], E) for s in seeds] if base else []
         timed = [f for f in fractions if f is not None]
         cpu = _per_epoch_mean(list(runs.values()), "cpu_s", E)
         wall = _per_epoch_mean(list(runs.values()), "wall_s", E)
         is_base = o == BASELINE
         rows.append([
-            o, mean_spread(final), "-" if is_base else _signed_spread(rel) + " %",
+            o, str(len(seeds)), mean_spread(final),
+            "-" if is_base else _signed_spread(rel) + " %",
             "-" if is_base else f"{below}/{len(rel)}", mean_spread(test, "{:.2f}"),
             "-" if is_base else (
                 f"{statistics.fmean(got):.1f} ({min(got)}-{max(got)}), {len(got)}/{len(reach)}"
@@ -160,10 +176,10 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
         ])  # fmt: skip
         if not is_base and base:
             sentences.append(
-                f"{TASK_TITLES[c.task]}, {o} vs rr at epoch {E} ({len(c.seeds)} seeds): final "
+                f"{TASK_TITLES[c.task]}, {o} vs rr at epoch {E} ({len(seeds)} seeds): final "
                 f"train loss {statistics.fmean(rel):+.2f}% (lower in {below}/{len(rel)} seeds), "
                 f"{metric} {statistics.fmean(test):.2f} vs "
-                f"{statistics.fmean(base[s].epochs[E - 1]['test_metric'] for s in c.seeds):.2f}, "
+                f"{statistics.fmean(base[s].epochs[E - 1]['test_metric'] for s in seeds):.2f}, "
                 f"rr's final loss reached in {len(got)}/{len(reach)} seeds"
                 + (
                     f" (epoch {statistics.fmean(got):.1f} on average, after "
@@ -181,7 +197,7 @@ def task_section(c: Comparison, figure: Path) -> tuple[str, list[str]]:
     first = next(iter(next(iter(c.by.values())).values()))
     E = c.epoch
     header = [
-        "ordering", f"train loss, epoch {E}", "vs rr (same seed)", "GraB below rr",
+        "ordering", "seeds", f"train loss, epoch {E}", "vs rr (same seed)", "GraB below rr",
         first.metric, "first epoch at rr's final loss (mean, range, seeds)",
         "CPU time to rr's final loss / rr's CPU time",
         "CPU s / epoch", "wall s / epoch", "CPU vs rr",
@@ -217,7 +233,8 @@ def task_section(c: Comparison, figure: Path) -> tuple[str, list[str]]:
     text = (
         f"## {TASK_TITLES[c.task]}{status}\n\n"
         f"Settings: {settings}.  \n"
-        f"Seeds {c.seeds}; ± is half the min-max range over seeds; every ordering of a seed starts "
+        f"Seeds {c.seeds} (each ordering: the seeds whose run and rr's reached epoch {E}); ± is "
+        f"half the min-max range over seeds; every ordering of a seed starts "
         f"from the same weights. Time: the training loop of each epoch (evaluation excluded), "
         f"mean over epochs 1-{E}, {where}. grabkit revision (where each run started) "
         f"{', '.join(revisions)}; host {first.host}, torch {first.torch_version}.\n\n"
@@ -243,21 +260,22 @@ def plot(c: Comparison, out: Path) -> Path:
     metric = ""
     for k, (o, runs) in enumerate(c.by.items()):
         color, style = f"C{k}", "--" if o == BASELINE else "-"
-        loss = list(zip(*(runs[s].series("train_loss")[:E] for s in c.seeds), strict=True))
+        seeds = list(runs)
+        loss = list(zip(*(runs[s].series("train_loss")[:E] for s in seeds), strict=True))
         _band(axes[0][0], epochs, loss, color, style, o)
-        cpu = [list(_cumulative(runs[s].series("cpu_s")[:E])) for s in c.seeds]
+        cpu = [list(_cumulative(runs[s].series("cpu_s")[:E])) for s in seeds]
         seconds = [statistics.fmean(col) for col in zip(*cpu, strict=True)]
         _band(axes[0][1], seconds, loss, color, style, o)
         if base:
             rel = [
                 [100 * (v / b - 1) for v, b in zip(runs[s].series("train_loss")[:E],
                                                     base[s].series("train_loss")[:E], strict=True)]
-                for s in c.seeds
+                for s in seeds
             ]  # fmt: skip
             _band(axes[0][2], epochs, list(zip(*rel, strict=True)), color, style, o)
-        test = list(zip(*(runs[s].series("test_metric")[:E] for s in c.seeds), strict=True))
+        test = list(zip(*(runs[s].series("test_metric")[:E] for s in seeds), strict=True))
         _band(axes[0][3], epochs, test, color, style, o)
-        metric = runs[c.seeds[0]].metric
+        metric = runs[seeds[0]].metric
     titles = ["full-train loss vs epochs", "full-train loss vs CPU seconds",
               "train loss vs rr, same seed (%)", metric]  # fmt: skip
     xlabels = ["epoch", "training CPU seconds (cumulative, mean over seeds)", "epoch", "epoch"]
@@ -269,7 +287,8 @@ def plot(c: Comparison, out: Path) -> Path:
     axes[0][1].set_yscale("log")
     axes[0][2].axhline(0, color="0.5", lw=0.8)
     axes[0][0].legend(title="ordering", fontsize=8)
-    figure.suptitle(f"{TASK_TITLES[c.task]}: {len(c.seeds)} seeds, {E} epochs", fontsize=11)
+    counts = ", ".join(f"{o} {len(runs)}" for o, runs in c.by.items())
+    figure.suptitle(f"{TASK_TITLES[c.task]}, {E} epochs; seeds: {counts}", fontsize=11)
     return save_figure(
         figure, out, f"{c.task}.png",
         "Lines: mean over seeds; bands: min to max over seeds. Second panel: x is each "
