@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from grabkit.integrations.wiring import check_sampler_iteration
 from grabkit.order import distributed as collective
 from grabkit.order.balance import BlockPolicy, SignRule
 from grabkit.order.configure import (
@@ -79,13 +80,19 @@ class GraBSampler(Sampler[int]):
             ``grabkit.order.balance.SignRule``).
         projection: ``None``, ``"gaussian"``, ``"sparse"``, ``"kronecker"`` or a callable
             (B, d) -> (B, k): random projection applied to dense batches before balancing.
-        projection_dim, pi_eps, kron_order: k (default: the Johnson-Lindenstrauss dimension
-            for ``pi_eps``, capped at d); ``kron_order`` must be 2.
+        projection_dim: k (default: the Johnson-Lindenstrauss dimension for ``pi_eps``, capped
+            at d).
+        pi_eps: the distortion the default ``projection_dim`` is chosen for.
+        kron_order: must be 2.
         normalize: balance g_i / ||g_i||.
-        num_replicas, rank, drop_last, seed: as ``torch.utils.data.DistributedSampler``;
-            ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
+        num_replicas: as ``torch.utils.data.DistributedSampler``; defaults to the initialised
+            process group's size (else 1).
+        rank: as ``DistributedSampler``; defaults to this process's rank (else 0).
+        drop_last: as ``DistributedSampler``.
+        seed: as ``DistributedSampler``.
         random_first_epoch: the first epoch in a random order (else 0..n-1).
-        dtype, device: move dense gradients there before balancing (default: as given).
+        dtype: cast dense gradients to it before balancing (default: as given).
+        device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
         loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
         block_policy: how dense batches are cut for balancing (``grabkit.order.balance.
@@ -266,6 +273,7 @@ class GraBSampler(Sampler[int]):
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        check_sampler_iteration(self)  # a framework re-splitting or running it unintegrated
         if not self._agreed and collective.process_group_matches(self.num_replicas):
             collective.check_agreement({**self._config, "rank": None}, self.num_replicas)
             self._agreed = True
@@ -407,7 +415,9 @@ class GraBSampler(Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
-        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
+        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
+        the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
+        last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
@@ -424,7 +434,7 @@ class GraBSampler(Sampler[int]):
         self._started = bool(state["started"]) or self._stepped > 0
         self._history = [torch.as_tensor(o) for o in live["orders_history"]]
         self.orders_history = [o.tolist() for o in self._history]
-        self._resume = self._started
+        self._resume = self._started and not state.get("ended", False)
         if self.source is not None:
             self.source.clear()
         self._token += 1
