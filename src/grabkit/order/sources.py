@@ -113,6 +113,13 @@ def step_pieces(
     else:
         pieces = source.batches()
     for piece in pieces:
+        if dim is not None and piece.dim != dim and grads is None and sketch_dim is None:
+            raise ValueError(
+                f"the model's trainable parameters changed since this sampler was built: its "
+                f"ordering state balances {dim} numbers per example, and the hooks now give "
+                f"{piece.dim} (parameters frozen or unfrozen). Build a new sampler for the new "
+                f"trainable set, or use statistics='sketch', whose width does not change."
+            )
         if dim is not None and piece.dim != dim:
             raise ValueError(
                 f"step() got gradients of length {piece.dim} per example, but the params "

@@ -4,7 +4,9 @@
 norms, Gram matrix, dots and weighted sums of the per-example gradients exactly, layer by layer,
 without building a (B, d) tensor; ``SketchedStats`` reads a (B, k) random sketch of them instead
 (``grabkit.stats.sketch``). ``GradientBatch`` is the interface orderings consume; both
-``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it.
+``DenseGradientBatch`` (a (B, d) matrix) and ``HookGradientBatch`` implement it. Every read
+first checks that the per-example gradients add up to the gradient autograd delivered
+(``grabkit.stats.identity``; ``IdentityCheckError`` when they do not).
 """
 
 from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
@@ -16,6 +18,7 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.identity import IdentityCheckError
 from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
 from grabkit.stats.sketch import GradientSketch, SketchedStats
 from grabkit.stats.step import StepStatistics
@@ -25,6 +28,7 @@ __all__ = [
     "GradientBatch",
     "GradientSketch",
     "HookGradientBatch",
+    "IdentityCheckError",
     "LayerRule",
     "PerSampleStats",
     "SketchedStats",

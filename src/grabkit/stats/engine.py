@@ -4,13 +4,15 @@ Attach once to a model. During the forward pass a hook on each layer that owns t
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
 anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
 layer's output sequence and final states), which receives the gradient of that output during
-``loss.backward()``. A hook on each trainable parameter receives this backward's batch
-gradient before it is accumulated into ``.grad`` and copies it (``.grad`` may be changed in place
-later), into the previous step's copy when no statistics of that step are still held: one
-tensor the size of the trainable parameters lives between steps instead of a fresh one being
-allocated, and page-faulted in, at every backward. Nothing else runs during the step: norms,
-dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
-(see ``grabkit.stats.rules``), never building a (B, d) tensor.
+``loss.backward()``. A hook on each trainable parameter's ``AccumulateGrad`` node receives the
+gradient a backward adds into ``.grad`` (local: before any DDP all-reduce) and copies it
+(``.grad`` may be changed in place later), into the previous step's copy when no statistics of
+that step are still held: one tensor the size of the trainable parameters lives between steps
+instead of a fresh one being allocated, and page-faulted in, at every backward. Nothing else
+runs during the step but the identity check's probe of that gradient (see
+``grabkit.stats.identity``): norms, dots, Gram matrices and weighted sums are computed on read,
+layer by layer, from those factors (see ``grabkit.stats.rules``), never building a (B, d)
+tensor.
 
 The first forward pass (with grad enabled) after a backward starts a new step and drops the
 previous step's references, so the statistics always describe the latest backward's batch
@@ -18,6 +20,25 @@ previous step's references, so the statistics always describe the latest backwar
 ``torch.no_grad()`` or inside ``torch.func`` transforms are ignored. Callables in
 ``step_listeners`` run just before that drop, so a consumer can keep each micro-batch's
 statistics (``grabkit.order`` does, to balance every micro-batch of an accumulated step).
+
+Seams with other autograd work in the same step, each defined:
+
+* **Only backwards that accumulate into ``.grad`` belong to the step** (``grabkit.stats.
+  backwards``): the output-gradient hooks of ``torch.autograd.grad(loss, x)`` (saliency, FGSM),
+  of a ``torch.autograd.grad(loss, params)`` look-ahead, are discarded, and the forward after
+  them does not start a new step.
+* **Double backward**: statistics of a step in which an ``autograd.grad(..., create_graph=True)``
+  ran over the step's layers (an input-gradient penalty: WGAN-GP, R1) are refused
+  (``NotImplementedError``): the per-example gradient of such a loss has second-order parts the
+  layer hooks do not see. A ``loss.backward(create_graph=True)`` is exact (its first-order
+  gradient is what the hooks see).
+* **A weight used functionally** inside the model's forward (``F.linear(h, wte.weight)``) is
+  recorded as one more call (``grabkit.stats.functional``); an unsupported use is refused.
+* **The trainable set** is read at every forward: parameters unfrozen later are attached and
+  frozen ones dropped, from norms, Gram matrices and totals alike (``param_shapes`` follows).
+* **A shared input's expanded output** can only meet the batch by a broadcast, checked at run
+  time (``grabkit.stats.shared_inputs``); a sequence-first copy of the model's input is refused.
+* **Loss terms that are not sums over examples** are declared with ``batch_term``.
 """
 
 from __future__ import annotations
@@ -30,19 +51,28 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
-from grabkit.sharding import refuse_flat_parameters
+from grabkit.sharding import is_sharded, refuse_flat_parameters
+from grabkit.stats.backwards import Backwards, GradientsByTask
+from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
+from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.identity import IdentityCheck, unit_roundoff
 from grabkit.stats.rules import LayerRule, find_rule
+from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.step import StepStatistics
 from grabkit.taps import GradientTaps
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
+
+# parameter dtype -> unit roundoff of the arithmetic its statistics use (at least float32's)
+_OWN_ROUNDOFF: dict[torch.dtype, float] = {}
 
 # module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
@@ -68,19 +98,25 @@ def _functorch_transform_active() -> bool:
 
 
 class _Call:
-    """One forward call of a tracked layer: what its rule kept, and its output's gradient.
+    """One forward call of a tracked layer: what its rule kept, and its outputs' gradients.
 
-    For a rule with ``multiple_outputs``, ``output_grad`` is a list with one slot per tracked
-    output (None until the first of them receives a gradient) and ``batch_size`` is the number
-    of examples the rule found in the call.
+    ``grads`` maps each autograd graph task that sent a gradient to the output to that gradient
+    (only the tasks that accumulate into the layer's parameters are read; see
+    ``grabkit.stats.backwards``). For a rule with ``multiple_outputs`` each entry is a list with
+    one slot per tracked output (None until that output receives a gradient) and
+    ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
+    gradient edges (node, output number) of the hooked output tensors, for
+    ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
+    layer's output alive).
     """
 
-    __slots__ = ("batch_size", "captured", "output_grad")
+    __slots__ = ("batch_size", "captured", "grads", "outputs")
 
     def __init__(self, captured: object, batch_size: int | None = None) -> None:
         self.captured = captured
-        self.output_grad: torch.Tensor | list[torch.Tensor | None] | None = None
+        self.grads: GradientsByTask = {}
         self.batch_size = batch_size
+        self.outputs: list[GradientEdge] = []
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -177,20 +213,70 @@ class _ModelBatch:
                 f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
                 f"before the layer)."
             )
+        if b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): Hugging Face's position ids
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is not the "
+                f"batch ({b} examples, dim 0 of the model's input {self.shape}) but which has "
+                f"the batch size in another dim: a sequence-first copy of the model's input "
+                f"(x.t().contiguous()), made without autograd, so PerSampleStats cannot tell it "
+                f"from an input shared by the batch. PerSampleStats needs the examples in dim 0 "
+                f"of every layer's input: use batch_first layouts (batch_first=True, or "
+                f"transpose the layer's output instead)."
+            )
         if x.dim() > 0 and x.shape[0] == 1 and output.dim() > 0 and output.shape[0] == 1:
             return x.expand(b, *x.shape[1:]), output.expand(b, *output.shape[1:])
         return x.unsqueeze(0).expand(b, *x.shape), output.unsqueeze(0).expand(b, *output.shape)
 
 
 class _TrackedLayer:
-    """A layer that owns trainable parameters: its rule and its parameters' full names."""
+    """A layer that owns trainable parameters (or a functional use of a tracked weight): its
+    rule and its parameters' full names."""
 
-    def __init__(self, name: str, module: nn.Module, rule: LayerRule, params: dict[str, str]):
+    def __init__(
+        self, name: str, module: nn.Module | FunctionalUse, rule: LayerRule, params: dict[str, str]
+    ) -> None:
         self.name = name
         self.module = module
         self.rule = rule
         self.params = params  # local name ("weight") -> full name ("encoder.0.weight")
+        self.locals = frozenset(params)
         self.calls: list[_Call] = []
+
+    def __deepcopy__(self, memo: dict) -> _TrackedLayer:
+        return self  # only a copied model's inert hooks hold it (see PerSampleStats.__deepcopy__)
+
+
+def _dtypes(value: Any, found: set[torch.dtype]) -> None:
+    """The floating dtypes of the tensors in ``value`` (tensors, tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            found.add(value.dtype)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _dtypes(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _dtypes(item, found)
+
+
+def _accumulate_grad_node(p: nn.Parameter) -> Any:
+    """The ``AccumulateGrad`` node of a leaf parameter: its pre-hooks see exactly what a
+    backward adds into ``.grad`` (not ``torch.autograd.grad``'s captures)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _inert() -> PerSampleStats:
+    """An engine that records nothing (what a copied model's hooks call)."""
+    stats = PerSampleStats.__new__(PerSampleStats)
+    stats._inert = True
+    return stats
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+    return type(value).__name__
 
 
 class PerSampleStats:
@@ -198,8 +284,9 @@ class PerSampleStats:
 
     Here g_i is the gradient of example i's own loss term l_i, over the model's trainable
     parameters (frozen ones are skipped), where the batch loss is ``mean_i l_i``
-    (``loss_reduction="mean"``) or ``sum_i l_i`` (``"sum"``) and example i is row i of dim 0 of
-    every layer's input.
+    (``loss_reduction="mean"``) or ``sum_i l_i`` (``"sum"``), plus any terms declared with
+    ``batch_term`` (left out of every g_i), and example i is row i of dim 0 of every layer's
+    input.
 
     Args:
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
@@ -219,6 +306,21 @@ class PerSampleStats:
             the layer input A (for BatchNorm's affine parameters D_i * xhat_i), i.e. the batch
             statistics held as constants. These g_i sum to the batch gradient but differ from
             the gradient of example i's loss alone for BatchNorm and every layer before it.
+        check_identity: verify, per parameter and per backward, that sum_i g_i equals the
+            gradient autograd delivered (``grabkit.stats.identity``: random probes, a few small
+            tensor operations per parameter; cost in ``benchmarks/RESULTS.md``), and raise
+            ``IdentityCheckError`` instead of returning statistics when it does not. Turning
+            it off (False) is for a user who knows the difference is intended: the statistics
+            may then silently describe another loss (a penalty counted into some example, a
+            weight use the hooks did not see).
+        functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
+            weights outside their layers, made inside the model's forward (a tied head), as
+            extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call
+            per torch function in it, so ``"auto"`` (the default) watches the forwards of the
+            first step with a backward and keeps watching only if that step made such a use
+            (a use that first appears later is reported by the identity check, which names
+            this option); True watches every forward; False none (the identity check reports
+            such a use).
 
     Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
     ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
@@ -233,12 +335,13 @@ class PerSampleStats:
     The examples are dim 0 of the model's first tensor input. A layer whose input is shared by
     the batch (no batch dim, such as ``wpe(torch.arange(T))``, or a leading dim of 1 such as
     Hugging Face's (1, T) position ids) gives every example the same activation: its output is
-    expanded to (B, ...) (so the model sees the broadcast it would have done anyway) and each
-    example gets its own share. Where dim 0 cannot be told apart from another dim, it raises.
-    A parameter shared by several layers (tied embedding and output head) gets the sum of its
-    uses, cross terms included. A layer called several times in one forward is handled exactly
-    (its per-example gradient is the sum over the calls). BatchNorm in training mode raises
-    unless ``batch_norm_constant_statistics=True``.
+    expanded to (B, ...) (a view that the model may only broadcast against the batch, checked
+    at run time by ``grabkit.stats.shared_inputs``) and each example gets its own share. Where
+    dim 0 cannot be told apart from another dim, it raises. A parameter shared by several
+    layers (tied embedding and output head) gets the sum of its uses, cross terms included. A
+    layer called several times in one forward is handled exactly (its per-example gradient is
+    the sum over the calls). BatchNorm in training mode raises unless
+    ``batch_norm_constant_statistics=True``.
     """
 
     def __init__(
@@ -249,6 +352,8 @@ class PerSampleStats:
         torch_func_fallback: bool = False,
         batch_norm_constant_statistics: bool = False,
         keep_batch_gradients: bool = True,
+        check_identity: bool = True,
+        functional_uses: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -261,31 +366,40 @@ class PerSampleStats:
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
-
-        names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-        if not names:
-            raise ValueError("the model has no parameters that require grad; nothing to measure")
-        first = next(p for p in model.parameters() if p.requires_grad)
-        self.dtype = first.dtype
-        self.device = first.device
-        self.param_shapes: dict[str, torch.Size] = {
-            name: p.shape for name, p in model.named_parameters() if p.requires_grad
-        }
-        self._layout = FlatLayout(self.param_shapes)
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self.keep_batch_gradients = bool(keep_batch_gradients)
+        self.check_identity = bool(check_identity)
+        if functional_uses not in (True, False, "auto"):
+            raise ValueError(
+                f"`functional_uses` should be True, False or 'auto', but got {functional_uses!r}"
+            )
+        self.functional_uses = functional_uses
+        # "auto": watching until the first step with a backward shows whether the model makes
+        # functional uses (then it keeps watching) or not (then it stops)
+        self._discovering = functional_uses == "auto"
+        self._functional_seen = False
         #: counts every change of the recorded statistics (a gradient arrived, a step began), so
         #: a reader can cache what it computed from them
         self.generation = 0
-        self._layers = self._find_layers(model, names, self.torch_func_fallback)
+        self._model_handles: list[Any] = []
         self._handles: list[Any] = []
+        self._enter_handles: list[Any] = []
+        self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
+        self._layers: list[_TrackedLayer] = []
+        self._functional: dict[tuple, _TrackedLayer] = {}
+        self._watch: FunctionalUses | None = None
+        self._watching = 0  # model forwards running with the watch on
         #: called (no arguments) after a backward, before the next step's first forward drops
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
+        self._params = list(model.named_parameters())
+        self._param_list = [p for _, p in self._params]
+        self._trainable = [p.requires_grad for p in self._param_list]
+        self._attach_trainable()
         self._new_step()
-        self._attach(model)
+        self._attach_model()
 
     # -- attaching ---------------------------------------------------------------------------
     @staticmethod
@@ -334,33 +448,150 @@ class PerSampleStats:
             layers.append(_TrackedLayer(label, module, rule, params))
         return layers
 
-    def _attach(self, model: nn.Module) -> None:
-        self._handles.append(
-            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
+    def _attach_trainable(self) -> None:
+        """Find the layers and hooks for the parameters that require grad now."""
+        names = {id(p): name for name, p in self._params if p.requires_grad}
+        if not names:
+            raise ValueError("the model has no parameters that require grad; nothing to measure")
+        first = next(p for _, p in self._params if p.requires_grad)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.param_shapes: dict[str, torch.Size] = {
+            name: p.shape for name, p in self._params if p.requires_grad
+        }
+        self._layout = FlatLayout(self.param_shapes)
+        self._layers = self._find_layers(self.model, names, self.torch_func_fallback)
+        self._functional = {}
+        self._identity = (
+            IdentityCheck(self.param_shapes, shared_rows=self._shared_rows())
+            if self.check_identity
+            else None
         )
+        self._attach_layers()
+
+    def _shared_rows(self) -> dict[str, str]:
+        """vector parameter -> matrix parameter of the same layer whose row probe it shares (a
+        Linear's bias and weight read the same output gradients: one product serves both)."""
+        shared = {}
+        for layer in self._layers:
+            full = {local: self.param_shapes[name] for local, name in layer.params.items()}
+            for local, shape in full.items():
+                if len(shape) != 1:
+                    continue
+                for other, other_shape in full.items():
+                    if len(other_shape) >= 2 and other_shape[0] == shape[0]:
+                        shared[layer.params[local]] = layer.params[other]
+                        break
+        return shared
+
+    def _attach_layers(self) -> None:
         for layer in self._layers:
             hook = functools.partial(self._on_forward, layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            if self._watching_forwards:
+                handle = layer.module.register_forward_pre_hook(self._on_layer_enter)
+                self._handles.append(handle)
+                self._enter_handles.append(handle)
             _ATTACHED[layer.module] = self
-        # taps, not p.register_hook: under fully_shard the forward uses unsharded copies
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in named])
-        self._handles.append(GradientTaps(named, on_grad, model))
+        sharded = []
+        for name, p in self._params:
+            if not p.requires_grad:
+                continue
+            if is_sharded(p):  # fully_shard: the forward differentiates an unsharded copy
+                sharded.append((name, p))
+                continue
+            node = _accumulate_grad_node(p)
+            hook = functools.partial(self._on_param_grad, name)
+            self._handles.append(node.register_prehook(hook))
+            self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+        if sharded:  # taps on the unsharded copies (grabkit.taps)
+            on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in sharded])
+            self._handles.append(GradientTaps(sharded, on_grad, self.model))
+        self._watch = None
+        if self._watching_forwards:
+            self._watch = FunctionalUses(self._owners(), self._record_functional, self._refuse)
+
+    @property
+    def _watching_forwards(self) -> bool:
+        return self.functional_uses is True or self._discovering
+
+    def _end_discovery(self) -> None:
+        """``functional_uses="auto"``: after the first step with a backward, keep watching only
+        if it made a functional use (the watch and its layer pre-hooks go otherwise)."""
+        self._discovering = False
+        if self._functional_seen:
+            self.functional_uses = True
+            return
+        for handle in self._enter_handles:
+            handle.remove()
+        self._enter_handles.clear()
+        self._watch = None
+
+    def _owners(self) -> dict[int, tuple[str, nn.Parameter, frozenset[int]]]:
+        """id(parameter) -> (full name, parameter, ids of the tracked layers' modules owning it)."""
+        params = dict(self._params)
+        layers_of: dict[str, set[int]] = {}
+        for layer in self._layers:
+            for name in layer.params.values():
+                layers_of.setdefault(name, set()).add(id(layer.module))
+        return {
+            id(params[name]): (name, params[name], frozenset(ids))
+            for name, ids in layers_of.items()
+        }
+
+    def _attach_model(self) -> None:
+        model = self.model
+        self._model_handles.append(  # first: the model's own layer hooks may follow
+            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True, prepend=True)
+        )
+        self._model_handles.append(
+            model.register_forward_hook(self._on_model_output, always_call=True)
+        )
         _ATTACHED[model] = self
 
-    def close(self) -> None:
-        """Remove every hook and drop the kept references; the object can no longer record."""
+    def _detach_layers(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in [self.model, *(layer.module for layer in self._layers)]:
-            if _ATTACHED.get(module) is self:
-                del _ATTACHED[module]
+        self._enter_handles.clear()
+        self._grad_nodes.clear()
+        for layer in self._layers:
+            if _ATTACHED.get(layer.module) is self and layer.module is not self.model:
+                del _ATTACHED[layer.module]
+
+    def _follow_trainable_set(self) -> None:
+        """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
+        tell: one flag per parameter)."""
+        trainable = [p.requires_grad for p in self._param_list]
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        self._detach_layers()
+        self._attach_trainable()
+        self._new_step()
+
+    def close(self) -> None:
+        """Remove every hook and drop the kept references; the object can no longer record."""
+        self._detach_layers()
+        for handle in self._model_handles:
+            handle.remove()
+        self._model_handles.clear()
+        if _ATTACHED.get(self.model) is self:
+            del _ATTACHED[self.model]
         self._new_step()
         self._spare_grads = {}
 
     def __enter__(self) -> PerSampleStats:
         return self
+
+    def __deepcopy__(self, memo: dict) -> PerSampleStats:
+        """A copy of a model (``copy.deepcopy``, pickling) carries this engine's forward hooks
+        along; they get an inert engine, which records nothing: attach a new
+        ``PerSampleStats`` to the copy to measure it."""
+        return _inert()
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -370,13 +601,21 @@ class PerSampleStats:
         if getattr(self, "_backward_seen", False):
             for listener in list(self.step_listeners):
                 listener()  # before the finished step's data is dropped
-        for layer in getattr(self, "_layers", []):
+            if self._discovering and self._watching == 0:
+                self._end_discovery()
+        for layer in [*self._layers, *self._functional.values()]:
             layer.calls = []
         copies = getattr(self, "_param_grads", {})
         readers = getattr(self, "_readers", [])
         self._param_grads: dict[str, torch.Tensor | None] = {}
-        self._backward_seen = False
-        self.generation = getattr(self, "generation", 0) + 1
+        self._backward_seen = False  # a backward accumulated into .grad: statistics to read
+        self._gradient_seen = False  # any hook received a gradient: the next forward is new
+        self._backwards = Backwards()
+        self._batch_terms: list[BatchTerm] = []
+        self._refused: list[tuple[str, str]] = []
+        if self._identity is not None:
+            self._identity.begin_step()
+        self.generation += 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
@@ -387,24 +626,54 @@ class PerSampleStats:
             # a large layer costs more in page faults than the copy itself, on the CPU).
             self._spare_grads: dict[str, torch.Tensor] = copies
 
+    _inert = False  # a copy carried along with a copied model (see __deepcopy__)
+
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Record the batch size from the model's first tensor input (dim 0): the examples.
 
         A 1-D floating input is one unbatched vector, not a batch: nothing is recorded and the
-        layers' rules report it.
+        layers' rules report it. The trainable set is read here (parameters frozen or unfrozen
+        since the last forward are followed), and the functional-use watch switched on.
         """
-        if not torch.is_grad_enabled() or _functorch_transform_active():
+        if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
             return
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
+        if self._gradient_seen:
+            self._new_step()
+        self._follow_trainable_set()
+        self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
-        if self._backward_seen:
-            self._new_step()
         self._batch = _ModelBatch(tensors)
+
+    def _watch_on(self) -> None:
+        if self._watch is None:
+            return
+        if self._watching == 0:
+            self._watch.reset()
+            self._watch.__enter__()
+        self._watching += 1
+
+    def _on_model_output(self, model: nn.Module, args: Any, output: Any) -> None:
+        """The model's forward ended (or raised): the functional-use watch goes off."""
+        if not self._inert and self._watching:
+            self._watching -= 1
+            if self._watching == 0 and self._watch is not None:
+                self._watch.__exit__(None, None, None)
+
+    def _on_layer_enter(self, module: nn.Module, args: Any) -> None:
+        if not self._inert and self._watching and self._watch is not None:
+            self._watch.running.append(id(module))
+
+    def _on_layer_exit(self, layer: _TrackedLayer) -> None:
+        if self._watching and self._watch is not None:
+            running = self._watch.running
+            if running and running[-1] == id(layer.module):
+                running.pop()
 
     def _on_forward(
         self,
@@ -414,8 +683,24 @@ class PerSampleStats:
         kwargs: dict[str, Any],
         output: Any,
     ) -> Any:
+        if self._inert:
+            return None
+        self._on_layer_exit(layer)
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
+        # The engine's own tensor work is not the model's: no functional-use watch, and it may
+        # read shapes of an expanded shared output that the model may not.
+        with torch._C.DisableTorchFunction():
+            return self._record_call(layer, module, args, kwargs, output)
+
+    def _record_call(
+        self,
+        layer: _TrackedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> Any:
         if layer.rule.multiple_outputs:
             replaced = layer.rule.replace_output(module, output)
             output = output if replaced is None else replaced
@@ -427,15 +712,20 @@ class PerSampleStats:
             return None
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
-        if self._backward_seen and not _inside_backward():
+        if self._gradient_seen and not _inside_backward():
             self._new_step()
         self._check_training_mode(layer, module)
         layer_input, expanded = self._layer_input(layer, args, kwargs, output)
         call = _Call(layer.rule.capture(module, layer_input))
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
+        self._hook_output(call, hooked)
+        return None if expanded is None else expand_for_batch(output, expanded, layer.name)
+
+    def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
         hooked.register_hook(functools.partial(self._on_output_grad, call))
-        return expanded
+        if hooked.grad_fn is not None:
+            call.outputs.append(GradientEdge(hooked.grad_fn, hooked.output_nr))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -451,7 +741,7 @@ class PerSampleStats:
         ]
         if not hooked:
             return
-        if self._backward_seen and not _inside_backward():
+        if self._gradient_seen and not _inside_backward():
             self._new_step()
         self._check_training_mode(layer, module)
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
@@ -508,30 +798,103 @@ class PerSampleStats:
             self._warned.add(module)
             warnings.warn(f"layer {layer.name!r}: {message}", stacklevel=3)
 
+    # -- functional uses of tracked weights (recorded by ``grabkit.stats.functional``) --------
+    def _record_functional(
+        self,
+        use: FunctionalUse,
+        weight_name: str,
+        bias_name: str | None,
+        layer_input: torch.Tensor,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Record a functional use of a tracked weight as one more call; return the output."""
+        with torch._C.DisableTorchFunction():
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return output
+            if self._gradient_seen and not _inside_backward():
+                self._new_step()
+            self._functional_seen = True
+            layer = self._functional_layer(use, weight_name, bias_name)
+            x, expanded = layer_input, None
+            if self._batch is not None and isinstance(x, torch.Tensor):
+                x, expanded = self._batch.align(layer.name, x, output)
+            if expanded is not None:
+                raise NotImplementedError(
+                    f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "
+                    f"give it an explicit batch dim (expand it to (B, ...)) or call the layer."
+                )
+            call = _Call(layer.rule.capture(use, x.detach()))
+            layer.calls.append(call)
+            self._hook_output(call, output)
+        return output
+
+    def _functional_layer(
+        self, use: FunctionalUse, weight_name: str, bias_name: str | None
+    ) -> _TrackedLayer:
+        key = (use.kind, weight_name, bias_name, use.padding_idx)
+        layer = self._functional.get(key)
+        if layer is None:
+            params = {"weight": weight_name}
+            if bias_name is not None:
+                params["bias"] = bias_name
+            what = {"linear": "F.linear", "transposed-linear": "matmul", "embedding": "F.embedding"}
+            name = f"{weight_name!r} used by {what[use.kind]}"
+            layer = self._functional[key] = _TrackedLayer(name, use, use.rule, params)
+        layer.module = use  # the latest use's stand-in (same shapes and options)
+        return layer
+
+    def _refuse(self, parameter: str, operation: str) -> None:
+        self._functional_seen = True
+        self._refused.append((parameter, operation))
+
+    # -- gradients ---------------------------------------------------------------------------
     def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
+        task = self._backwards.output_gradient()
         grad = grad.detach()
-        call.output_grad = grad if call.output_grad is None else call.output_grad + grad
+        previous = call.grads.get(task)
+        call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
     def _gradient_arrived(self) -> None:
-        """A hook received a gradient: the step has a backward, and what was read is stale."""
-        self._backward_seen = True
+        """A hook received a gradient: what was read is stale, and the next forward (outside a
+        backward) starts a new step."""
+        self._gradient_seen = True
         self._statistics = None
         self.generation += 1
 
     def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
-        if call.output_grad is None:
-            call.output_grad = [None] * slots
-        previous = call.output_grad[slot]
+        task = self._backwards.output_gradient()
+        per_slot = call.grads.get(task)
+        if per_slot is None:
+            per_slot = call.grads[task] = [None] * slots
+        previous = per_slot[slot]
         grad = grad.detach()
-        call.output_grad[slot] = grad if previous is None else previous + grad
+        per_slot[slot] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
     def _on_tapped_grad(self, names: list[str], index: int, grad: torch.Tensor) -> None:
-        self._on_param_grad(names[index], grad)
+        """A tap on a ``fully_shard`` parameter's unsharded copy (its gradient, local, before
+        the reduce-scatter). Every backward reaching the copy counts as accumulating."""
+        self._on_param_grad(names[index], (grad,))
 
-    def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
-        self._gradient_arrived()
+    def _on_param_grad(self, name: str, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        """Pre-hook of the parameter's ``AccumulateGrad`` node: a backward adds this gradient
+        into ``.grad`` (so the backward belongs to the step)."""
+        grad = grad_outputs[0]
+        if grad is None:
+            return
+        accumulated = self._backwards.accumulated  # this backward accumulates into ``name``
+        task = torch._C._current_graph_task_id()
+        names = accumulated.get(task)
+        if names is None:
+            accumulated[task] = {name}
+        else:
+            names.add(name)
+        self._backward_seen = self._gradient_seen = True
+        self._statistics = None
+        self.generation += 1
+        if self._identity is not None:
+            self._identity.observe(name, grad)
         if not self.keep_batch_gradients:
             self._param_grads[name] = None  # noted: the gradient came (see the layer check)
             return
@@ -553,6 +916,44 @@ class PerSampleStats:
         else:
             self._param_grads[name] = grad.clone()
 
+    # -- loss terms that are not sums over examples --------------------------------------------
+    def batch_term(self, term: torch.Tensor) -> torch.Tensor:
+        """Declare a loss term that is not a sum over examples; returns ``term`` to add to the loss.
+
+        ``loss = per_example_loss + stats.batch_term(penalty)``: an L2 penalty, an auxiliary
+        loss on shared parameters or on a batch statistic. Its gradient (taken here, once, by
+        ``torch.autograd.grad(term, ..., retain_graph=True)``, with respect to the trainable
+        parameters and to this step's layer outputs) is left out of every g_i and of
+        ``total()``, whatever multiplies the term in the backward (a GradScaler's scale, a
+        weight); the identity check then holds. Call it after the forward, before the backward.
+        See ``grabkit.stats.batch_terms``.
+        """
+        if not isinstance(term, torch.Tensor) or term.numel() != 1 or not term.requires_grad:
+            raise ValueError(
+                "batch_term() takes the loss term itself: a scalar tensor that requires grad "
+                f"(computed from the model), but got {_describe(term)}"
+            )
+        params = {name: p for name, p in self._params if name in self.param_shapes}
+        calls = [
+            (call, edge)
+            for layer in [*self._layers, *self._functional.values()]
+            for call in layer.calls
+            for edge in call.outputs
+        ]
+        inputs = [*params.values(), *(edge for _, edge in calls)]
+        grads = torch.autograd.grad(term, inputs, retain_graph=True, allow_unused=True)
+        record = BatchTerm()
+        for (name, _), grad in zip(params.items(), grads, strict=False):
+            if grad is not None:
+                record.param_grads[name] = grad.detach()
+                if self._identity is not None:
+                    record.gradient_sides[name] = self._identity.gradient_side(name, grad)
+        for (call, _), grad in zip(calls, grads[len(params) :], strict=True):
+            if grad is not None:
+                record.call_grads[id(call)] = (call, grad.detach())
+        self._batch_terms.append(record)
+        return gate(term, record)
+
     # -- reading -----------------------------------------------------------------------------
     @property
     def backward_seen(self) -> bool:
@@ -566,14 +967,42 @@ class PerSampleStats:
             self._readers.append(weakref.ref(self._statistics))
         return self._statistics
 
-    def _batch_size(self) -> int:
-        sizes: dict[str, list[int]] = {}
-        for layer in self._layers:
+    def _all_layers(self) -> list[_TrackedLayer]:
+        return [*self._layers, *self._functional.values()]
+
+    def _kept_grads(self, layer: _TrackedLayer, call: _Call) -> list[tuple[frozenset[str], Any]]:
+        """The call's output gradients from the step's backwards, by set of local parameter
+        names they reached, less the gradient of declared batch terms."""
+        if not call.grads:
+            return []
+        groups = self._backwards.kept(layer.params, call.grads, layer.locals)
+        for term in self._batch_terms:
+            entry = term.call_grads.get(id(call))
+            if entry is None or entry[0] is not call or not groups:
+                continue
+            scaled = term.scaled(entry[1])
+            if scaled is not None:
+                wanted, grad = max(groups, key=lambda group: len(group[0]))
+                groups[groups.index((wanted, grad))] = (wanted, grad - scaled)
+        return groups
+
+    def _kept_calls(self) -> list[tuple[_TrackedLayer, _Call, list[tuple[frozenset[str], Any]]]]:
+        """(layer, call, its kept gradients) of every call that has some, once per read."""
+        kept = []
+        for layer in self._all_layers():
             for call in layer.calls:
-                if call.output_grad is not None:
-                    size = call.batch_size
-                    size = call.output_grad.shape[0] if size is None else size
-                    sizes.setdefault(layer.name, []).append(size)
+                groups = self._kept_grads(layer, call)
+                if groups:
+                    kept.append((layer, call, groups))
+        return kept
+
+    def _batch_size(self, kept: list) -> int:
+        sizes: dict[str, list[int]] = {}
+        for layer, call, groups in kept:
+            for _, grad in groups:
+                size = call.batch_size
+                size = grad.shape[0] if size is None else size
+                sizes.setdefault(layer.name, []).append(size)
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
@@ -592,17 +1021,41 @@ class PerSampleStats:
             )
         return distinct.pop()
 
-    def _check_gradients_came_through_layers(self) -> None:
+    def _check_step_is_defined(self) -> None:
+        """Refuse, with the reason, steps whose per-example gradients the hooks cannot give."""
+        if self._backwards.double_backward():
+            raise NotImplementedError(
+                "this step ran torch.autograd.grad(..., create_graph=True) over the model's "
+                "layers (an input-gradient penalty: WGAN-GP, R1, a gradient-norm regulariser) "
+                "beside its backward: the per-example gradient of such a loss has second-order "
+                "parts (through the input gradient's own graph) that layer hooks do not see, so "
+                "PerSampleStats refuses it rather than return the first-order part. Measure a "
+                "step without the penalty, or compute the penalty from a separate forward that "
+                "PerSampleStats does not watch (a copy of the model)."
+            )
+        if self._refused:
+            uses = ", ".join(f"{name!r} by {operation}" for name, operation in self._refused)
+            raise NotImplementedError(
+                f"tracked parameters were used outside their layers in the model's forward in "
+                f"a way PerSampleStats has no per-example factor for: {uses}. F.linear, "
+                f"F.embedding and matmul uses are computed; for another use, call the layer as "
+                f"a module, register a rule for the module that makes the use "
+                f"(grabkit.stats.register_rule), or freeze the parameter."
+            )
+
+    def _check_gradients_came_through_layers(self, kept: list) -> None:
+        reached = {name for layer, _, _ in kept for name in layer.params.values()}
         for layer in self._layers:
-            if any(call.output_grad is not None for call in layer.calls):
+            if any(name in reached for name in layer.params.values()):
                 continue
             for name in layer.params.values():
                 if name in self._param_grads:
                     raise RuntimeError(
                         f"parameter {name!r} received a gradient in this backward, but its "
                         f"layer {layer.name!r} never passed one through its forward hook (the "
-                        f"parameter was used functionally, e.g. F.linear(x, layer.weight) or "
-                        f"nn.MultiheadAttention's out_proj). Call the layer as a module, or "
+                        f"parameter was used outside its layer, e.g. F.linear(x, layer.weight) "
+                        f"or a weight read outside the model's forward). Call the layer as a "
+                        f"module, use it inside the model's forward (functional_uses=True), or "
                         f"freeze the parameter."
                     )
 
@@ -611,24 +1064,90 @@ class PerSampleStats:
 
         The factors hold g_i / scale (``scale`` is B for a mean-reduced loss); a parameter used
         by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
+        With ``check_identity`` they are verified against the delivered gradients first.
         """
-        self._check_gradients_came_through_layers()
-        batch_size = self._batch_size()
+        self._check_step_is_defined()
+        kept = self._kept_calls()
+        self._check_gradients_came_through_layers(kept)
+        batch_size = self._batch_size(kept)
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
-        for layer in self._layers:
-            wanted = set(layer.params)
-            for call in layer.calls:
-                if call.output_grad is None:
-                    continue
-                grad = call.output_grad
-                grad = tuple(grad) if isinstance(grad, list) else grad
-                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
-                for local, factor in made.items():
-                    full = layer.params[local]
-                    previous = factors[full]
-                    factors[full] = factor if previous is None else combine(previous, factor)
+        low: dict[str, float] = {}
+        for layer, call, groups in kept:
+            for wanted, grad in groups:
+                self._add_factors(factors, low, layer, call, wanted, grad)
+        if self._identity is not None:
+            self._identity.verify(factors, low, self._batch_term_gradient_sides())
         return factors, batch_size, scale
+
+    def _add_factors(
+        self,
+        factors: dict[str, ParameterFactor | None],
+        low: dict[str, float],
+        layer: _TrackedLayer,
+        call: _Call,
+        wanted: frozenset[str],
+        grad: Any,
+    ) -> None:
+        grad = tuple(grad) if isinstance(grad, list) else grad
+        made = layer.rule.factors(layer.module, call.captured, grad, wanted)
+        rounding = self._low_precision(call, grad) if self._identity is not None else 0.0
+        for local, factor in made.items():
+            full = layer.params[local]
+            previous = factors[full]
+            factors[full] = factor if previous is None else combine(previous, factor)
+            if rounding:
+                low[full] = max(low.get(full, 0.0), rounding)
+
+    def _low_precision(self, call: _Call, grad: Any) -> float:
+        """The unit roundoff of a precision below the parameters' that the call's operands were
+        rounded to (bf16 / fp16 under autocast), or 0."""
+        captured = call.captured
+        if type(captured) is torch.Tensor and type(grad) is torch.Tensor:
+            if captured.dtype is self.dtype and grad.dtype is self.dtype:
+                return 0.0  # the usual case: nothing rounded below the parameters' precision
+            found = {captured.dtype, grad.dtype}
+        else:
+            found = set()
+            _dtypes(captured, found)
+            _dtypes(grad, found)
+        own = _OWN_ROUNDOFF.get(self.dtype)
+        if own is None:
+            own = _OWN_ROUNDOFF[self.dtype] = unit_roundoff(
+                torch.promote_types(self.dtype, torch.float32)
+            )
+        coarsest = max((unit_roundoff(d) for d in found), default=0.0)
+        return coarsest if coarsest > own else 0.0
+
+    def _batch_term_gradient_sides(self) -> dict[str, torch.Tensor]:
+        """name -> the identity probe of the declared batch terms' gradients, as scaled."""
+        out: dict[str, torch.Tensor] = {}
+        for term in self._batch_terms:
+            for name, value in term.gradient_sides.items():
+                scaled = term.scaled(value)
+                if scaled is not None:
+                    out[name] = scaled if name not in out else out[name] + scaled
+        return out
+
+    def _batch_gradients(self) -> dict[str, torch.Tensor]:
+        """name -> this step's gradient, less the declared batch terms' (zeros where none)."""
+        grads = self._param_grads
+        if not self._batch_terms and len(grads) == len(self.param_shapes):
+            return {name: as_dtype(grads[name], self.dtype) for name in self.param_shapes}
+        out = {}
+        for name, shape in self.param_shapes.items():
+            grad = self._param_grads.get(name)
+            if grad is None:
+                grad = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            else:
+                grad = as_dtype(grad, self.dtype)
+            for term in self._batch_terms:
+                part = term.param_grads.get(name)
+                scaled = None if part is None else term.scaled(part)
+                if scaled is not None:
+                    grad = grad - scaled.to(grad.dtype)
+            out[name] = grad
+        return out
 
     def _build(self) -> StepStatistics:
         if not self.keep_batch_gradients:
@@ -638,15 +1157,9 @@ class PerSampleStats:
                 "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
             )
         factors, batch_size, scale = self.step_factors()
-        batch_gradients = {
-            name: as_dtype(self._param_grads[name], self.dtype)
-            if name in self._param_grads
-            else torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for name, shape in self.param_shapes.items()
-        }
         return StepStatistics(
-            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale,
-            layout=self._layout,
+            self.param_shapes, factors, self._batch_gradients(), batch_size, self.dtype,
+            self.device, scale, layout=self._layout,
         )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:

@@ -509,7 +509,10 @@ class SketchedStats:
     ``gradient_batch()`` is a ``DenseGradientBatch`` of the (B, k) sketches, so anything that
     balances dense batches balances it; ``step_listeners`` / ``backward_seen`` are the
     engine's, so gradient accumulation works as with exact statistics. The engine keeps no
-    batch gradient copy (``keep_batch_gradients=False``).
+    batch gradient copy (``keep_batch_gradients=False``); the identity check runs all the same
+    (its probes of the delivered gradients are taken in the hooks). Parameters frozen or
+    unfrozen later are followed: their maps drop out or join (each is a function of the seed and
+    the parameter's name, so the others' do not change).
 
     Example::
 
@@ -544,6 +547,8 @@ class SketchedStats:
         generation = self.engine.generation
         if self._cached is None or self._cached[0] != generation:
             factors, batch_size, scale = self.engine.step_factors()
+            if self.sketch.param_shapes != self.engine.param_shapes:  # the trainable set changed
+                self.sketch = GradientSketch(self.engine.param_shapes, self.dim, self.sketch.seed)
             dtype = torch.promote_types(self.engine.dtype, torch.float32)
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
