@@ -230,3 +230,14 @@ def test_sketches_are_cached_per_backward_and_renewed_by_the_next():
         assert stats.sketches() is first
         loss_per_example(model(x[:3]), y[:3]).mean().backward()
         assert stats.sketches().shape == (3, 16)
+
+
+def test_matrix_of_one_row_and_one_column_weights():
+    """A one-row weight's output side is one orthogonal column whose strides are not the
+    contiguous ones (``torch.kron`` refused it); ``matrix()`` applied to a vector is the map."""
+    shapes = {"row": torch.Size([1, 6]), "column": torch.Size([5, 1]), "bias": torch.Size([3])}
+    sketch = GradientSketch(shapes, dim=16, seed=0)
+    matrix = sketch.matrix()
+    assert matrix.shape == (16, 6 + 5 + 3)
+    grads = torch.randn(4, 14, dtype=torch.float64)
+    torch.testing.assert_close(sketch.apply_dense(grads), grads @ matrix.T)

@@ -51,6 +51,7 @@ from grabkit.order.positions import first_position, skip_count
 from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
 from grabkit.order.state import plain_config, read_state
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.sketch import check_saved_maps
 
 __all__ = ["GraBSampler"]
 
@@ -418,6 +419,7 @@ class GraBSampler(Sampler[int]):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
+        check_saved_maps("GraBSampler", state, self._config)  # sketches of other maps: refused
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",

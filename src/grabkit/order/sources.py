@@ -51,8 +51,16 @@ class HookSource:
             stats.step_listeners.append(self.capture)
 
     def capture(self) -> None:
-        """Keep the statistics of the backward that just ran, once."""
+        """Keep the statistics of the backward that just ran, once.
+
+        A step whose backward reached no parameter (an input gradient by
+        ``torch.autograd.grad``: FGSM's clean forward, a saliency map) is not a micro-batch of
+        the batch: nothing is kept, so the real backward's statistics go to the batch's own
+        examples.
+        """
         if not self.stats.backward_seen:
+            return
+        if not getattr(self.stats, "parameter_gradients_seen", True):
             return
         current = self.stats.statistics()
         if current is not self._taken():

@@ -10,6 +10,7 @@ first checks that the per-example gradients add up to the gradient autograd deli
 """
 
 from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
+from grabkit.stats import transformers_rules as _transformers  # noqa: F401  (by class name)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,

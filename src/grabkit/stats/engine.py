@@ -43,7 +43,6 @@ Seams with other autograd work in the same step, each defined:
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -62,6 +61,7 @@ from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.identity import IdentityCheck, unit_roundoff
+from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.step import StepStatistics
@@ -74,8 +74,68 @@ _LOSS_REDUCTIONS = ("mean", "sum")
 # parameter dtype -> unit roundoff of the arithmetic its statistics use (at least float32's)
 _OWN_ROUNDOFF: dict[torch.dtype, float] = {}
 
-# module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+# module -> a weak reference to the PerSampleStats whose hooks are on it (one engine per module
+# at a time); weak, as the hooks' own references are, so that an engine dropped without close()
+# is collected and its finalizer removes the hooks
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PerSampleStats]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _WeakHook:
+    """A hook calling ``method`` of an engine it holds weakly (``args`` first): the model's hooks
+    never keep an engine alive, and once it is collected they do nothing until its finalizer
+    removes them."""
+
+    __slots__ = ("_args", "_engine", "_function", "_method")
+
+    def __init__(
+        self, engine: Callable[[], PerSampleStats | None], method: str, *args: Any
+    ) -> None:
+        self._engine, self._method, self._args = engine, method, args
+        self._function = getattr(PerSampleStats, method)  # unbound: no bound method per call
+
+    def __call__(self, *hook_args: Any) -> Any:
+        engine = self._engine()
+        if engine is None:
+            return None
+        return self._function(engine, *self._args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
+        """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model
+        measured: its copies of the hooks do nothing."""
+        return _WeakHook(_no_engine, self._method)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with the model (``torch.save(model)``): unpickled, it does nothing."""
+        return (_WeakHook, (_no_engine, self._method))
+
+
+def _no_engine() -> None:
+    """The engine of a copied hook: none."""
+    return None
+
+
+def _attached(module: nn.Module) -> PerSampleStats | None:
+    """The live engine whose hooks are on ``module``, if any."""
+    engine = _ATTACHED.get(module)
+    return None if engine is None else engine()
+
+
+def _detach(
+    handle_lists: tuple[list[Any], ...],
+    nodes: list[Any],
+    engine: weakref.ref[PerSampleStats],
+) -> None:
+    """Remove an engine's hooks and registrations (by ``close()``, or when it is collected)."""
+    for handles in handle_lists:
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+    nodes.clear()
+    for module, ref in list(_ATTACHED.items()):
+        if ref is engine:
+            del _ATTACHED[module]
 
 
 def unwrap_data_parallel(model: nn.Module) -> nn.Module:
@@ -107,16 +167,20 @@ class _Call:
     ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
     gradient edges (node, output number) of the hooked output tensors, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
-    layer's output alive).
+    layer's output alive). ``group``: the group of a grouped batch the call's rows hold
+    (``grabkit.stats.rows``), None for an ordinary batch.
     """
 
-    __slots__ = ("batch_size", "captured", "grads", "outputs")
+    __slots__ = ("batch_size", "captured", "grads", "group", "outputs")
 
-    def __init__(self, captured: object, batch_size: int | None = None) -> None:
+    def __init__(
+        self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
+    ) -> None:
         self.captured = captured
         self.grads: GradientsByTask = {}
         self.batch_size = batch_size
         self.outputs: list[GradientEdge] = []
+        self.group = group
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -382,6 +446,7 @@ class PerSampleStats:
         #: counts every change of the recorded statistics (a gradient arrived, a step began), so
         #: a reader can cache what it computed from them
         self.generation = 0
+        self._me = weakref.ref(self)  # what the hooks and the registry hold
         self._model_handles: list[Any] = []
         self._handles: list[Any] = []
         self._enter_handles: list[Any] = []
@@ -405,7 +470,7 @@ class PerSampleStats:
     @staticmethod
     def _check_not_attached(model: nn.Module) -> None:
         for name, module in model.named_modules():
-            if module in _ATTACHED:
+            if _attached(module) is not None:
                 where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
                     f"a PerSampleStats is already attached to {where}; call close() on the "
@@ -485,14 +550,15 @@ class PerSampleStats:
         return shared
 
     def _attach_layers(self) -> None:
+        me = self._me
         for layer in self._layers:
-            hook = functools.partial(self._on_forward, layer)
+            hook = _WeakHook(me, "_on_forward", layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
             if self._watching_forwards:
-                handle = layer.module.register_forward_pre_hook(self._on_layer_enter)
+                handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
-            _ATTACHED[layer.module] = self
+            _ATTACHED[layer.module] = me
         sharded = []
         for name, p in self._params:
             if not p.requires_grad:
@@ -501,11 +567,10 @@ class PerSampleStats:
                 sharded.append((name, p))
                 continue
             node = _accumulate_grad_node(p)
-            hook = functools.partial(self._on_param_grad, name)
-            self._handles.append(node.register_prehook(hook))
+            self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
             self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
         if sharded:  # taps on the unsharded copies (grabkit.taps)
-            on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in sharded])
+            on_grad = _WeakHook(me, "_on_tapped_grad", [name for name, _ in sharded])
             self._handles.append(GradientTaps(sharded, on_grad, self.model))
         self._watch = None
         if self._watching_forwards:
@@ -540,14 +605,18 @@ class PerSampleStats:
         }
 
     def _attach_model(self) -> None:
-        model = self.model
+        model, me = self.model, self._me
+        enter = _WeakHook(me, "_on_model_input")
         self._model_handles.append(  # first: the model's own layer hooks may follow
-            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True, prepend=True)
+            model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
         )
-        self._model_handles.append(
-            model.register_forward_hook(self._on_model_output, always_call=True)
+        leave = _WeakHook(me, "_on_model_output")
+        self._model_handles.append(model.register_forward_hook(leave, always_call=True))
+        _ATTACHED[model] = me
+        # run by close(), or when the engine is collected unclosed: the hooks go either way
+        self._detach = weakref.finalize(
+            self, _detach, (self._handles, self._model_handles), self._grad_nodes, me
         )
-        _ATTACHED[model] = self
 
     def _detach_layers(self) -> None:
         for handle in self._handles:
@@ -556,7 +625,7 @@ class PerSampleStats:
         self._enter_handles.clear()
         self._grad_nodes.clear()
         for layer in self._layers:
-            if _ATTACHED.get(layer.module) is self and layer.module is not self.model:
+            if _ATTACHED.get(layer.module) is self._me and layer.module is not self.model:
                 del _ATTACHED[layer.module]
 
     def _follow_trainable_set(self) -> None:
@@ -571,13 +640,11 @@ class PerSampleStats:
         self._new_step()
 
     def close(self) -> None:
-        """Remove every hook and drop the kept references; the object can no longer record."""
-        self._detach_layers()
-        for handle in self._model_handles:
-            handle.remove()
-        self._model_handles.clear()
-        if _ATTACHED.get(self.model) is self:
-            del _ATTACHED[self.model]
+        """Remove every hook and drop the kept references; the object can no longer record.
+
+        An engine dropped without ``close()`` is collected (the model's hooks hold it weakly),
+        and collection removes its hooks the same way."""
+        self._detach()
         self._new_step()
         self._spare_grads = {}
 
@@ -618,6 +685,8 @@ class PerSampleStats:
         self.generation += 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        self._rows = StepRows()  # the grouped batch this step's calls came from, if any
+        self._group_batches: dict[int, _ModelBatch] = {}  # id(group) -> its input's batch
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
         self._readers: list[weakref.ref[StepStatistics]] = []
         if all(reader() is None for reader in readers):
@@ -642,13 +711,19 @@ class PerSampleStats:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
-        if self._gradient_seen:
+        if self._step_finished():
             self._new_step()
         self._follow_trainable_set()
         self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
         self._batch = _ModelBatch(tensors)
+
+    def _step_finished(self) -> bool:
+        """Whether a forward now starts a new step: a hook received a gradient since this
+        step's first forward, and the forward is neither checkpointing's recomputation nor the
+        next group of the grouped batch being run (``backward_by_group``)."""
+        return self._gradient_seen and not _inside_backward() and not self._rows.continues()
 
     def _watch_on(self) -> None:
         if self._watch is None:
@@ -706,24 +781,28 @@ class PerSampleStats:
             output = output if replaced is None else replaced
             self._record_multiple_outputs(layer, module, (args, kwargs, output))
             return replaced
+        replaced = layer.rule.replace_output(module, output) if layer.rule.whole_call else None
+        if replaced is not None:  # the same values, laid out batch-first
+            output = replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return None
+            return replaced
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
-        if self._gradient_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
-        layer_input, expanded = self._layer_input(layer, args, kwargs, output)
-        call = _Call(layer.rule.capture(module, layer_input))
+        group = self._rows.tag()
+        layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
+        call = _Call(layer.rule.capture(module, layer_input), group=group)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         self._hook_output(call, hooked)
-        return None if expanded is None else expand_for_batch(output, expanded, layer.name)
+        return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
     def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
-        hooked.register_hook(functools.partial(self._on_output_grad, call))
+        hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
         if hooked.grad_fn is not None:
             call.outputs.append(GradientEdge(hooked.grad_fn, hooked.output_nr))
 
@@ -741,16 +820,34 @@ class PerSampleStats:
         ]
         if not hooked:
             return
-        if self._gradient_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
+        group = self._rows.tag()
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
-        if self._batch is not None:
-            self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(layer.rule.capture(module, whole_call), batch_size=size)
+        batch = self._batch_for(group)
+        if batch is not None:
+            batch.check_batch_dim(layer.name, size, x, dim)
+        call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
         layer.calls.append(call)
         for slot, t in hooked:
-            t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
+            t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
+
+    def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
+        """The batch a call's input is checked against: the model's input, or for a call in a
+        group of a grouped batch the group's own input as the runner announced it (the model
+        may run the grouped batch inside its forward); None where neither fits the call's rows
+        (the input is then taken as it is)."""
+        if group is None:
+            return self._batch
+        if group.inputs:
+            batch = self._group_batches.get(id(group))
+            if batch is None:
+                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs))
+            return batch
+        if self._batch is not None and self._batch.size == group.rows:
+            return self._batch
+        return None
 
     def _layer_input(
         self,
@@ -758,6 +855,7 @@ class PerSampleStats:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: torch.Tensor,
+        group: GroupRows | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """(what the rule keeps from the call, the output expanded to (B, ...) or None).
 
@@ -766,9 +864,10 @@ class PerSampleStats:
         """
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
+        batch = self._batch_for(group)
         if isinstance(layer_input, torch.Tensor):
-            if self._batch is not None:
-                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if batch is not None:
+                layer_input, expanded = batch.align(layer.name, layer_input, output)
             if layer.rule.whole_call and expanded is not None:
                 raise NotImplementedError(
                     f"layer {layer.name!r} ({type(layer.module).__name__}) got an input shared "
@@ -811,19 +910,20 @@ class PerSampleStats:
         with torch._C.DisableTorchFunction():
             if not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return output
-            if self._gradient_seen and not _inside_backward():
+            if self._step_finished():
                 self._new_step()
             self._functional_seen = True
             layer = self._functional_layer(use, weight_name, bias_name)
-            x, expanded = layer_input, None
-            if self._batch is not None and isinstance(x, torch.Tensor):
-                x, expanded = self._batch.align(layer.name, x, output)
+            group = self._rows.tag()
+            x, expanded, batch = layer_input, None, self._batch_for(group)
+            if batch is not None and isinstance(x, torch.Tensor):
+                x, expanded = batch.align(layer.name, x, output)
             if expanded is not None:
                 raise NotImplementedError(
                     f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "
                     f"give it an explicit batch dim (expand it to (B, ...)) or call the layer."
                 )
-            call = _Call(layer.rule.capture(use, x.detach()))
+            call = _Call(layer.rule.capture(use, x.detach()), group=group)
             layer.calls.append(call)
             self._hook_output(call, output)
         return output
@@ -960,6 +1060,12 @@ class PerSampleStats:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
 
+    @property
+    def parameter_gradients_seen(self) -> bool:
+        """Whether a backward since this step's first forward reached the trainable parameters,
+        not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one)."""
+        return bool(self._param_grads)
+
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached)."""
         if self._statistics is None:
@@ -1017,7 +1123,7 @@ class PerSampleStats:
                 f"model's input has {self._batch.size if self._batch else '?'} examples); "
                 f"PerSampleStats needs the batch in dim 0 of every layer's input (use "
                 f"batch_first layouts) and, for a layer called several times, the same "
-                f"examples in every call."
+                f"examples in every call. {UNANNOUNCED_GROUPS_HELP}"
             )
         return distinct.pop()
 
@@ -1069,16 +1175,41 @@ class PerSampleStats:
         self._check_step_is_defined()
         kept = self._kept_calls()
         self._check_gradients_came_through_layers(kept)
-        batch_size = self._batch_size(kept)
-        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
-        factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
         low: dict[str, float] = {}
-        for layer, call, groups in kept:
-            for wanted, grad in groups:
-                self._add_factors(factors, low, layer, call, wanted, grad)
+        if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
+            calls = [
+                (
+                    layer.name,
+                    call.group,
+                    grad.shape[0] if call.batch_size is None else call.batch_size,
+                )
+                for layer, call, groups in kept
+                for _, grad in groups
+            ]
+            factors, batch_size = self._rows.factors(
+                calls, lambda group: self._merged_factors(kept, low, group)
+            )
+        else:
+            batch_size = self._batch_size(kept)
+            factors = self._merged_factors(kept, low)
+        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         if self._identity is not None:
             self._identity.verify(factors, low, self._batch_term_gradient_sides())
         return factors, batch_size, scale
+
+    def _merged_factors(
+        self, kept: list, low: dict[str, float], group: GroupRows | None = None
+    ) -> dict[str, ParameterFactor | None]:
+        """name -> the combined factor of the ``kept`` calls (of one group of a grouped batch,
+        when ``group`` is given; None: no gradient); ``low`` gathers the coarser precisions
+        their operands were rounded to."""
+        factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
+        for layer, call, groups in kept:
+            if group is not None and call.group is not group:
+                continue
+            for wanted, grad in groups:
+                self._add_factors(factors, low, layer, call, wanted, grad)
+        return factors
 
     def _add_factors(
         self,

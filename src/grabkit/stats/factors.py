@@ -34,6 +34,7 @@ __all__ = [
     "as_dtype",
     "combine",
     "compute_dtype",
+    "embedding_linear_cross",
 ]
 
 # The (N, N) equality and inner-product blocks the Embedding Gram matrix builds are processed in
@@ -548,9 +549,9 @@ class SumFactor:
     def _cross(self, u: ParameterFactor, v: ParameterFactor) -> torch.Tensor:
         """(B, B) entries <g_i^u, g_j^v>."""
         if isinstance(u, EmbeddingFactor) and _is_plain_linear(v):
-            return _embedding_linear_cross(u, v)
+            return embedding_linear_cross(u, v)
         if isinstance(v, EmbeddingFactor) and _is_plain_linear(u):
-            return _embedding_linear_cross(v, u).T
+            return embedding_linear_cross(v, u).T
         identity = torch.eye(self.batch_size, dtype=torch.float64)
         dense_v = v.weighted_sum(identity.to(_dtype_of(v)))  # (B, *param_shape)
         return u.dot(dense_v)
@@ -595,8 +596,9 @@ def _is_plain_linear(factor: ParameterFactor) -> bool:
     return isinstance(factor, OuterProductFactor) and factor.groups == 1
 
 
-def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
-    """(B, B) <g_i^u, g_j^v> for a table used as embedding (u) and as output head (v), ghost-style.
+def embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
+    """(B_u, B_v) <g_i^u, g_j^v> for a table used as embedding (u) and as output head (v),
+    ghost-style (the two may hold other examples: two groups of a grouped batch).
 
     <sum_t onehot(idx_it) E_it^T, sum_s D_js A_js^T> = sum_{t, s} D_js[idx_it] (E_it . A_js):
     N_u x N_v pairs of d-dim dots, never the (B, V, d) per-example gradients.
@@ -608,11 +610,11 @@ def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.
     a = v.inputs.reshape(-1, v.in_features).to(dtype)  # (N_v, d)
     d = v.output_grads.reshape(-1, v.out_features).to(dtype)  # (N_v, V)
     pairs = (e @ a.T) * d.index_select(1, idx).T  # (N_u, N_v)
-    return pairs.reshape(b, -1, b, v.positions).sum(dim=(1, 3))
+    return pairs.reshape(b, -1, v.batch_size, v.positions).sum(dim=(1, 3))
 
 
 def _embedding_linear_cross_diagonal(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
-    """(B,) <g_i^u, g_i^v>, the diagonal of ``_embedding_linear_cross``: per example,
+    """(B,) <g_i^u, g_i^v>, the diagonal of ``embedding_linear_cross``: per example,
     sum_{t, s} D_is[idx_it] (E_it . A_is) over T_u x T_v pairs only (no (B T)^2 products)."""
     dtype = torch.promote_types(u.output_grads.dtype, v.inputs.dtype)
     b = u.batch_size

@@ -90,6 +90,7 @@ from grabkit.stats.factors import (
     PerExampleFactor,
     SumFactor,
 )
+from grabkit.stats.rows import RowsFactor
 
 __all__ = ["FULL_SUPPORT_ENTRIES", "LAMBDA", "IdentityCheck", "IdentityCheckError", "unit_roundoff"]
 
@@ -521,6 +522,10 @@ def _add_segments(
     elif isinstance(factor, SumFactor):
         for part in factor.parts:
             _add_segments(segments, index, probe, part, cache)
+    elif isinstance(factor, RowsFactor):  # a grouped batch: its groups' factors (padding rows: 0)
+        for part in factor.parts:
+            if part is not None:
+                _add_segments(segments, index, probe, part, cache)
     else:  # another factor type: its per-example gradients, materialised (B, *shape)
         eye = torch.eye(factor.batch_size, dtype=torch.float64)
         dense = factor.weighted_sum(eye.to(_any_dtype(factor)))

@@ -65,9 +65,9 @@ class LayerRule(ABC):
         return (output,)
 
     def replace_output(self, module: nn.Module, output: Any) -> Any:
-        """The call's output with the same values, or None to keep it (``multiple_outputs``
-        rules): say a batch-first copy of a transposed view, so that later layers can tell
-        the batch dim from an equal other dim."""
+        """The call's output with the same values, or None to keep it (``multiple_outputs`` and
+        ``whole_call`` rules): say a batch-first copy of a transposed view, so that later
+        layers can tell the batch dim from an equal other dim."""
         return None
 
     def call_batch(
