@@ -72,6 +72,29 @@ def scaled_unsynced_run(rank: int, world_size: int, payload: dict) -> dict:
     return {"decisions": decisions, "params": _params(model)}
 
 
+def observed_run(rank: int, world_size: int, payload: dict, local: bool) -> list[float]:
+    """GNS followed by ``AccumulationNoiseScale(optimizer=wrapper)``, with two of every three
+    backwards under ``no_sync()`` (``local``) or none: the estimate must not tell them apart."""
+    from grabkit.noise import AccumulationNoiseScale
+
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gns", ddp.parameters(), noise_multiplier=0.3)
+    gns = AccumulationNoiseScale(ddp, update_rate=0.5, optimizer=wrapper)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i, (x, y) in enumerate(make_microbatches(payload["sizes"], seed=11)):
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            unsynced = local and i % SYNC_EVERY < SYNC_EVERY - 1
+            with ddp.no_sync() if unsynced else contextlib.nullcontext():
+                mean_loss(ddp, xs, ys).backward()
+            wrapper.step(count=len(xs))
+        wrapper.flush()
+    estimate = gns.estimate
+    gns.remove()
+    return [estimate.grad_norm_sq, estimate.trace_sigma, estimate.observations]
+
+
 def fully_shard_no_sync_run(rank: int, world_size: int, payload: dict) -> str:
     """GNTS on a ``fully_shard`` model whose first backward runs with gradient sync off: FSDP2
     keeps that gradient unsharded and .grad empty; the wrapper must refuse, on every rank."""
@@ -125,6 +148,7 @@ def body(rank: int, world_size: int, payload: dict) -> dict:
     result = {"ddp": ddp_no_sync_run(rank, world_size, payload)}
     result["scaled"] = scaled_unsynced_run(rank, world_size, payload)
     result["fully_shard"] = fully_shard_no_sync_run(rank, world_size, payload)
+    result["observed"] = [observed_run(rank, world_size, payload, local) for local in (False, True)]
     if payload.get("accelerate"):
         result["accelerate"] = accelerate_run(rank, world_size, payload)
     return result

@@ -75,6 +75,14 @@ def test_grad_scaled_unsynced_microbatches_give_the_one_process_run(ranks):
         assert_same_run(result["scaled"], decisions, params, f"GradScaler, rank {rank}")
 
 
+def test_a_noise_scale_following_the_wrapper_is_the_same_under_no_sync(ranks):
+    for result in ranks:
+        synced, local = result["observed"]
+        assert synced[2] == local[2] >= 2  # windows observed
+        assert local[:2] == pytest.approx(synced[:2], rel=1e-9)
+    assert ranks[0]["observed"] == ranks[1]["observed"]
+
+
 def test_fully_shard_without_gradient_sync_is_refused_on_every_rank(ranks):
     for result in ranks:
         assert "set_requires_gradient_sync(False)" in result["fully_shard"]
