@@ -72,17 +72,22 @@ class Classifier(L.LightningModule):
         )
 
 
-def fit(out: Path, accumulate: int, measure: bool) -> list[dict]:
+def fit(out: Path, accumulate: int, measure: bool, ckpt_path: Path | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     callbacks = [NoiseScaleCallback(update_rate=RATE)] if measure else []
+    callbacks.append(
+        L.callbacks.ModelCheckpoint(
+            dirpath=str(out), filename="{step}", every_n_train_steps=1, save_top_k=-1
+        )
+    )
     trainer = L.Trainer(
         accelerator="cpu", devices=W, strategy="ddp_spawn", max_epochs=EPOCHS,
         accumulate_grad_batches=accumulate, use_distributed_sampler=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=False,
+        enable_checkpointing=True,
         default_root_dir=str(out), callbacks=callbacks,
     )  # fmt: skip
-    trainer.fit(Classifier(str(out)))
+    trainer.fit(Classifier(str(out)), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
 
 
@@ -132,3 +137,15 @@ def test_ddp_noise_scale_is_the_hand_computed_estimate_and_changes_nothing(
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-9)
         for name, value in unmeasured["params"].items():
             assert torch.equal(rank["params"][name], value), name  # bitwise: training unchanged
+
+
+def test_ddp_noise_scale_resumes_from_the_lightning_checkpoint(tmp_path, spawnable):
+    """Resumed after epoch 0's last step (a plain DataLoader resumes exactly only at an epoch's
+    end): every rank loads rank 0's callback state and ends with the uninterrupted estimate."""
+    full = fit(tmp_path / "full", 3, measure=True)
+    step = N // (W * B * 3)
+    resumed = fit(tmp_path / "resumed", 3, True, tmp_path / "full" / f"step={step}.ckpt")
+    for rank, again in zip(full, resumed, strict=True):
+        for name, value in rank["params"].items():
+            assert torch.equal(again["params"][name], value), name
+        assert again["noise"] == pytest.approx(rank["noise"], rel=1e-12)
