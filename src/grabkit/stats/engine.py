@@ -165,7 +165,7 @@ class _Call:
     ``grabkit.stats.backwards``). For a rule with ``multiple_outputs`` each entry is a list with
     one slot per tracked output (None until that output receives a gradient) and
     ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
-    gradient edges (node, output number) of the hooked output tensors, for
+    gradient edges (node, output number) of the hooked output tensors and their shapes, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
     layer's output alive). ``group``: the group of a grouped batch the call's rows hold
     (``grabkit.stats.rows``), None for an ordinary batch.
@@ -179,7 +179,7 @@ class _Call:
         self.captured = captured
         self.grads: GradientsByTask = {}
         self.batch_size = batch_size
-        self.outputs: list[GradientEdge] = []
+        self.outputs: list[tuple[GradientEdge, torch.Size]] = []
         self.group = group
 
 
@@ -190,6 +190,25 @@ def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
         return value.detach() if isinstance(value, torch.Tensor) else value
 
     return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
+
+
+def _gradient_source(output: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient hook gives ``output``'s gradient: ``output`` itself, or, for an
+    output that is a view of a tensor of the same size and layout made inside the layer (a
+    Linear on a 3-D input computes a matmul and returns a view of it), that tensor. An in-place
+    op on such a view (``h.relu_()``, ``F.relu(h, inplace=True)``, ``h[:, 0] *= 2``) rebuilds the
+    view's graph and the hooks on the view never fire; hooks on the tensor it views receive the
+    gradient of the values the layer returned (as hooks on a tensor that is not a view do)."""
+    base = output._base
+    if (
+        base is None
+        or base.grad_fn is None
+        or base.numel() != output.numel()
+        or not base.is_contiguous()
+        or not output.is_contiguous()
+    ):
+        return output
+    return base
 
 
 def _outer_dim_is_not_first(x: torch.Tensor) -> bool:
@@ -209,14 +228,27 @@ class _ModelBatch:
     example's own output gradient reaches the hook.
     """
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], model: nn.Module) -> None:
         self.size = tensors[0].shape[0]
         self.shape = tuple(tensors[0].shape)
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self._model = model
+        self._state_storages: set[int] | None = None  # read on first need, once per step
 
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+
+    def _is_model_state(self, x: torch.Tensor) -> bool:
+        """A tensor made outside autograd that is (a view of) one of the model's parameters or
+        buffers (learned latent queries, a slice of a position table): shared by the batch
+        whatever the size of its dim 0, which may equal the batch size by chance."""
+        if not self._is_shared(x):
+            return False
+        if self._state_storages is None:
+            state = [*self._model.parameters(), *self._model.buffers()]
+            self._state_storages = {t.untyped_storage().data_ptr() for t in state}
+        return x.untyped_storage().data_ptr() in self._state_storages
 
     def check_batch_dim(self, name: str, size: int, x: torch.Tensor | None, dim: int) -> None:
         """Refuse a layer call that holds ``size`` examples (in dim ``dim`` of its input ``x``)
@@ -249,7 +281,8 @@ class _ModelBatch:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
-        if x.dim() > 0 and x.shape[0] == b:
+        model_state = x.dim() > 0 and x.shape[0] == b and self._is_model_state(x)
+        if x.dim() > 0 and x.shape[0] == b and not model_state:
             if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
@@ -277,7 +310,7 @@ class _ModelBatch:
                 f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
                 f"before the layer)."
             )
-        if b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): Hugging Face's position ids
+        if not model_state and b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): HF's ids
             raise ValueError(
                 f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is not the "
                 f"batch ({b} examples, dim 0 of the model's input {self.shape}) but which has "
@@ -553,7 +586,10 @@ class PerSampleStats:
         me = self._me
         for layer in self._layers:
             hook = _WeakHook(me, "_on_forward", layer)
-            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            # first: the engine reads the layer's own output, before a forward hook of the
+            # user's replaces it (its change is then part of the model, after the layer)
+            handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+            self._handles.append(handle)
             if self._watching_forwards:
                 handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
                 self._handles.append(handle)
@@ -717,7 +753,7 @@ class PerSampleStats:
         self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
-        self._batch = _ModelBatch(tensors)
+        self._batch = _ModelBatch(tensors, self.model)
 
     def _step_finished(self) -> bool:
         """Whether a forward now starts a new step: a hook received a gradient since this
@@ -802,9 +838,13 @@ class PerSampleStats:
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
     def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
-        hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
-        if hooked.grad_fn is not None:
-            call.outputs.append(GradientEdge(hooked.grad_fn, hooked.output_nr))
+        source = _gradient_source(hooked)
+        if source is hooked:
+            hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
+        else:
+            source.register_hook(_WeakHook(self._me, "_on_view_grad", call, hooked.shape))
+        if source.grad_fn is not None:
+            call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -843,7 +883,7 @@ class PerSampleStats:
         if group.inputs:
             batch = self._group_batches.get(id(group))
             if batch is None:
-                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs))
+                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs), self.model)
             return batch
         if self._batch is not None and self._batch.size == group.rows:
             return self._batch
@@ -955,6 +995,11 @@ class PerSampleStats:
         call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
+    def _on_view_grad(self, call: _Call, shape: torch.Size, grad: torch.Tensor) -> None:
+        """The gradient of the tensor an output is a reshaping view of (``_gradient_source``),
+        in the output's shape."""
+        self._on_output_grad(call, grad.view(shape))
+
     def _gradient_arrived(self) -> None:
         """A hook received a gradient: what was read is stale, and the next forward (outside a
         backward) starts a new step."""
@@ -1035,12 +1080,12 @@ class PerSampleStats:
             )
         params = {name: p for name, p in self._params if name in self.param_shapes}
         calls = [
-            (call, edge)
+            (call, output)
             for layer in [*self._layers, *self._functional.values()]
             for call in layer.calls
-            for edge in call.outputs
+            for output in call.outputs
         ]
-        inputs = [*params.values(), *(edge for _, edge in calls)]
+        inputs = [*params.values(), *(edge for _, (edge, _) in calls)]
         grads = torch.autograd.grad(term, inputs, retain_graph=True, allow_unused=True)
         record = BatchTerm()
         for (name, _), grad in zip(params.items(), grads, strict=False):
@@ -1048,9 +1093,9 @@ class PerSampleStats:
                 record.param_grads[name] = grad.detach()
                 if self._identity is not None:
                     record.gradient_sides[name] = self._identity.gradient_side(name, grad)
-        for (call, _), grad in zip(calls, grads[len(params) :], strict=True):
-            if grad is not None:
-                record.call_grads[id(call)] = (call, grad.detach())
+        for (call, (_, shape)), grad in zip(calls, grads[len(params) :], strict=True):
+            if grad is not None:  # in the output's shape (the edge may be a view's base)
+                record.call_grads[id(call)] = (call, grad.detach().view(shape))
         self._batch_terms.append(record)
         return gate(term, record)
 
