@@ -150,3 +150,92 @@ def test_layer_on_a_buffer_slice_of_the_batch_size_is_exact(length: int) -> None
     torch.manual_seed(0)
     x = torch.randn(B, length, WIDTH)
     assert_exact(PositionTable(), lambda m: m(x))
+
+
+class HookedActivation(nn.Module):
+    """A gradient hook of the user's on a layer's output (scaling, as a gradient-reversal or
+    loss-balancing hook does), registered in the forward after the layer's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: -0.5 * grad)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_gradient_hook_of_the_user_on_a_layer_output_is_exact(dims: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(B, WIDTH) if dims == 2 else torch.randn(B, T, WIDTH)
+    assert_exact(HookedActivation(), lambda m: m(x))
+
+
+class RoutedExperts(nn.Module):
+    """A mixture of experts: each token (of B * T) goes to one expert, which sees its tokens as
+    rows (as Mixtral's sparse block does); the rows are tokens, not examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+        self.experts = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        tokens = torch.tanh(self.inp(x)).reshape(-1, WIDTH)  # (B * T, WIDTH)
+        mixed = torch.zeros_like(tokens)
+        for k, expert in enumerate(self.experts):
+            rows = (route.reshape(-1) == k).nonzero()[:, 0]
+            mixed = mixed.index_add(0, rows, expert(tokens[None, rows].reshape(-1, WIDTH)))
+        return self.out(mixed.reshape(x.shape))
+
+
+def test_experts_given_as_many_tokens_as_examples_are_refused() -> None:
+    """Each expert gets exactly B tokens: dim 0 has the batch size by chance; taking its rows
+    as the examples would be silently wrong."""
+    torch.manual_seed(0)
+    x, route = torch.randn(B, 2, WIDTH), torch.tensor([[0, 0], [0, 1], [0, 1], [1, 1]])
+    model = RoutedExperts()
+    refused = r"'experts\.0'.*selected by indexing"
+    with PerSampleStats(model), pytest.raises(ValueError, match=refused):
+        model(x, route)
+
+
+class MaskedPositionsHead(nn.Module):
+    """A head applied to the masked positions only (a masked-LM head): rows are tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x))[masked])  # (masked tokens, 1)
+
+
+def test_a_head_on_as_many_masked_tokens_as_examples_is_refused() -> None:
+    torch.manual_seed(0)
+    masked = torch.zeros(B, T, dtype=torch.bool)
+    masked[0, :2] = masked[1, 0] = masked[2, 2] = True  # B tokens, not one per example
+    model = MaskedPositionsHead()
+    with PerSampleStats(model), pytest.raises(ValueError, match=r"'head'.*selected by indexing"):
+        model(torch.randn(B, T, WIDTH), masked)
+
+
+class LastTokenHead(nn.Module):
+    """A head on each example's last real token, picked by indexing: one row per example."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head(h[torch.arange(len(x)), last])
+
+
+def test_a_head_on_each_examples_last_token_is_exact() -> None:
+    torch.manual_seed(0)
+    x, last = torch.randn(B, T, WIDTH), torch.tensor([2, 0, 1, 2])
+    assert_exact(LastTokenHead(), lambda m: m(x, last))

@@ -39,6 +39,12 @@ Seams with other autograd work in the same step, each defined:
 * **A shared input's expanded output** can only meet the batch by a broadcast, checked at run
   time (``grabkit.stats.shared_inputs``); a sequence-first copy of the model's input is refused.
 * **Loss terms that are not sums over examples** are declared with ``batch_term``.
+* **A layer's output changed after the call** (in place, even where the output is a view; by a
+  forward hook of the user's; by a gradient hook on it): the engine's forward hook runs first
+  and reads the layer's own output, and its gradient is taken by a pre-hook on the node that
+  made it, after the tensor's own hooks (``PerSampleStats._hook_output``).
+* **A layer on a parameter or buffer** of the model is shared by the batch, even where its dim
+  0 has the batch size (``_ModelBatch._is_model_state``).
 """
 
 from __future__ import annotations
@@ -211,6 +217,59 @@ def _gradient_source(output: torch.Tensor) -> torch.Tensor:
     return base
 
 
+_FIRST_INPUT_HELP = (
+    "(The examples are dim 0 of the model's first tensor argument: if that argument is not the "
+    "batch, such as a mask, a weight or a table passed before the inputs, pass the batch first.)"
+)
+
+
+# nodes that keep the rows of their input, in order (a reshape, a copy): looked through
+_ROW_KEEPING_NODES = frozenset(
+    {
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+    }
+)
+
+
+def _row_selection(x: torch.Tensor, batch: int) -> tuple[int, ...] | None:
+    """The shape of the tensor ``x``'s rows were picked from by indexing, where they are not one
+    per example (a mixture-of-experts' routed tokens, a head on masked positions); else None.
+
+    Looks at the node that made ``x`` (through reshapes and copies): an advanced index or an
+    ``index_select`` along dim 0 whose source's dim 0 is not the batch (tokens of a flattened
+    (B * T, d) tensor), a boolean mask over more than the batch dim, or a second index
+    tensor (positions) with a first one that is not every example once (``h[arange(B), last]``
+    is). A few attribute reads per layer call; only a multi-index selection reads values.
+    """
+    node = x.grad_fn
+    for _ in range(3):
+        if node is None or node.name() not in _ROW_KEEPING_NODES:
+            break
+        node = node.next_functions[0][0]
+    if node is None:
+        return None
+    name = node.name()
+    if name == "IndexSelectBackward0":
+        source = tuple(node._saved_self_sym_sizes)
+        return source if node._saved_dim == 0 and source[0] != batch else None
+    if name != "IndexBackward0":
+        return None
+    source, indices = tuple(node._saved_self_sym_sizes), node._saved_indices
+    first = indices[0] if indices else None
+    if first is None or source[0] != batch:
+        return source
+    if first.dtype == torch.bool:
+        return source if first.dim() > 1 else None
+    if sum(index is not None for index in indices) == 1:
+        return None  # whole examples, reordered or repeated: rows follow their losses
+    once = first.dim() == 1 and torch.bincount(first.reshape(-1), minlength=batch).eq(1).all()
+    return None if bool(once) else source
+
+
 def _outer_dim_is_not_first(x: torch.Tensor) -> bool:
     """Whether some dim of size > 1 has a larger stride than dim 0 (a transposed view)."""
     if x.stride(0) == 0:  # dim 0 broadcast: the same activation for every example
@@ -260,7 +319,7 @@ class _ModelBatch:
                 f"layer {name!r} holds {size} examples in {where}, but the model's input has "
                 f"{self.size} (dim 0 of {self.shape}). PerSampleStats needs the examples in dim "
                 f"0 of the model's input and in the batch dim of every layer (check the layer's "
-                f"batch_first, and that the model's input is batch-first)."
+                f"batch_first, and that the model's input is batch-first). {_FIRST_INPUT_HELP}"
             )
         if x is None or size == 1:
             return
@@ -293,6 +352,17 @@ class _ModelBatch:
                     f"pos.unsqueeze(0).expand(B, -1)) or use a batch size that differs from "
                     f"the other dims."
                 )
+            selected_from = _row_selection(x, b) if x.grad_fn is not None else None
+            if selected_from is not None:
+                raise ValueError(
+                    f"layer {name!r} got an input of shape {tuple(x.shape)} whose rows were "
+                    f"selected by indexing from a tensor of shape {selected_from} (the tokens "
+                    f"routed to a mixture-of-experts' expert, a head on masked positions): its "
+                    f"dim 0 has the batch size {b} by chance, but its rows are not the batch's "
+                    f"examples, so per-example gradients cannot be read from it. Apply the "
+                    f"layer to every position in a (B, T, ...) layout and select after it (mask "
+                    f"the loss instead), or freeze the layer's parameters."
+                )
             if b in x.shape[1:] and _outer_dim_is_not_first(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} and strides "
@@ -308,7 +378,7 @@ class _ModelBatch:
                 f"model's input, but its dim 0 is not the batch ({b} examples, dim 0 of the "
                 f"model's input {self.shape}). PerSampleStats needs the examples in dim 0 of "
                 f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
-                f"before the layer)."
+                f"before the layer). {_FIRST_INPUT_HELP}"
             )
         if not model_state and b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): HF's ids
             raise ValueError(
@@ -318,7 +388,7 @@ class _ModelBatch:
                 f"(x.t().contiguous()), made without autograd, so PerSampleStats cannot tell it "
                 f"from an input shared by the batch. PerSampleStats needs the examples in dim 0 "
                 f"of every layer's input: use batch_first layouts (batch_first=True, or "
-                f"transpose the layer's output instead)."
+                f"transpose the layer's output instead). {_FIRST_INPUT_HELP}"
             )
         if x.dim() > 0 and x.shape[0] == 1 and output.dim() > 0 and output.shape[0] == 1:
             return x.expand(b, *x.shape[1:]), output.expand(b, *output.shape[1:])
@@ -506,9 +576,12 @@ class PerSampleStats:
             if _attached(module) is not None:
                 where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
-                    f"a PerSampleStats is already attached to {where}; call close() on the "
-                    f"existing one (or leave its `with` block) before attaching "
-                    f"another."
+                    f"a PerSampleStats is already attached to {where} (directly, or held by "
+                    f"a SketchedStats, a hook-mode GraBSampler(model=...) or an integration's "
+                    f"callback); one model carries one at a time. Call close() on the existing "
+                    f"one (or leave its `with` block) before attaching another; to read "
+                    f"statistics beside a hook-mode sampler, read them from the sampler's own "
+                    f"(sampler.stats)."
                 )
 
     @staticmethod
@@ -838,13 +911,17 @@ class PerSampleStats:
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
     def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
+        """Receive the gradient of ``hooked`` (the call's output) in the backward: by a pre-hook
+        on the node that made it (or the tensor it is a view of, ``_gradient_source``), which
+        runs after the tensor's own hooks, so a gradient hook of the user's on the output
+        (``h.register_hook``) is part of what the layer's parameters receive, as in autograd."""
         source = _gradient_source(hooked)
-        if source is hooked:
+        if source.grad_fn is None:  # a leaf (no node to hook)
             hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
-        else:
-            source.register_hook(_WeakHook(self._me, "_on_view_grad", call, hooked.shape))
-        if source.grad_fn is not None:
-            call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
+            return
+        hook = _WeakHook(self._me, "_on_node_grad", call, source.output_nr, hooked.shape)
+        source.grad_fn.register_prehook(hook)
+        call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -995,10 +1072,23 @@ class PerSampleStats:
         call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
-    def _on_view_grad(self, call: _Call, shape: torch.Size, grad: torch.Tensor) -> None:
-        """The gradient of the tensor an output is a reshaping view of (``_gradient_source``),
-        in the output's shape."""
-        self._on_output_grad(call, grad.view(shape))
+    def _on_node_grad(
+        self,
+        call: _Call,
+        output_nr: int,
+        shape: torch.Size,
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """Pre-hook of the node that made a call's output: its gradient (``output_nr``), in the
+        output's shape (the node may make the tensor the output is a view of)."""
+        grad = grad_outputs[output_nr]
+        if grad is None:
+            return
+        task = self._backwards.output_gradient()
+        grad = (grad if grad.shape == shape else grad.reshape(shape)).detach()
+        previous = call.grads.get(task)
+        call.grads[task] = grad if previous is None else previous + grad
+        self._gradient_arrived()
 
     def _gradient_arrived(self) -> None:
         """A hook received a gradient: what was read is stale, and the next forward (outside a
