@@ -239,3 +239,20 @@ def test_a_head_on_each_examples_last_token_is_exact() -> None:
     torch.manual_seed(0)
     x, last = torch.randn(B, T, WIDTH), torch.tensor([2, 0, 1, 2])
     assert_exact(LastTokenHead(), lambda m: m(x, last))
+
+
+class VmappedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.out = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.vmap(lambda row: torch.tanh(self.a(row)))(x))
+
+
+def test_a_layer_run_inside_vmap_is_refused_naming_the_transform() -> None:
+    model = VmappedLayer()
+    with PerSampleStats(model) as stats:
+        model(torch.randn(B, WIDTH)).sum().backward()
+        with pytest.raises(RuntimeError, match=r"'a'.*torch\.vmap"):
+            stats.norms_squared()

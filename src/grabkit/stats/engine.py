@@ -1295,9 +1295,11 @@ class PerSampleStats:
                         f"parameter {name!r} received a gradient in this backward, but its "
                         f"layer {layer.name!r} never passed one through its forward hook (the "
                         f"parameter was used outside its layer, e.g. F.linear(x, layer.weight) "
-                        f"or a weight read outside the model's forward). Call the layer as a "
-                        f"module, use it inside the model's forward (functional_uses=True), or "
-                        f"freeze the parameter."
+                        f"or a weight read outside the model's forward; or the layer ran inside "
+                        f"a torch.func transform such as torch.vmap, whose calls are not "
+                        f"watched). Call the layer as a module outside such transforms, use it "
+                        f"inside the model's forward (functional_uses=True), or freeze the "
+                        f"parameter."
                     )
 
     def step_factors(self) -> tuple[dict[str, ParameterFactor | None], int, float]:
