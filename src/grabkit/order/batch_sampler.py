@@ -52,8 +52,8 @@ class GraBBatchSampler(Sampler[list[int]]):
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def step(self, grads: Any = None, *, indices: Any = None) -> None:
-        self.sampler.step(grads, indices=indices)
+    def step(self, grads: Any = None, *, indices: Any = None, grad_scale: Any = 1.0) -> None:
+        self.sampler.step(grads, indices=indices, grad_scale=grad_scale)
 
     def skip(self, count: int | None = None) -> None:
         """Skip the current batch (or ``count`` examples): no decision for them this epoch."""

@@ -48,7 +48,14 @@ from grabkit.order.configure import (
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
-from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
+from grabkit.order.sources import (
+    HookSource,
+    check_finite,
+    loss_scale,
+    normalized,
+    step_pieces,
+    unscaled,
+)
 from grabkit.order.state import plain_config, read_state
 from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.stats.sketch import check_saved_maps
@@ -315,7 +322,7 @@ class GraBSampler(Sampler[int]):
         return self.num_samples
 
     # -- stepping ----------------------------------------------------------------------------
-    def step(self, grads: Any = None, *, indices: Any = None) -> None:
+    def step(self, grads: Any = None, *, indices: Any = None, grad_scale: Any = 1.0) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
         Args:
@@ -327,6 +334,12 @@ class GraBSampler(Sampler[int]):
                 ``idx`` column of the batch). Optional; with it, examples yielded before them
                 and not stepped (a skipped batch) are passed over instead of receiving these
                 gradients. Without it the gradients go to the next B unstepped examples.
+            grad_scale: the factor the loss was multiplied by before its backward(s): with a
+                ``torch.amp.GradScaler``, ``scaler.get_scale()`` or the scaler itself, read
+                before ``scaler.update()``. The gradients are divided by it: a scale that
+                changes between steps (growth, back-off) would otherwise weigh the steps
+                differently in the balancing. An overflowing step's gradients are not finite
+                and raise: ``skip()`` that batch, as the scaler skips its update.
         Raises:
             ValueError: more gradients than the epoch has examples left, indices that are not
                 yielded examples in visit order, a gradient length that differs from
@@ -334,7 +347,9 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
+        factor = loss_scale(grad_scale)
         pieces = step_pieces(grads, self.source, self.dim, self.sketch_dim)
+        pieces = [unscaled(piece, factor) for piece in pieces]
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,

@@ -1,4 +1,5 @@
-"""Where the per-example statistics of a step come from, and the normalised view of a batch.
+"""Where the per-example statistics of a step come from, and the normalised (or unscaled) view of
+a batch.
 
 ``GraBSampler.step(grads)`` turns what it is given into a list of ``GradientBatch`` pieces, in
 visit order, with ``batches_from``: one dense piece for gradients passed in, or, in hook mode,
@@ -11,6 +12,7 @@ by offering ``batches()``, ``clear()``, ``discard()`` and ``close()``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,10 +25,13 @@ from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, name
 __all__ = [
     "HookSource",
     "NormalizedBatch",
+    "RowScaledBatch",
     "check_finite",
     "dense_batch",
+    "loss_scale",
     "normalized",
     "step_pieces",
+    "unscaled",
 ]
 
 
@@ -175,15 +180,35 @@ def normalized(batch: GradientBatch) -> GradientBatch:
     return NormalizedBatch(batch)
 
 
-class NormalizedBatch:
-    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
+def loss_scale(grad_scale: Any) -> float:
+    """The factor a loss was multiplied by before its backward: a positive finite number, or
+    an object with ``get_scale()`` (a ``torch.amp.GradScaler``)."""
+    value = grad_scale.get_scale() if hasattr(grad_scale, "get_scale") else grad_scale
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(
+            f"grad_scale should be the positive finite factor the loss was multiplied by "
+            f"(a GradScaler's get_scale(), or the GradScaler itself), but got {value!r}"
+        )
+    return float(value)
 
-    def __init__(self, batch: GradientBatch) -> None:
+
+def unscaled(batch: GradientBatch, factor: float) -> GradientBatch:
+    """``batch``'s gradients divided by ``factor`` (those of a loss multiplied by it)."""
+    if factor == 1.0:
+        return batch
+    if isinstance(batch, DenseGradientBatch):
+        return DenseGradientBatch(batch.matrix / factor)
+    return RowScaledBatch(batch, torch.full((batch.size,), 1.0 / factor, device=batch.device))
+
+
+class RowScaledBatch:
+    """A ``GradientBatch`` of s_i g_i, for a (B,) tensor ``scale`` of the s_i, lazily."""
+
+    def __init__(self, batch: GradientBatch, scale: torch.Tensor) -> None:
         self.inner = batch
         self.size, self.dim = batch.size, batch.dim
         self.dtype, self.device = batch.dtype, batch.device
-        norms = batch.norms_squared().sqrt()
-        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
+        self.scale = scale
 
     def gram(self) -> torch.Tensor:
         return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
@@ -201,3 +226,11 @@ class NormalizedBatch:
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         s = self.scale if weights.ndim == 1 else self.scale[:, None]
         return self.inner.weighted_sum(weights * s.to(weights.dtype))
+
+
+class NormalizedBatch(RowScaledBatch):
+    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
+
+    def __init__(self, batch: GradientBatch) -> None:
+        norms = batch.norms_squared().sqrt()
+        super().__init__(batch, torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms)))
