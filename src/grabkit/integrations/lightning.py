@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
 
@@ -318,6 +319,15 @@ class NoiseScaleCallback(Callback):
 
     Measuring never changes training (the hook all-reduces as DDP's own does).
 
+    Checkpoints. The estimator's state goes into Lightning's checkpoint; a resume from one saved
+    at an optimizer step (``ModelCheckpoint`` saves only there) continues the uninterrupted
+    estimate exactly, provided Lightning resumes the data where it stopped (a plain
+    ``DataLoader`` restarts the epoch's batches from its first one; torchdata's
+    ``StatefulDataLoader`` resumes exactly). A checkpoint saved inside an accumulation window
+    (``trainer.save_checkpoint`` from a batch hook, ``OnExceptionCheckpoint``) does not hold the
+    window's accumulated gradient, so the resumed run steps on the window's remaining microbatches
+    only: that window is left out of the estimate (on every rank), with a warning.
+
     Args:
         count_fn: batch -> examples; default :func:`batch_count`.
         per_block: also log ``noise_scale/b_simple/<parameter>`` for every parameter tensor
@@ -336,6 +346,8 @@ class NoiseScaleCallback(Callback):
         self._count = 0.0
         self._held: float | None = None  # DDP: the count of the last backward, not yet closed
         self._pending_state: dict | None = None
+        self._open = 0  # backwards of the window in progress (checkpointed)
+        self._lost_window = False  # resumed inside a window whose gradient Lightning dropped
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -365,6 +377,7 @@ class NoiseScaleCallback(Callback):
             self.distributed.attach(_ddp_model(trainer))  # before the first backward
 
     def on_after_backward(self, trainer, pl_module) -> None:
+        self._open += 1
         if self.distributed is None:
             self.estimator.end_microbatch(self._count)
             return
@@ -373,7 +386,10 @@ class NoiseScaleCallback(Callback):
         self._held = self._count
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self.distributed is None:
+        self._open = 0
+        if self._lost_window:
+            self._discard_window()
+        elif self.distributed is None:
             self.result = self.estimator.end_step()  # before Lightning clips
         else:
             held, self._held = self._held, None
@@ -385,18 +401,41 @@ class NoiseScaleCallback(Callback):
                 values = {k: v for k, v in values.items() if "/" not in k}
             pl_module.log_dict({f"noise_scale/{k}": v for k, v in values.items()})
 
+    def _discard_window(self) -> None:
+        """Leave out the window a mid-window checkpoint cut (on every rank: all load rank 0's
+        state, so all discard the same window; no collective runs)."""
+        self._lost_window = False
+        if self.distributed is None:
+            self.estimator.discard_step()
+            self.result = self.estimator.estimate
+        else:
+            self._held = None
+            self.distributed.discard_window()
+            self.result = self.distributed.result
+
     def on_train_end(self, trainer, pl_module) -> None:
         if self.distributed is not None:
             self.result = self.distributed.result  # the last step's all-reduce folded in
 
     def state_dict(self) -> dict[str, Any]:
-        if self.distributed is not None:
-            return {"estimator": self.distributed.state_dict()}
-        return {} if self.estimator is None else {"estimator": self.estimator.state_dict()}
+        owner = self.distributed if self.distributed is not None else self.estimator
+        if owner is None:
+            return {}
+        return {"estimator": owner.state_dict(), "open_microbatches": self._open}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "estimator" not in state_dict:
             return
+        self._open = int(state_dict.get("open_microbatches", 0))
+        if self._open:
+            self._lost_window = True
+            rank_zero_warn(
+                f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
+                f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
+                "their accumulated gradient, so the resumed run steps on the window's remaining "
+                "microbatches only, and the window is left out of the noise-scale estimate. For "
+                "an exact resume, checkpoint at optimizer steps (as ModelCheckpoint does)."
+            )
         owner = self.distributed if self.distributed is not None else self.estimator
         if owner is None:
             self._pending_state = state_dict["estimator"]

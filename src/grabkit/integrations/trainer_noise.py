@@ -92,6 +92,13 @@ class TrainerNoiseScale:
         else:
             self.estimator.discard_step()
 
+    def discard_window(self) -> None:
+        """Close the window whose last (synchronising) backward just ran without measuring it,
+        as ``microbatch(..., last=True)`` would close it; every rank must discard the same one."""
+        self._counts = []
+        if self.estimator is not None:
+            self.estimator.discard_step()
+
     def _exact(self, counts: list[float], weighting: str, window_items: float | None) -> bool:
         """Whether the window's gradient is weighted as the counts say (this rank)."""
         if weighting == "steps":
