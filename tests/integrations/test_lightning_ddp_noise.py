@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
+from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import NoiseScaleCallback  # noqa: E402
@@ -43,12 +44,16 @@ def network() -> torch.nn.Module:
 class Classifier(L.LightningModule):
     """Writes its parameters and its callback's estimate to ``out/rank<r>.pt`` at train end."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, stateful: bool = False) -> None:
         super().__init__()
-        self.net, self.out = network(), out
+        self.net, self.out, self.stateful = network(), out, stateful
 
     def train_dataloader(self) -> DataLoader:
         sampler = DistributedSampler(data(), num_replicas=W, rank=self.global_rank, shuffle=False)
+        if self.stateful:  # its position is in Lightning's checkpoint: exact mid-epoch resume
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(data(), batch_size=B, sampler=sampler)
         return DataLoader(data(), batch_size=B, sampler=sampler)
 
     def training_step(self, batch, batch_idx):
@@ -61,20 +66,27 @@ class Classifier(L.LightningModule):
     def on_train_end(self) -> None:
         noise = [c for c in self.trainer.callbacks if isinstance(c, NoiseScaleCallback)]
         result = noise[0].result if noise else None
+        steps = [c.values for c in self.trainer.callbacks if isinstance(c, Estimates)]
         torch.save(
             {
                 "params": {k: v.detach().clone() for k, v in self.net.named_parameters()},
                 "noise": None
                 if result is None
                 else [result.grad_norm_sq, result.trace_sigma, result.observations],
+                "steps": [list(v) for v in steps[0]] if steps else [],
             },
             Path(self.out) / f"rank{self.global_rank}.pt",
         )
 
 
-def fit(out: Path, accumulate: int, measure: bool, ckpt_path: Path | None = None) -> list[dict]:
+def fit(
+    out: Path, accumulate: int, measure: bool, ckpt_path: Path | None = None,
+    stateful: bool = False, save_after: int | None = None,
+) -> list[dict]:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    callbacks = [NoiseScaleCallback(update_rate=RATE)] if measure else []
+    callbacks = [NoiseScaleCallback(update_rate=RATE), Estimates()] if measure else []
+    if save_after is not None:
+        callbacks.append(SaveAfterBatch(save_after, out / "mid_window.ckpt"))
     callbacks.append(
         L.callbacks.ModelCheckpoint(
             dirpath=str(out), filename="{step}", every_n_train_steps=1, save_top_k=-1
@@ -87,7 +99,7 @@ def fit(out: Path, accumulate: int, measure: bool, ckpt_path: Path | None = None
         enable_checkpointing=True,
         default_root_dir=str(out), callbacks=callbacks,
     )  # fmt: skip
-    trainer.fit(Classifier(str(out)), ckpt_path=ckpt_path)
+    trainer.fit(Classifier(str(out), stateful), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
 
 
@@ -149,3 +161,35 @@ def test_ddp_noise_scale_resumes_from_the_lightning_checkpoint(tmp_path, spawnab
         for name, value in rank["params"].items():
             assert torch.equal(again["params"][name], value), name
         assert again["noise"] == pytest.approx(rank["noise"], rel=1e-12)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_ddp_noise_scale_resumes_mid_epoch_with_a_stateful_dataloader(
+    tmp_path, spawnable, accumulate
+):
+    """Resumed after the first step (mid-epoch 0): every rank loads rank 0's loader and callback
+    state (the ranks' positions agree) and ends with the uninterrupted estimate and parameters."""
+    pytest.importorskip("torchdata")
+    full = fit(tmp_path / "full", accumulate, True, stateful=True)
+    resumed = fit(tmp_path / "resumed", accumulate, True, tmp_path / "full" / "step=1.ckpt", True)
+    for rank, again in zip(full, resumed, strict=True):
+        for name, value in rank["params"].items():
+            assert torch.equal(again["params"][name], value), name
+        assert again["noise"] == pytest.approx(rank["noise"], rel=1e-12)
+
+
+def test_ddp_window_cut_by_a_checkpoint_is_left_out_on_every_rank(tmp_path, spawnable):
+    """Saved after 1 microbatch of the run's last window of 3: no rank holds that window's
+    accumulated gradient, so every rank leaves it out; the estimate is the one before it."""
+    pytest.importorskip("torchdata")
+    batches = EPOCHS * N // (W * B)
+    full = fit(tmp_path / "full", 3, True, stateful=True, save_after=batches - 3)
+    checkpoint = tmp_path / "full" / "mid_window.ckpt"
+    torch.load(checkpoint, weights_only=True)
+    resumed = fit(tmp_path / "resumed", 3, True, checkpoint, stateful=True)
+    unmeasured = fit(tmp_path / "unmeasured", 3, False, checkpoint, stateful=True)
+    for rank, again, plain in zip(full, resumed, unmeasured, strict=True):
+        for name, value in plain["params"].items():
+            assert torch.equal(again["params"][name], value), name
+        assert again["noise"] == pytest.approx(rank["steps"][-2], rel=1e-12)
+        assert again["noise"][2] == rank["noise"][2] - 1

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning.pytorch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
+from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, triple  # noqa: E402
 from torch.utils.data import DataLoader, Sampler, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import NoiseScaleCallback  # noqa: E402
@@ -76,34 +77,6 @@ class Classifier(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.3)
-
-
-class SaveAfterBatch(L.Callback):
-    """``trainer.save_checkpoint`` after the ``at``-th batch of the run (0-based): mid-window."""
-
-    def __init__(self, at: int, path: Path) -> None:
-        self.at, self.path = at, path
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.fit_loop.total_batch_idx == self.at:
-            trainer.save_checkpoint(self.path)
-
-
-class Estimates(L.Callback):
-    """The noise callback's estimate after every optimizer step (it runs first)."""
-
-    def __init__(self) -> None:
-        self.values: list[tuple | None] = []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        noise = next(c for c in trainer.callbacks if isinstance(c, NoiseScaleCallback))
-        self.values.append(triple(noise.result))
-
-
-def triple(result) -> tuple | None:
-    if result is None:
-        return None
-    return result.grad_norm_sq, result.trace_sigma, result.observations
 
 
 def fit(out: Path, accumulate: int, loader: str, measure: bool = True, ckpt_path=None,
