@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -367,14 +367,12 @@ def apply_update(
         fixed: (f, d) fixed vectors (e.g. the centre), with fixed_weights (r, f).
     """
     w = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.device, batch.dtype)
-    add_to = getattr(batch, "add_weighted_sum_to", None)  # hook statistics: no (r, d) temporary
     if (
-        add_to is not None
-        and accumulators.is_contiguous()
+        accumulators.is_contiguous()
         and accumulators.dtype == batch.dtype
         and accumulators.device == batch.device
     ):
-        add_to(accumulators, w)
+        batch.add_weighted_sum_to(accumulators, w)  # hook statistics: no (r, d) temporary
     else:
         accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
     if fixed is not None and fixed_weights is not None and fixed_weights.size:
@@ -386,7 +384,7 @@ def apply_update(
 
 def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
     return (
-        isinstance(batch, DenseGradientBatch)
+        batch.coordinates() is not None
         and batch.device.type == "cpu"
         and accumulators.device.type == "cpu"
         and accumulators.dtype == batch.dtype
@@ -442,7 +440,7 @@ def balance_combinations(
     if fixed_weights is not None:
         U = fixed_weights
     if not (sequential and policy.rows > 0 and _dense_on_cpu(batch, accumulators)):
-        if isinstance(batch, DenseGradientBatch):  # one pass over X for all the vectors
+        if batch.coordinates() is not None:  # one pass over X for all the vectors
             products = fetch_inner_products(
                 batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
             )
@@ -453,7 +451,7 @@ def balance_combinations(
         elif before_update is not None:
             before_update(batch.total())
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
-    X = batch.matrix
+    X = batch.coordinates()
     return _DenseCpuBalance(
         lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
         before_update, policy,

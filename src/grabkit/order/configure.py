@@ -207,14 +207,14 @@ class BatchPreparer:
 
     def __call__(self, batch: GradientBatch) -> GradientBatch:
         """The batch to balance (statistics batches pass through unchanged)."""
-        if not isinstance(batch, DenseGradientBatch):
+        X = batch.coordinates()
+        if X is None:
             if self.kind is not None:
                 raise TypeError(
                     "a random projection needs dense per-example gradients, but step() got a "
                     f"{type(batch).__name__}; drop projection= or pass the (B, d) gradients."
                 )
             return batch
-        X = batch.matrix
         if self.dtype is not None or self.device is not None:
             X = X.to(device=self.device or X.device, dtype=self.dtype or X.dtype)
         if self.kind is None:

@@ -47,7 +47,7 @@ from grabkit.order.configure import (
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
-from grabkit.order.sources import HookSource, check_finite, normalized, step_pieces
+from grabkit.order.sources import HookSource, check_finite, step_pieces
 from grabkit.order.state import plain_config, read_state
 from grabkit.stats.gradient_batch import GradientBatch
 
@@ -368,7 +368,7 @@ class GraBSampler(Sampler[int]):
                 batch, position, self.num_replicas, self.n, self._padded_order()
             )
         if self.normalize:
-            batch = normalized(batch)
+            batch = batch.normalized()
         if indices.numel():
             observe_in_blocks(self.ordering, batch, indices)
 

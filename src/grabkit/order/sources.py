@@ -18,14 +18,17 @@ from typing import Any
 import torch
 
 from grabkit.order.balance import NON_FINITE_HELP
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch, named_to_flat
+from grabkit.stats.gradient_batch import (
+    DenseGradientBatch,
+    GradientBatch,
+    as_gradient_batch,
+    named_to_flat,
+)
 
 __all__ = [
     "HookSource",
-    "NormalizedBatch",
     "check_finite",
     "dense_batch",
-    "normalized",
     "step_pieces",
 ]
 
@@ -57,12 +60,12 @@ class HookSource:
         current = self.stats.statistics()
         if current is not self._taken():
             self._taken = weakref.ref(current)
-            self.pending.append(self.stats.gradient_batch())
+            self.pending.append(as_gradient_batch(self.stats.gradient_batch()))
 
     def batches(self) -> list[GradientBatch]:
         """The pieces of this step, in visit order (not consumed until ``clear()``)."""
         if not self.tracks_backwards:
-            return [self.stats.gradient_batch()]
+            return [as_gradient_batch(self.stats.gradient_batch())]
         self.capture()
         if not self.pending:
             raise ValueError(
@@ -146,43 +149,10 @@ def dense_batch(grads: Any) -> GradientBatch:
         return DenseGradientBatch(grads.detach().flatten(1))
     if isinstance(grads, GradientBatch):
         return grads
-    raise TypeError(
-        "step() expects a dict of (B, ...) per-example gradients, a (B, d) tensor, a "
-        f"GradientBatch, or nothing in hook mode, but got {type(grads).__name__}"
-    )
-
-
-def normalized(batch: GradientBatch) -> GradientBatch:
-    """g_i / ||g_i|| for every example (zero rows stay zero)."""
-    if isinstance(batch, DenseGradientBatch):
-        norms = torch.linalg.vector_norm(batch.matrix, dim=1, keepdim=True)
-        return DenseGradientBatch(batch.matrix / torch.where(norms > 0, norms, 1.0))
-    return NormalizedBatch(batch)
-
-
-class NormalizedBatch:
-    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), built lazily on the device."""
-
-    def __init__(self, batch: GradientBatch) -> None:
-        self.inner = batch
-        self.size, self.dim = batch.size, batch.dim
-        self.dtype, self.device = batch.dtype, batch.device
-        norms = batch.norms_squared().sqrt()
-        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
-
-    def gram(self) -> torch.Tensor:
-        return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
-
-    def norms_squared(self) -> torch.Tensor:
-        return self.inner.norms_squared() * self.scale**2
-
-    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
-        d = self.inner.dot(vectors)
-        return d * (self.scale if d.ndim == 1 else self.scale[:, None])
-
-    def total(self) -> torch.Tensor:
-        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
-
-    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
-        s = self.scale if weights.ndim == 1 else self.scale[:, None]
-        return self.inner.weighted_sum(weights * s.to(weights.dtype))
+    try:
+        return as_gradient_batch(grads)
+    except TypeError:
+        raise TypeError(
+            "step() expects a dict of (B, ...) per-example gradients, a (B, d) tensor, a "
+            f"GradientBatch, or nothing in hook mode, but got {type(grads).__name__}"
+        ) from None

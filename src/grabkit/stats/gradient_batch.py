@@ -17,23 +17,34 @@ convert between that layout and a ``{name: tensor}`` dict.
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
 
 import torch
 
 __all__ = [
     "DenseGradientBatch",
     "FlatLayout",
+    "ForeignBatch",
     "GradientBatch",
+    "NormalizedBatch",
+    "as_gradient_batch",
     "flat_to_named",
     "named_to_flat",
 ]
 
 
-@runtime_checkable
-class GradientBatch(Protocol):
+class GradientBatch(ABC):
     """B per-example gradients in R^d, accessed only through inner products.
+
+    A subclass implements the five reads (``gram``, ``norms_squared``, ``dot``, ``total``,
+    ``weighted_sum``) and sets the four attributes. Everything else has a default written with
+    those reads, which a subclass overrides where it can do better: the in-place sums
+    (``add_total_to``, ``add_weighted_sum_to``: hook statistics add layer by layer, with no
+    temporary the size of the model), one example's gradient (``row``), the normalised view
+    (``normalized``), cutting into consecutive pieces (``split``) and the coordinates themselves
+    (``coordinates``: None unless the batch holds a (B, d) matrix). Consumers call these methods;
+    they never ask which class a batch is.
 
     Attributes:
         size: B, the number of examples.
@@ -46,14 +57,15 @@ class GradientBatch(Protocol):
     dtype: torch.dtype
     device: torch.device
 
+    @abstractmethod
     def gram(self) -> torch.Tensor:
         """(B, B) matrix K with K[i, j] = <g_i, g_j>."""
-        ...
 
+    @abstractmethod
     def norms_squared(self) -> torch.Tensor:
         """(B,) vector with entries ||g_i||^2 (the diagonal of ``gram()``, usually cheaper)."""
-        ...
 
+    @abstractmethod
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         """Inner products with fixed vectors.
 
@@ -62,12 +74,12 @@ class GradientBatch(Protocol):
         Returns:
             (B,) for a (d,) input, (B, k) for a (k, d) input: entry [i, j] = <g_i, v_j>.
         """
-        ...
 
+    @abstractmethod
     def total(self) -> torch.Tensor:
         """(d,) vector sum_i g_i; free in hook mode, where autograd computed the batch gradient."""
-        ...
 
+    @abstractmethod
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """sum_i w_i g_i.
 
@@ -76,10 +88,40 @@ class GradientBatch(Protocol):
         Returns:
             (d,) for (B,) weights, (k, d) for (B, k) weights (row j uses column j of the weights).
         """
-        ...
+
+    # -- with defaults -------------------------------------------------------------------------
+    def coordinates(self) -> torch.Tensor | None:
+        """The (B, d) gradients themselves when this batch holds them, else None (inner
+        products only). Per-coordinate transforms, projections and the exchange between ranks
+        need them; everything else reads inner products."""
+        return None
+
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += ``total()``."""
+        target.add_(self.total())
+
+    def add_weighted_sum_to(self, target: torch.Tensor, weights: torch.Tensor) -> None:
+        """In place: ``target`` += ``weighted_sum(weights)``; ``target`` (k, d) for (B, k)
+        weights, (d,) for (B,) weights (running sums)."""
+        target += self.weighted_sum(weights).to(target.dtype).reshape(target.shape)
+
+    def row(self, index: int) -> torch.Tensor:
+        """(d,) g_index, a tensor of its own (not a view into the batch)."""
+        one_hot = torch.zeros(self.size, 1, dtype=self.dtype, device=self.device)
+        one_hot[index] = 1.0
+        return self.weighted_sum(one_hot).reshape(-1)
+
+    def normalized(self) -> GradientBatch:
+        """The batch of g_i / ||g_i|| (zero rows stay zero)."""
+        return NormalizedBatch(self)
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        """Consecutive pieces of at most ``rows`` examples, in order, where the batch can be cut
+        without recomputing anything; by default the whole batch, uncut."""
+        return [self]
 
 
-class DenseGradientBatch:
+class DenseGradientBatch(GradientBatch):
     """A ``GradientBatch`` backed by a dense (B, d) tensor.
 
     Args:
@@ -112,6 +154,102 @@ class DenseGradientBatch:
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         w = weights.to(self.dtype)
         return (w if w.ndim == 1 else w.mT) @ self.matrix  # (d,) or (k, d)
+
+    def coordinates(self) -> torch.Tensor:
+        return self.matrix
+
+    def row(self, index: int) -> torch.Tensor:
+        return self.matrix[index].clone()
+
+    def normalized(self) -> DenseGradientBatch:
+        norms = torch.linalg.vector_norm(self.matrix, dim=1, keepdim=True)  # (B, 1)
+        return DenseGradientBatch(self.matrix / torch.where(norms > 0, norms, 1.0))
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        if self.size <= rows:
+            return [self]
+        return [
+            DenseGradientBatch(self.matrix[start : start + rows])
+            for start in range(0, self.size, rows)
+        ]
+
+
+class NormalizedBatch(GradientBatch):
+    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), read lazily from ``inner``:
+    every read is the inner batch's, rescaled by the (B,) inverse norms."""
+
+    def __init__(self, batch: GradientBatch) -> None:
+        self.inner = batch
+        self.size, self.dim = batch.size, batch.dim
+        self.dtype, self.device = batch.dtype, batch.device
+        norms = batch.norms_squared().sqrt()
+        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared() * self.scale**2
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        d = self.inner.dot(vectors)
+        return d * (self.scale if d.ndim == 1 else self.scale[:, None])
+
+    def total(self) -> torch.Tensor:
+        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        s = self.scale if weights.ndim == 1 else self.scale[:, None]
+        return self.inner.weighted_sum(weights * s.to(weights.dtype))
+
+
+class ForeignBatch(GradientBatch):
+    """Any object with the five reads and the four attributes, seen as a ``GradientBatch``.
+
+    ``as_gradient_batch`` wraps such an object once, where it enters (a statistics object of
+    your own, a batch passed to ``step()``), so that everything past that point meets the
+    declared interface and its defaults.
+    """
+
+    def __init__(self, batch: object) -> None:
+        self.inner = batch
+        self.size, self.dim = int(batch.size), int(batch.dim)
+        self.dtype, self.device = batch.dtype, batch.device
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram()
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared()
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return self.inner.dot(vectors)
+
+    def total(self) -> torch.Tensor:
+        return self.inner.total()
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.weighted_sum(weights)
+
+
+_READS = ("gram", "norms_squared", "dot", "total", "weighted_sum")
+_ATTRIBUTES = ("size", "dim", "dtype", "device")
+
+
+def as_gradient_batch(batch: object) -> GradientBatch:
+    """``batch`` itself when it is a ``GradientBatch``; an object offering the same five reads
+    and four attributes wrapped as one (``ForeignBatch``); anything else a TypeError."""
+    if isinstance(batch, GradientBatch):
+        return batch
+    missing = [name for name in _READS if not callable(getattr(batch, name, None))]
+    missing += [name for name in _ATTRIBUTES if not hasattr(batch, name)]
+    if missing:
+        raise TypeError(
+            f"expected a GradientBatch (grabkit.stats.GradientBatch), but got a "
+            f"{type(batch).__name__} without {missing}; subclass GradientBatch, or return a "
+            "DenseGradientBatch of the (B, d) per-example gradients."
+        )
+    return ForeignBatch(batch)
 
 
 def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:

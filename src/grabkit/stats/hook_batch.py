@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.stats.step import StepStatistics
 
 __all__ = ["HookGradientBatch"]
 
 
-class HookGradientBatch:
+class HookGradientBatch(GradientBatch):
     """A ``GradientBatch`` over the per-example gradients recorded by ``PerSampleStats``.
 
     The layout is that of ``statistics.param_shapes``: trainable parameters in

@@ -25,7 +25,7 @@ from grabkit.order.balance import (
     balance_dense_vectors,
     epoch_generator,
 )
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = [
     "ORDERINGS",
@@ -194,13 +194,13 @@ def observe_in_blocks(ordering: Ordering, batch: GradientBatch, indices: torch.T
     """``ordering.observe``, in blocks of ``policy.observe_rows`` rows for the orderings whose
     decisions do not depend on the cut (``splittable``), so no (B, B) Gram gets large."""
     rows = ordering.policy.observe_rows
-    split = ordering.splittable and isinstance(batch, DenseGradientBatch)
-    if not split or batch.size <= rows:
+    if not ordering.splittable or batch.size <= rows:
         ordering.observe(batch, indices)
         return
-    for start in range(0, batch.size, rows):
-        block = DenseGradientBatch(batch.matrix[start : start + rows])
-        ordering.observe(block, indices[start : start + rows])
+    start = 0
+    for block in batch.split(rows):
+        ordering.observe(block, indices[start : start + block.size])
+        start += block.size
 
 
 class IndexTensor:

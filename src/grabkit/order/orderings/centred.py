@@ -17,7 +17,7 @@ from grabkit.order.orderings.base import (
     balance_combinations,
     check_state_keys,
 )
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["CentredBalance", "StaleMean", "StaleMeanBalance", "dense_rows"]
 
@@ -46,13 +46,12 @@ class StaleMean:
         self.count += count
 
     def add_batch(self, batch: GradientBatch, count: int) -> None:
-        """``add(batch.total(), count)``, adding hook statistics' batch gradient straight into
-        the running sum (``add_total_to``: no (d,) temporary) where the batch can."""
-        add_to = getattr(batch, "add_total_to", None)
-        if self.running_sum is None or add_to is None:
+        """``add(batch.total(), count)``, adding the batch's sum straight into the running sum
+        (``add_total_to``: hook statistics form no (d,) temporary)."""
+        if self.running_sum is None:
             self.add(batch.total(), count)
             return
-        add_to(self.running_sum)
+        batch.add_total_to(self.running_sum)
         self.count += count
 
     def roll(self) -> None:
@@ -153,8 +152,9 @@ class CentredBalance(Ordering):
 
 def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
     """The (B, d) matrix behind a dense batch; a clear error for hook-statistics batches."""
-    if isinstance(batch, DenseGradientBatch):
-        return batch.matrix
+    X = batch.coordinates()
+    if X is not None:
+        return X
     raise TypeError(
         f'balance_type="{name}" transforms gradient coordinates, so it needs dense per-example '
         f"gradients, but step() got a {type(batch).__name__} (inner products only). Pass the "

@@ -16,7 +16,7 @@ from grabkit.order.orderings.base import (
     check_state_keys,
     register_ordering,
 )
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["PairBalance"]
 
@@ -58,7 +58,7 @@ class PairBalance(Ordering):
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
         elif self._differences_pay(batch):
-            self._place(items, self._balance_differences(batch.matrix, k, leftover))
+            self._place(items, self._balance_differences(batch.coordinates(), k, leftover))
         else:
             self._place(items, self._balance_combinations(batch, k))
         self._keep_leftover(batch, items[-1] if leftover else None)
@@ -99,12 +99,7 @@ class PairBalance(Ordering):
         if index is None:
             self.pending, self.pending_index = None, -1
             return
-        if isinstance(batch, DenseGradientBatch):
-            self.pending = batch.matrix[-1].to(self.acc.dtype, copy=True)
-        else:
-            one_hot = torch.zeros(batch.size, 1, dtype=batch.dtype, device=batch.device)
-            one_hot[-1] = 1.0
-            self.pending = batch.weighted_sum(one_hot).reshape(-1).to(self.acc.dtype)
+        self.pending = batch.row(-1).to(self.acc.dtype)
         self.pending_index = index
 
     def _differences_pay(self, batch: GradientBatch) -> bool:
@@ -113,7 +108,7 @@ class PairBalance(Ordering):
         not 2k rows. Longer gradients take one pair per block as a combination of two rows (no
         Gram, no temporary): fewer passes over memory than forming the difference."""
         return (
-            isinstance(batch, DenseGradientBatch)
+            batch.coordinates() is not None
             and batch.device.type == "cpu"
             and self.policy.rows > 0
             and self.policy.block_rows(batch.dim * self.acc.element_size()) >= 4
