@@ -3,16 +3,14 @@
 ``GraBSampler.step(grads)`` turns what it is given into a list of ``GradientBatch`` pieces, in
 visit order, with ``batches_from``: one dense piece for gradients passed in, or, in hook mode,
 one piece per ``loss.backward()`` since the last ``step()`` (``HookSource``). A statistics
-object plugs in by offering ``gradient_batch()`` (and, to keep every micro-batch of an
-accumulated step, ``step_listeners``, ``backward_seen`` and ``statistics()``, as
-``grabkit.stats.PerSampleStats`` and ``grabkit.stats.SketchedStats`` do); another kind of source
-by offering ``batches()``, ``clear()``, ``discard()`` and ``close()``.
+object plugs in by implementing ``grabkit.stats.StatisticsSource`` (subscribe, take, close), as
+``grabkit.stats.PerSampleStats`` and ``grabkit.stats.SketchedStats`` do, or by offering
+``gradient_batch()`` alone (read once per step).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,6 +22,7 @@ from grabkit.stats.gradient_batch import (
     as_gradient_batch,
     named_to_flat,
 )
+from grabkit.stats.source import StatisticsSource, Subscription
 
 __all__ = [
     "HookSource",
@@ -36,35 +35,29 @@ __all__ = [
 class HookSource:
     """The statistics of every backward since the last ``step()``, from a statistics object.
 
-    With ``grabkit.stats.PerSampleStats`` (it has ``step_listeners``) each backward's statistics
-    are kept when the next forward would drop them, so a step after several backwards (gradient
-    accumulation) balances every micro-batch, in order; the kept statistics hold that
-    micro-batch's layer inputs and output gradients until ``step()``. Other objects with
-    ``gradient_batch()`` give one piece per step, read at ``step()``.
+    With a ``grabkit.stats.StatisticsSource`` (``PerSampleStats``, ``SketchedStats``) each
+    backward's statistics are kept when the next forward would drop them, so a step after
+    several backwards (gradient accumulation) balances every micro-batch, in order; the kept
+    statistics hold that micro-batch's layer inputs and output gradients until ``step()``. Any
+    other object with ``gradient_batch()`` gives one piece per step, read at ``step()``.
     """
 
-    def __init__(self, stats: Any) -> None:
+    def __init__(self, stats: StatisticsSource | Any) -> None:
         self.stats = stats
         self.pending: list[GradientBatch] = []
-        # the engine's statistics object last kept (or consumed), weakly: holding it would keep
-        # a consumed step's activations alive through the next forward and backward
-        self._taken: Callable[[], Any] = lambda: None
-        self.tracks_backwards = hasattr(stats, "step_listeners") and hasattr(stats, "statistics")
-        if self.tracks_backwards:
-            stats.step_listeners.append(self.capture)
+        self.subscription: Subscription | None = None
+        if isinstance(stats, StatisticsSource):
+            self.subscription = stats.subscribe(self.capture)
 
     def capture(self) -> None:
         """Keep the statistics of the backward that just ran, once."""
-        if not self.stats.backward_seen:
-            return
-        current = self.stats.statistics()
-        if current is not self._taken():
-            self._taken = weakref.ref(current)
-            self.pending.append(as_gradient_batch(self.stats.gradient_batch()))
+        batch = self.subscription.take()
+        if batch is not None:
+            self.pending.append(batch)
 
     def batches(self) -> list[GradientBatch]:
         """The pieces of this step, in visit order (not consumed until ``clear()``)."""
-        if not self.tracks_backwards:
+        if self.subscription is None:
             return [as_gradient_batch(self.stats.gradient_batch())]
         self.capture()
         if not self.pending:
@@ -80,15 +73,15 @@ class HookSource:
 
     def discard(self) -> int:
         """Drop what was kept (and the current backward); return how many examples that was."""
-        if self.tracks_backwards:
+        if self.subscription is not None:
             self.capture()
         count = sum(int(b.size) for b in self.pending)
         self.pending = []
         return count
 
     def close(self) -> None:
-        if self.tracks_backwards and self.capture in self.stats.step_listeners:
-            self.stats.step_listeners.remove(self.capture)
+        if self.subscription is not None:
+            self.subscription.close()
         self.pending = []
 
 

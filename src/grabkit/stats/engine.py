@@ -36,6 +36,7 @@ from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
+from grabkit.stats.source import StatisticsSource
 from grabkit.stats.step import StepStatistics
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
@@ -191,7 +192,7 @@ class _TrackedLayer:
         self.calls: list[_Call] = []
 
 
-class PerSampleStats:
+class PerSampleStats(StatisticsSource):
     """Per-example gradient statistics of ``model`` read after each ``loss.backward()``.
 
     Here g_i is the gradient of example i's own loss term l_i, over the model's trainable

@@ -68,6 +68,7 @@ from grabkit.stats.factors import (
     compute_dtype,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch
+from grabkit.stats.source import StatisticsSource
 
 __all__ = [
     "CountSketchMap",
@@ -495,7 +496,7 @@ def _first_tensor(factor: ParameterFactor) -> torch.Tensor:
     raise TypeError(f"cannot sketch a {type(factor).__name__}: it holds no tensor")
 
 
-class SketchedStats:
+class SketchedStats(StatisticsSource):
     """Hook statistics read as sketches: after ``loss.backward()``, a (B, k) matrix S g_i.
 
     Args:
@@ -507,8 +508,9 @@ class SketchedStats:
         **options: passed on to ``PerSampleStats`` (``torch_func_fallback``, ...).
 
     ``gradient_batch()`` is a ``DenseGradientBatch`` of the (B, k) sketches, so anything that
-    balances dense batches balances it; ``step_listeners`` / ``backward_seen`` are the
-    engine's, so gradient accumulation works as with exact statistics. The engine keeps no
+    balances dense batches balances it. It is a ``StatisticsSource`` whose listeners, generation
+    and ``backward_seen`` are the engine's, so gradient accumulation works as with exact
+    statistics. The engine keeps no
     batch gradient copy (``keep_batch_gradients=False``).
 
     Example::
@@ -536,6 +538,11 @@ class SketchedStats:
         self._cached: tuple[int, torch.Tensor] | None = None
 
     @property
+    def generation(self) -> int:
+        """The engine's counter (the sketches change when its statistics do)."""
+        return self.engine.generation
+
+    @property
     def backward_seen(self) -> bool:
         return self.engine.backward_seen
 
@@ -550,8 +557,6 @@ class SketchedStats:
             )
             self._cached = (generation, matrix)
         return self._cached[1]
-
-    statistics = sketches  # what ``grabkit.order``'s hook source reads once per backward
 
     def gradient_batch(self) -> DenseGradientBatch:
         """The sketches as a ``DenseGradientBatch`` (B rows of k numbers)."""

@@ -1,0 +1,82 @@
+"""The statistics-source protocol: how a consumer takes each backward's statistics.
+
+A ``StatisticsSource`` records the per-example statistics of every ``loss.backward()`` from hooks
+and drops them when the next step's first forward begins (``PerSampleStats``; ``SketchedStats``
+reads the same hooks as (B, k) sketches). A consumer ``subscribe``s once and gets a
+``Subscription``:
+
+* its listener runs after each backward, just before the next forward drops that backward's
+  statistics (so gradient accumulation can keep every micro-batch);
+* ``take()`` returns the latest backward's ``GradientBatch`` once (None before any backward, and
+  again None until the next backward): a consumer never counts one backward twice;
+* ``close()`` ends the subscription.
+
+Subscriptions are independent: two consumers of one source each take every backward. A
+subscription keeps no batch alive: once taken, the batch is the consumer's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from grabkit.stats.gradient_batch import GradientBatch
+
+__all__ = ["StatisticsSource", "Subscription"]
+
+
+class StatisticsSource(ABC):
+    """Per-example statistics of each backward, read through ``subscribe`` / ``take`` / ``close``.
+
+    Implementations hold ``step_listeners`` (called with no argument after a backward, before
+    the next forward drops it) and ``generation`` (changes whenever the recorded statistics
+    change: a gradient arrived, a step began), and implement ``backward_seen``,
+    ``gradient_batch`` and ``close``.
+    """
+
+    #: called (no arguments) after a backward, before the next forward drops its statistics
+    step_listeners: list[Callable[[], None]]
+    #: changes whenever the recorded statistics change (a gradient arrived, a step began)
+    generation: int
+
+    @property
+    @abstractmethod
+    def backward_seen(self) -> bool:
+        """Whether a backward ran since this step's first forward (statistics can be read)."""
+
+    @abstractmethod
+    def gradient_batch(self) -> GradientBatch:
+        """The latest backward's statistics as a ``GradientBatch``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Remove the hooks; the source records nothing more."""
+
+    def subscribe(self, listener: Callable[[], None] | None = None) -> Subscription:
+        """A new consumer: ``listener()`` runs after each backward, before the next forward drops
+        its statistics (``take()`` still reads them inside the call)."""
+        return Subscription(self, listener)
+
+
+class Subscription:
+    """One consumer's view of a ``StatisticsSource`` (see the module docstring)."""
+
+    def __init__(self, source: StatisticsSource, listener: Callable[[], None] | None) -> None:
+        self.source = source
+        self.listener = listener
+        self._taken: int | None = None  # the generation last taken
+        if listener is not None:
+            source.step_listeners.append(listener)
+
+    def take(self) -> GradientBatch | None:
+        """The latest backward's batch, the first time it is asked for; else None."""
+        if not self.source.backward_seen or self._taken == self.source.generation:
+            return None
+        self._taken = self.source.generation
+        return self.source.gradient_batch()
+
+    def close(self) -> None:
+        """Stop listening (the source itself stays open)."""
+        listeners = self.source.step_listeners
+        if self.listener is not None and self.listener in listeners:
+            listeners.remove(self.listener)
