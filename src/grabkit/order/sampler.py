@@ -23,85 +23,76 @@ pad the order and decide as one process). Resuming: see ``grabkit.order.state``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 from grabkit.order import distributed as collective
-from grabkit.order.balance import BlockPolicy, SignRule
-from grabkit.order.configure import (
-    HOOK_SAMPLER_NOT_PICKLABLE,
-    BatchPreparer,
-    Topology,
-    attach_statistics,
-    build_ordering,
-    dataset_size,
-    flat_second_moment,
-    merge_grab_sampler_keywords,
-    param_dim,
-    positive_int,
-    statistics_choice,
-)
+from grabkit.order.balance import NON_FINITE_HELP, SignRule
+from grabkit.order.keywords import sampler_parts
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
-from grabkit.order.sources import HookSource, check_finite, step_pieces
+from grabkit.order.sources import (
+    HOOK_SAMPLER_NOT_PICKLABLE,
+    DenseGradients,
+    Gradients,
+    GradientSource,
+)
 from grabkit.order.state import plain_config, read_state
-from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.order.topology import Setting, Topology, dataset_size
+from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
+from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
+from grabkit.validation import check_positive_int
 
 __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
 
+#: what the configuration records for the transforms when the chain holds none of them
+_NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
+
 
 class GraBSampler(Sampler[int]):
     """Order a dataset's examples by herding their gradients (GraB) or by a baseline ordering.
 
+    The sampler is three parts and the epoch bookkeeping around them:
+
+    * ``ordering`` (``grabkit.order.orderings``): what decides the next epoch's order from the
+      gradients it observes (``MeanBalance(n)``, ``PairBalance(n, depth=...)``, ... with their
+      own options, seed and sign rule);
+    * ``source`` (``grabkit.order.sources``): where each step's per-example gradients come
+      from: ``DenseGradients()`` (given to ``step(grads)``; the default), ``ExactHooks(model)``
+      or ``SketchHooks(model, dim)`` (read from hooks after the backward), or
+      ``HookGradients(stats)`` (a statistics object of yours);
+    * ``transforms`` (``grabkit.order.transforms``): what happens to the gradients on the way,
+      in order: ``Cast``, ``Project``, ``GatherAcrossRanks``, ``Normalize``. With several ranks
+      the exchange is appended when the chain has none.
+
     Args:
         data_source: the dataset (only ``len()`` is used).
-        params: the trainable parameters (dict name -> tensor, or an iterable of tensors);
-            only their total size d is used, to check the gradients. Optional.
-        model: hook mode: a ``torch.nn.Module``; the sampler installs
-            ``grabkit.stats.PerSampleStats(model, loss_reduction=loss_reduction)`` (``close()``
-            removes it) and ``step()`` without arguments balances its per-example statistics.
-        stats: hook mode with your own statistics object (anything with ``gradient_batch()``).
-        balance_type: a registered ordering by its grab-sampler name (``grabkit.order.
-            BALANCE_TYPES``: ``"mean"`` (default), ``"pair"``, ``"recursive"``, ...) or a
-            ``BalanceType`` member.
-        ordering: an ``Ordering`` instance instead, e.g. ``PairBalance(len(dataset))``; its own
-            seed and sign rule are used.
+        ordering: an ``Ordering`` instance built for ``len(data_source)`` examples.
+        source: a ``GradientSource`` (default ``DenseGradients()``).
+        transforms: ``Transform`` instances, applied in order (default none).
+        num_replicas, rank, drop_last: as ``torch.utils.data.DistributedSampler``;
+            ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
+            The seed is the ordering's.
         batch_size: the loader's batch size: lets hook mode check that a backward covered
             the whole yielded batch, and sets ``skip()``'s default.
-        probabilistic: self-balancing walk instead of the greedy sign.
-        prob_balance_c: the walk's constant; ``None`` or ``"auto"`` is scale-aware (see
-            ``grabkit.order.balance.SignRule``).
-        projection: ``None``, ``"gaussian"``, ``"sparse"``, ``"kronecker"`` or a callable
-            (B, d) -> (B, k): random projection applied to dense batches before balancing.
-        projection_dim, pi_eps, kron_order: k (default: the Johnson-Lindenstrauss dimension
-            for ``pi_eps``, capped at d); ``kron_order`` must be 2.
-        normalize: balance g_i / ||g_i||.
-        num_replicas, rank, drop_last, seed: as ``torch.utils.data.DistributedSampler``;
-            ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
-        random_first_epoch: the first epoch in a random order (else 0..n-1).
-        dtype, device: move dense gradients there before balancing (default: as given).
         record_orders: keep every epoch's order in ``orders_history``.
-        loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
-        block_policy: how dense batches are cut for balancing (``grabkit.order.balance.
-            BlockPolicy``); tuning only, the orders do not depend on it.
-        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
-            ``{"torch_func_fallback": True}``).
-        statistics: hook mode: ``"exact"`` (default; one process) or ``"sketch"``, a (B, k)
-            random sketch of every example's gradient from the same hooks (unbiased inner
-            products, error about sqrt(2 / k) |g_i| |g_j|; ``grabkit.stats.sketch``): every
-            ordering then runs in hook mode, cheaper, and on several ranks (seeded by ``seed``).
-        sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
-        **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
-            ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
-            ``Ordering.option_names()``; options of other orderings are ignored, as in
-            grab-sampler) and grab-sampler's spellings ``trainable_params``, ``prob_balance``,
-            ``normalize_grads``, ``random_projection`` (``grabkit.order.compat``).
+        **keywords: the keyword form instead of the parts, grabkit's or grab-sampler's
+            spellings (``grabkit.order.keywords`` maps each to its part): ``balance_type``
+            (a registered name, ``"mean"`` by default, or a ``BalanceType``), ``seed``,
+            ``probabilistic``/``prob_balance``, ``prob_balance_c``, ``random_first_epoch``,
+            ``block_policy`` and the ordering's own options (``depth``, ``ema_decay``, ...; an
+            option of another ordering raises); ``params``/``trainable_params`` (or as the
+            second positional argument, as in grab-sampler), ``model``, ``stats``,
+            ``loss_reduction``, ``stats_options``, ``statistics`` (``"exact"`` or
+            ``"sketch"``), ``sketch_dim``; ``dtype``, ``device``, ``projection``/
+            ``random_projection``, ``projection_dim``, ``pi_eps``, ``kron_order``,
+            ``normalize``/``normalize_grads``.
 
     Example (grab-sampler's functional form)::
 
@@ -110,9 +101,12 @@ class GraBSampler(Sampler[int]):
             sampler.step(vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y))
             ...  # optimiser update
 
-    Example (hook mode, gradient accumulation over two micro-batches)::
+    Example (hook mode, gradient accumulation over two micro-batches; the keyword form
+    ``GraBSampler(dataset, model=model, balance_type="pair", batch_size=32)`` builds the
+    same parts)::
 
-        with GraBSampler(dataset, model=model, batch_size=32) as sampler:
+        ordering = PairBalance(len(dataset), seed=0)
+        with GraBSampler(dataset, ordering, ExactHooks(model), batch_size=32) as sampler:
             loader = DataLoader(dataset, sampler=sampler, batch_size=32)
             for epoch in range(epochs):
                 for x, y in loader:
@@ -126,83 +120,44 @@ class GraBSampler(Sampler[int]):
     def __init__(
         self,
         data_source: Sized,
-        params: Mapping[str, torch.Tensor] | Any = None,
+        ordering: Ordering | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
+        source: GradientSource | None = None,
         *,
-        model: torch.nn.Module | None = None,
-        stats: Any = None,
-        balance_type: str | Any = "mean",
-        ordering: Ordering | None = None,
-        batch_size: int = 1,
-        probabilistic: bool | None = None,
-        prob_balance_c: float | str | None = None,
-        projection: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
-        projection_dim: int | None = None,
-        pi_eps: float = 0.1,
-        kron_order: int = 2,
-        normalize: bool | None = None,
+        transforms: Iterable[Transform] = (),
         num_replicas: int | None = None,
         rank: int | None = None,
-        seed: int = 0,
         drop_last: bool = False,
-        random_first_epoch: bool = True,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        batch_size: int = 1,
         record_orders: bool = False,
-        loss_reduction: str = "mean",
-        block_policy: BlockPolicy | None = None,
-        stats_options: dict[str, Any] | None = None,
-        statistics: str = "exact",
-        sketch_dim: int | None = None,
-        **options: Any,
+        **keywords: Any,
     ) -> None:
         self.n = dataset_size(data_source)
-        given = {"params": params, "probabilistic": probabilistic, "normalize": normalize}
-        given["projection"] = projection
-        merge_grab_sampler_keywords(given, options)
-        self.batch_size = positive_int("batch_size", batch_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
+        self.batch_size = check_positive_int("batch_size", batch_size)
         self.drop_last = bool(drop_last)
-        self.normalize = bool(given["normalize"])
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
-        self.num_replicas, self.rank = self.topology.num_replicas, self.topology.rank
-        self.num_samples, self.total_size = self.topology.num_samples, self.topology.total_size
-        self.dim = param_dim(given["params"], model)
-        rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
-        explicit = {"probabilistic": given["probabilistic"], "prob_balance_c": prob_balance_c}
-        explicit.update(seed=seed or None, random_first_epoch=None if random_first_epoch else 0)
-        explicit["balance_type"] = None if balance_type == "mean" else balance_type
-        self.ordering: Ordering = build_ordering(
-            ordering, balance_type, self.n, seed=seed, rule=rule, explicit=explicit,
-            random_first_epoch=bool(random_first_epoch), block_policy=block_policy, options=options,
-        )  # fmt: skip
-        self.balance_type, self.rule = self.ordering.name, self.ordering.rule
-        self.seed = self.ordering.seed
-        self.prepare = BatchPreparer(
-            self.n, self.seed, given["projection"], projection_dim, pi_eps, kron_order, dtype,
-            device,
-        )  # fmt: skip
-        self.projection_kind = given["projection"]
-        self.statistics, self._owns_stats = statistics, model is not None and stats is None
-        self.sketch_dim = statistics_choice(
-            statistics, sketch_dim, self._owns_stats, self.projection_kind, self.num_replicas
-        )
-        self.stats = stats if not self._owns_stats else attach_statistics(
-            model, loss_reduction, self.ordering, self.projection_kind, stats_options,
-            sketch_dim=self.sketch_dim, seed=self.seed,
-        )  # fmt: skip
-        self.source = None if self.stats is None else HookSource(self.stats)
-        self._config = plain_config(
-            n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
-            balance_type=self.balance_type, seed=self.seed, drop_last=self.drop_last,
-            probabilistic=self.rule.probabilistic, prob_balance_c=self.rule.c,
-            normalize=self.normalize, projection=self.projection_kind,
-            projection_dim=projection_dim, pi_eps=pi_eps,
-            random_first_epoch=self.ordering.random_first_epoch,
-            options=self.ordering.option_values,
-        )  # fmt: skip
-        if self.sketch_dim is not None:  # recorded only in sketch mode: exact states load as before
-            self._config.update(statistics="sketch", **self.stats.sketch.config)
+        if keywords or not isinstance(ordering, Ordering):
+            if ordering is not None and not isinstance(ordering, Ordering):
+                keywords = {**keywords, "params": ordering}  # grab-sampler: (dataset, params)
+                ordering = None
+            parts = sampler_parts(
+                self.n, ordering, source, transforms, keywords, self.topology.num_replicas
+            )
+            ordering, source, transforms = parts.ordering, parts.source, parts.transforms
+        self.ordering: Ordering = _checked_ordering(ordering, self.n)
+        self.source: GradientSource = DenseGradients() if source is None else source
+        if not isinstance(self.source, GradientSource):
+            raise TypeError(
+                "`source` should be a GradientSource (DenseGradients(), ExactHooks(model), "
+                f"SketchHooks(model), HookGradients(stats)), but got {type(source).__name__}"
+            )
+        self.transforms = Chain(transforms)
+        if self.topology.num_replicas > 1 and not self.transforms.has(GatherAcrossRanks):
+            self.transforms = Chain((*self.transforms.transforms, GatherAcrossRanks()))
+        setting = Setting(self.n, self.ordering.seed, self.topology)
+        self.transforms.bind(setting)
+        self._config = self._configuration()
+        self.source.bind(self.ordering, self.transforms, setting)  # attaches hooks: last
+        self._config.update(plain_config(**self.source.config()))
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
@@ -214,6 +169,62 @@ class GraBSampler(Sampler[int]):
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
+
+    def _configuration(self) -> dict[str, Any]:
+        """Every setting that changes the orders, as plain data (a loaded state must match)."""
+        rule = self.ordering.rule
+        return plain_config(
+            n=self.n, num_replicas=self.num_replicas, rank=self.rank,
+            balance_type=self.ordering.name, seed=self.seed, drop_last=self.drop_last,
+            probabilistic=rule.probabilistic, prob_balance_c=rule.c,
+            **{**_NO_TRANSFORMS, **self.transforms.config()},
+            random_first_epoch=self.ordering.random_first_epoch,
+            options=self.ordering.option_values,
+        )  # fmt: skip
+
+    # -- the parts, by the names grabkit has always used -----------------------------------
+    @property
+    def balance_type(self) -> str:
+        """The ordering's registered name."""
+        return self.ordering.name
+
+    @property
+    def rule(self) -> SignRule:
+        """The ordering's sign rule."""
+        return self.ordering.rule
+
+    @property
+    def seed(self) -> int:
+        """The ordering's seed; every random choice of the sampler derives from it."""
+        return self.ordering.seed
+
+    @property
+    def stats(self) -> Any:
+        """The statistics object hook mode reads (None when gradients are passed to ``step``)."""
+        return self.source.statistics
+
+    @property
+    def statistics(self) -> str:
+        """``"sketch"`` when the source balances sketches, else ``"exact"``."""
+        return "sketch" if self.source.sketched else "exact"
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def num_samples(self) -> int:
+        """How many examples this rank yields per epoch."""
+        return self.topology.num_samples
+
+    @property
+    def total_size(self) -> int:
+        """The padded (or truncated) length of an epoch over all ranks."""
+        return self.topology.total_size
 
     # -- epochs ------------------------------------------------------------------------------
     def _begin(self, epoch: int, order: torch.Tensor) -> None:
@@ -306,7 +317,9 @@ class GraBSampler(Sampler[int]):
         return self.num_samples
 
     # -- stepping ----------------------------------------------------------------------------
-    def step(self, grads: Any = None, *, indices: Any = None) -> None:
+    def step(
+        self, grads: Gradients | None = None, *, indices: torch.Tensor | Iterable[int] | None = None
+    ) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
         Args:
@@ -325,7 +338,7 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        pieces = step_pieces(grads, self.source, self.dim, self.sketch_dim)
+        pieces = self.source.batches(grads)
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
@@ -333,14 +346,14 @@ class GraBSampler(Sampler[int]):
             hook=grads is None,
         )  # fmt: skip
         if B and self.ordering.uses_gradients:
-            check_finite(pieces)
+            _check_finite(pieces)
             position = start
             for piece in pieces:
                 self._balance(piece, position)
                 position += int(piece.size)
         self._stepped = start + B
         self._started = True
-        if self.source is not None and grads is None:
+        if grads is None:
             self.source.clear()
         self._publish()
 
@@ -351,31 +364,33 @@ class GraBSampler(Sampler[int]):
         the examples after them. ``count`` defaults to the rest of the current batch of
         ``batch_size`` (hook mode: the batch of the backwards since the last ``step()``).
         """
-        kept = self.source.discard() if self.source is not None else 0
+        kept = self.source.discard()
         count = skip_count(count, kept, self._stepped, self.num_samples, self.batch_size)
         self._stepped += count
         self._started = True
         self._publish()
 
     def _balance(self, batch: GradientBatch, position: int) -> None:
-        """Observe one piece whose first row sits at local ``position``."""
-        B = int(batch.size)
-        batch = self.prepare(batch)
-        if self.num_replicas == 1 and position + B <= min(self.n, self._order.numel()):
-            indices = self._order[position : position + B]  # no padding reached
-        else:
-            batch, indices = collective.global_rows(
-                batch, position, self.num_replicas, self.n, self._padded_order()
-            )
-        if self.normalize:
-            batch = batch.normalized()
+        """Observe one piece whose first row sits at this rank's visit ``position``: through
+        the transforms, then to the ordering with the rows' dataset indices."""
+        positions = self.topology.local_positions(position, batch.size)
+        rows = self.transforms(Rows(batch, positions, position))
+        order = self._order if self.num_replicas == 1 else self._padded_order()
+        indices = order[rows.positions]
         if indices.numel():
-            observe_in_blocks(self.ordering, batch, indices)
+            observe_in_blocks(self.ordering, rows.batch, indices)
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
-        flat = flat_second_moment(self.ordering, self.sketch_dim, second_moment)  # checks first
-        self.ordering.update_v(flat)
+        if self.source.sketched:
+            raise TypeError(
+                'update_v() scales gradient coordinates, but statistics="sketch" balances '
+                "sketches, whose coordinates are random combinations of the gradient's; use "
+                'statistics="exact" with per-example gradients passed to step() for "adamean".'
+            )
+        if isinstance(second_moment, Mapping):
+            second_moment = named_to_flat(second_moment)
+        self.ordering.update_v(second_moment.reshape(-1))
 
     # -- state ------------------------------------------------------------------------------
     def _publish(self) -> None:
@@ -425,20 +440,16 @@ class GraBSampler(Sampler[int]):
         self._history = [torch.as_tensor(o) for o in live["orders_history"]]
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started
-        if self.source is not None:
-            self.source.clear()
+        self.source.clear()
         self._token += 1
         self._publish()
 
     def close(self) -> None:
         """Stop reading hook statistics; remove the hooks the sampler attached (``model=``)."""
-        if self.source is not None:
-            self.source.close()
-        if self._owns_stats and self.stats is not None:
-            self.stats.close()
+        self.source.close()
 
     def __getstate__(self) -> dict[str, Any]:  # hooks live on this process's model only
-        if self.source is not None:
+        if self.source.reads_hooks:
             raise TypeError(HOOK_SAMPLER_NOT_PICKLABLE)
         return self.__dict__
 
@@ -447,3 +458,25 @@ class GraBSampler(Sampler[int]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _checked_ordering(ordering: Ordering, n: int) -> Ordering:
+    if not isinstance(ordering, Ordering):
+        raise TypeError(
+            f"`ordering` should be an Ordering instance (e.g. PairBalance(len(dataset))), "
+            f"but got {type(ordering).__name__}"
+        )
+    if ordering.n != n:
+        raise ValueError(
+            f"`ordering` was built for n={ordering.n} examples but the dataset has {n}"
+        )
+    return ordering
+
+
+def _check_finite(pieces: list[GradientBatch]) -> None:
+    """Reject NaN / Inf in any of several micro-batches before the first changes any state (one
+    piece is checked by the balancing itself, at no extra cost)."""
+    if len(pieces) > 1:
+        for piece in pieces:
+            if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
+                raise ValueError(NON_FINITE_HELP)

@@ -159,6 +159,13 @@ class Ordering(ABC):
         last batch) keep their relative order; where they go is up to the ordering.
         """
 
+    def update_v(self, second_moment: torch.Tensor) -> None:
+        """Take the optimiser's second moment, a flat (d,) tensor: for orderings that balance in
+        an adaptive optimiser's geometry (``"adamean"``); the others refuse it."""
+        raise TypeError(
+            f'update_v() is for balance_type="adamean", but this sampler uses "{self.name}".'
+        )
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

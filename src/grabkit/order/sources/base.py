@@ -1,0 +1,114 @@
+"""``GradientSource``: where a step's per-example gradients come from.
+
+``GraBSampler.step(grads)`` asks its source for the step's ``GradientBatch`` pieces, in visit
+order: one dense piece for gradients passed in (``DenseGradients``), or, in hook mode, one piece
+per ``loss.backward()`` since the last ``step()`` (``ExactHooks``, ``SketchHooks``,
+``HookGradients`` for a statistics object of your own). A source checks its own settings when
+built and, once, how they combine with the sampler's ordering, transforms and rank layout
+(``bind``); then it attaches whatever hooks it needs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+
+import torch
+
+from grabkit.order.topology import Setting
+from grabkit.stats.gradient_batch import (
+    DenseGradientBatch,
+    GradientBatch,
+    as_gradient_batch,
+    named_to_flat,
+)
+from grabkit.stats.source import StatisticsSource
+
+if TYPE_CHECKING:
+    from grabkit.order.orderings import Ordering
+    from grabkit.order.transforms import Chain
+
+__all__ = ["GradientSource", "Gradients", "check_dim", "dense_batch"]
+
+#: what ``step(grads)`` accepts: a dict of (B, ...) per-example gradients (what
+#: ``torch.func.vmap(torch.func.grad(f))`` returns), a (B, d) tensor, or a ``GradientBatch``
+Gradients: TypeAlias = Mapping[str, torch.Tensor] | torch.Tensor | GradientBatch
+
+
+class GradientSource(ABC):
+    """Where a step's per-example gradients come from; see the module docstring.
+
+    Attributes:
+        dim: numbers per example when known (every piece is checked against it), else None.
+        sketched: True when the pieces are random sketches of the gradients (their
+            coordinates are not the gradient's).
+        reads_hooks: True when the pieces come from hooks on this process's model (a sampler
+            with such a source cannot be pickled to another process).
+    """
+
+    dim: int | None = None
+    sketched: ClassVar[bool] = False
+    reads_hooks: ClassVar[bool] = False
+
+    def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:  # noqa: B027
+        """Check how this source combines with the sampler's other parts; attach hooks. Called
+        once, by the sampler, before anything is yielded."""
+
+    @abstractmethod
+    def batches(self, grads: Gradients | None) -> list[GradientBatch]:
+        """The step's pieces in visit order, each ``dim`` numbers long (when known)."""
+
+    def clear(self) -> None:  # noqa: B027 (nothing kept by default)
+        """Forget what was kept for the step (it was balanced, or a state was loaded)."""
+
+    def discard(self) -> int:
+        """Drop what was kept for a skipped step; return how many examples that was."""
+        return 0
+
+    def close(self) -> None:  # noqa: B027 (nothing attached by default)
+        """Remove any hooks this source attached."""
+
+    @property
+    def statistics(self) -> StatisticsSource | Any | None:
+        """The statistics object hook mode reads (None without hooks)."""
+        return None
+
+    def config(self) -> dict[str, Any]:
+        """What this source records in the sampler's configuration (plain data): ``dim``, the
+        gradient length, and whatever else changes the orders."""
+        return {"dim": self.dim}
+
+
+def dense_batch(grads: Gradients) -> GradientBatch:
+    """The per-example gradients given to ``step()`` as one ``GradientBatch``."""
+    if isinstance(grads, Mapping):
+        if not grads:
+            raise ValueError("step() got an empty dict of per-example gradients")
+        return DenseGradientBatch(named_to_flat({k: v.detach() for k, v in grads.items()}, 1))
+    if isinstance(grads, torch.Tensor):
+        if grads.ndim < 2:
+            raise ValueError(
+                "step() expects per-example gradients with a leading batch dimension, (B, d) "
+                f"or (B, ...), but got a tensor of shape {tuple(grads.shape)}"
+            )
+        return DenseGradientBatch(grads.detach().flatten(1))
+    try:
+        return as_gradient_batch(grads)
+    except TypeError:
+        raise TypeError(
+            "step() expects a dict of (B, ...) per-example gradients, a (B, d) tensor, a "
+            f"GradientBatch, or nothing in hook mode, but got {type(grads).__name__}"
+        ) from None
+
+
+def check_dim(pieces: list[GradientBatch], dim: int | None) -> list[GradientBatch]:
+    """``pieces``, after checking that each is ``dim`` numbers long (when ``dim`` is known)."""
+    for piece in pieces:
+        if dim is not None and piece.dim != dim:
+            raise ValueError(
+                f"step() got gradients of length {piece.dim} per example, but the params "
+                f"given to the sampler have {dim} numbers in total; pass the per-example "
+                "gradients of exactly those parameters."
+            )
+    return pieces
