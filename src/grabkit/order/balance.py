@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.transfer import to_device, to_host
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -267,7 +268,7 @@ def fetch_inner_products(
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
-    flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()  # the one host sync
+    flat = to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one host sync
     if not np.isfinite(flat).all():
         raise ValueError(NON_FINITE_HELP)
     offset = 0
@@ -366,13 +367,14 @@ def apply_update(
         x_weights: (B, r): column j holds the coefficient of each x_i in the change of s_j.
         fixed: (f, d) fixed vectors (e.g. the centre), with fixed_weights (r, f).
     """
-    w = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.device, batch.dtype)
+    host = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.dtype)  # (B, r)
+    w = to_device(host, batch.device)
     if (
         accumulators.is_contiguous()
         and accumulators.dtype == batch.dtype
         and accumulators.device == batch.device
-    ):
-        batch.add_weighted_sum_to(accumulators, w)  # hook statistics: no (r, d) temporary
+    ):  # hook statistics: no (r, d) temporary, and the weights read on the host, not the device
+        batch.add_weighted_sum_to(accumulators, w, host=host)
     else:
         accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
     if fixed is not None and fixed_weights is not None and fixed_weights.size:

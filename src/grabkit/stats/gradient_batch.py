@@ -100,9 +100,15 @@ class GradientBatch(ABC):
         """In place: ``target`` (d,) += ``total()``."""
         target.add_(self.total())
 
-    def add_weighted_sum_to(self, target: torch.Tensor, weights: torch.Tensor) -> None:
+    def add_weighted_sum_to(
+        self, target: torch.Tensor, weights: torch.Tensor, *, host: torch.Tensor | None = None
+    ) -> None:
         """In place: ``target`` += ``weighted_sum(weights)``; ``target`` (k, d) for (B, k)
-        weights, (d,) for (B,) weights (running sums)."""
+        weights, (d,) for (B,) weights (running sums).
+
+        ``host``, when the caller has it, is the same weights as a CPU tensor: a batch that must
+        look at the weights' values reads them there instead of waiting for the device.
+        """
         target += self.weighted_sum(weights).to(target.dtype).reshape(target.shape)
 
     def row(self, index: int) -> torch.Tensor:

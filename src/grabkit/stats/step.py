@@ -15,6 +15,7 @@ import torch
 
 from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype
 from grabkit.stats.gradient_batch import FlatLayout
+from grabkit.stats.transfer import host_values, to_device, to_host
 
 __all__ = ["StepStatistics"]
 
@@ -170,19 +171,28 @@ class StepStatistics:
         out: Mapping[str, torch.Tensor] | None = None,
         *,
         accumulate: bool = False,
+        host_weights: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype.
 
         ``out``, when given, maps every name to a (k, *shape) tensor (views into one flat
         buffer, say) that receives the result without an extra copy where the layer allows;
         with ``accumulate=True`` the sums are added to what ``out`` holds (running sums updated
-        in place, with no temporary the size of the model).
+        in place, with no temporary the size of the model). ``host_weights``: the same weights
+        on the CPU, when the caller has them: the signed-sum shortcut reads their values there
+        instead of from the device (no second host sync in a step).
         """
         if accumulate and out is None:
             raise ValueError("weighted_sum_stacked(accumulate=True) needs `out` to add into")
         k = weights.shape[1]
         w = weights * self.scale  # (B, k): cheaper than scaling any gradient factor
-        two_valued = self._two_valued(w) if k == 1 and self._large_outer_products else None
+        two_valued = None
+        if k == 1 and self._large_outer_products:
+            if host_weights is None:
+                column = to_host(w[:, 0].to(torch.float64))  # B numbers: a sync on a device
+            else:  # the same numbers, computed on the host
+                column = host_values((host_weights[:, 0] * self.scale).to(torch.float64))
+            two_valued = self._two_valued(column, w.device)
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
@@ -222,20 +232,22 @@ class StepStatistics:
         return factor.weighted_sum(w).to(self.dtype)
 
     @staticmethod
-    def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
-        """For (B, 1) weights taking at most two values: (rows of the rarer value a, a, other b).
+    def _two_valued(
+        column: np.ndarray, device: torch.device
+    ) -> tuple[torch.Tensor, float, float] | None:
+        """For B weights (``column``, float64 on the host) taking at most two values: (rows of the
+        rarer value a on ``device``, a, the other value b).
 
         Every GraB update is such a sum (signs +-1, or +-1 and 0), and
         sum_i w_i g_i = b sum_i g_i + (a - b) sum_{w_i = a} g_i needs a GEMM over the rarer rows
         only, since autograd already formed sum_i g_i.
         """
-        column = w[:, 0].to("cpu", torch.float64).numpy()  # B numbers, one transfer
         first = column[0]
         is_first = column == first
         others = column[~is_first]
         if others.size == 0:
             rows = np.zeros(0, dtype=np.int64)
-            return torch.from_numpy(rows).to(w.device), 0.0, float(first)
+            return to_device(torch.from_numpy(rows), device), 0.0, float(first)
         second = others[0]
         if not (others == second).all():
             return None
@@ -243,4 +255,4 @@ class StepStatistics:
             rows, a, b = np.flatnonzero(~is_first), float(second), float(first)
         else:
             rows, a, b = np.flatnonzero(is_first), float(first), float(second)
-        return torch.from_numpy(rows).to(w.device), a, b
+        return to_device(torch.from_numpy(rows), device), a, b

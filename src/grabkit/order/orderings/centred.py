@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from grabkit.order.orderings.base import (
@@ -119,7 +120,7 @@ class CentredBalance(Ordering):
             self.acc = torch.zeros(1, vectors.dim, dtype=vectors.dtype, device=vectors.device)
         m = self.centre(batch)
         fixed = None if m is None else m.reshape(1, -1)
-        fixed_weights = None if m is None else torch.ones(batch.size, 1).numpy()
+        fixed_weights = None if m is None else np.ones((batch.size, 1))
         signs, _ = balance_combinations(
             vectors,
             self.acc,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from grabkit.order.orderings.base import (
@@ -69,7 +70,7 @@ class RecursiveBalance(Ordering):
             self.acc,
             self.rule,
             fixed=None if m is None else m.reshape(1, -1),
-            fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
+            fixed_weights=None if m is None else np.ones((batch.size, 1)),
             depth=self.depth,
             before_update=lambda total: self.mean.add(total, batch.size),
             policy=self.policy,
