@@ -36,10 +36,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.stats.transfer import to_device, to_host
 
@@ -114,7 +116,7 @@ NON_FINITE_HELP = (
 )
 
 
-class SignRule:
+class SignRule(Stateful):
     """Deterministic or probabilistic sign choice, with its random stream and scale estimate.
 
     Args:
@@ -140,10 +142,15 @@ class SignRule:
                 f"prob_balance_c={c!r}"
             )
         self.probabilistic = probabilistic
-        self.largest_seen = 0.0  # for the scale-aware c: max |<s, z>| in this epoch
-        self.generator = torch.Generator().manual_seed(0)
-        self.pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
         self._saved: dict | None = None  # state_dict() until the state next changes
+        # for the scale-aware c: max |<s, z>| in this epoch
+        self.add_state("largest_seen", 0.0, load=float)
+        self.add_state(
+            "generator", torch.Generator().manual_seed(0), save=torch.Generator.get_state,
+            load=_generator_with,
+        )  # fmt: skip
+        pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
+        self.add_state("pool", pool, save=torch.Tensor.clone, load=_float64_copy)
 
     def start_epoch(self, seed: int, epoch: int) -> None:
         """Reseed the walk's random stream from (seed, epoch) and reset the scale estimate."""
@@ -180,23 +187,26 @@ class SignRule:
         p_plus = 0.5 if c == 0.0 else min(1.0, max(0.0, 0.5 - value / (2.0 * c)))
         return 1.0 if uniform < p_plus else -1.0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """A snapshot of the rule's state (the same object until the state next changes: the
         sampler publishes it after every step, and the deterministic rule changes only when an
         epoch starts)."""
         if self._saved is None:
-            self._saved = {
-                "largest_seen": self.largest_seen,
-                "generator": self.generator.get_state(),
-                "pool": self.pool.clone(),
-            }
+            self._saved = super().state_dict()
         return self._saved
 
-    def load_state_dict(self, state: dict) -> None:
-        self.largest_seen = float(state["largest_seen"])
-        self.generator.set_state(state["generator"])
-        self.pool = state["pool"].to(torch.float64).clone()
+    def after_load(self) -> None:
         self._saved = None
+
+
+def _generator_with(state: torch.Tensor) -> torch.Generator:
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+def _float64_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).clone()
 
 
 def _mix(*parts: int) -> int:

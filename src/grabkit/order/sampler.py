@@ -44,6 +44,7 @@ from grabkit.order.sources import (
 from grabkit.order.state import plain_config, read_state
 from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
 from grabkit.validation import check_positive_int
 
@@ -55,7 +56,7 @@ _STATE_VERSION = 2
 _NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
 
 
-class GraBSampler(Sampler[int]):
+class GraBSampler(Sampler[int], Stateful):
     """Order a dataset's examples by herding their gradients (GraB) or by a baseline ordering.
 
     The sampler is three parts and the epoch bookkeeping around them:
@@ -161,14 +162,24 @@ class GraBSampler(Sampler[int]):
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
-        self._epoch = 0
-        self._requested_epoch: int | None = None
-        self._finished_any = False
-        self._live: dict[str, Any] = {}  # the ordering state every state_dict() shares
-        self._history: list[torch.Tensor] = []
+        self._declare_state()
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
+
+    def _declare_state(self) -> None:
+        """The live part of the state (shared by every ``state_dict()``, refreshed after each
+        change; see "Resuming" in ``grabkit.order.state``). The position (epoch, yielded,
+        started) is a snapshot taken by ``state_dict()`` itself."""
+        self._live: dict[str, Any] = {}
+        self.add_state("epoch", 0, attribute="_epoch", load=int)
+        self.add_state("stepped", 0, attribute="_stepped", load=int)
+        self.add_state("requested_epoch", None, attribute="_requested_epoch", load=_maybe_int)
+        self.add_state("finished_any", False, attribute="_finished_any", load=bool)
+        self.add_state("order", torch.arange(self.n), attribute="_order", load=_index_copy)
+        self.add_state("rule")  # the ordering's sign rule
+        self.add_state("ordering")
+        self.add_state("orders_history", [], attribute="_history", save=list, load=_tensors)
 
     def _configuration(self) -> dict[str, Any]:
         """Every setting that changes the orders, as plain data (a loaded state must match)."""
@@ -396,16 +407,7 @@ class GraBSampler(Sampler[int]):
     def _publish(self) -> None:
         """Refresh the live ordering state that every ``state_dict()`` shares (references to
         the ordering's tensors, no copies: O(1) in the gradient length)."""
-        self._live.update(
-            epoch=self._epoch,
-            stepped=self._stepped,
-            requested_epoch=self._requested_epoch,
-            finished_any=self._finished_any,
-            order=self._order,
-            rule=self.rule.state_dict(),
-            ordering=self.ordering.state_dict(),
-            orders_history=list(self._history),
-        )
+        self._live.update(super().state_dict())
 
     def state_dict(self) -> dict[str, Any]:
         """The position now (a snapshot) and the live ordering state (shared, not copied: it
@@ -427,17 +429,9 @@ class GraBSampler(Sampler[int]):
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
         )  # fmt: skip
-        live, order = state["live"], state["live"]["order"]
-        self.ordering.load_state_dict(dict(live["ordering"]))
-        self.rule.load_state_dict(dict(live["rule"]))
-        self._epoch = int(state["epoch"])
-        req = live["requested_epoch"]
-        self._requested_epoch = None if req is None else int(req)
-        self._finished_any = bool(live["finished_any"])
-        self._order = order.to(torch.int64).cpu().clone()
-        self._yielded, self._stepped = int(state["yielded"]), int(live["stepped"])
+        super().load_state_dict(state["live"])
+        self._yielded = int(state["yielded"])
         self._started = bool(state["started"]) or self._stepped > 0
-        self._history = [torch.as_tensor(o) for o in live["orders_history"]]
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started
         self.source.clear()
@@ -458,6 +452,18 @@ class GraBSampler(Sampler[int]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _maybe_int(value: int | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _index_copy(order: torch.Tensor) -> torch.Tensor:
+    return order.to(torch.int64).cpu().clone()
+
+
+def _tensors(history: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.as_tensor(o) for o in history]
 
 
 def _checked_ordering(ordering: Ordering, n: int) -> Ordering:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -25,6 +26,7 @@ from grabkit.order.balance import (
     balance_dense_vectors,
     epoch_generator,
 )
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = [
@@ -38,7 +40,7 @@ __all__ = [
     "Ordering",
     "balance_combinations",
     "balance_dense_vectors",
-    "check_state_keys",
+    "int_list",
     "observe_in_blocks",
     "random_permutation",
     "register_ordering",
@@ -56,25 +58,20 @@ def random_permutation(n: int, seed: int, epoch: int, purpose: int) -> torch.Ten
     return torch.randperm(n, generator=epoch_generator(seed, epoch, purpose))
 
 
-def check_state_keys(where: str, state: dict, expected: set[str]) -> None:
-    """Reject a state dict whose keys differ from ``expected``, naming the difference."""
-    unknown, missing = set(state) - expected, expected - set(state)
-    if unknown or missing:
-        raise ValueError(
-            f"{where}: state dict does not match this ordering (unexpected keys "
-            f"{sorted(unknown)}, missing keys {sorted(missing)}); it was saved by a sampler "
-            "with a different balance_type or configuration."
-        )
+def int_list(values: Iterable[int]) -> list[int]:
+    """Saved indices (a tensor or a list) as a list of Python ints."""
+    return [int(i) for i in values]
 
 
-class Ordering(ABC):
+class Ordering(Stateful, ABC):
     """One example-ordering policy over a dataset of n examples.
 
     A new ordering is one file: a subclass with a ``name``, its options as keyword-only
     ``__init__`` arguments with defaults (validated there: they are its declaration, read by
-    ``option_names``), ``observe`` and ``finish_epoch``, and ``@register_ordering`` on the class.
-    ``GraBSampler(ds, balance_type=name, option=...)`` or ``GraBSampler(ds, ordering=instance)``
-    then uses it.
+    ``option_names``), its state declared with ``add_state`` in ``__init__`` (``state_dict`` and
+    ``load_state_dict`` follow; ``grabkit.state``), ``observe`` and ``finish_epoch``, and
+    ``@register_ordering`` on the class. ``GraBSampler(ds, instance)`` or
+    ``GraBSampler(ds, balance_type=name, option=...)`` then uses it.
 
     Args:
         n: number of examples.
@@ -145,10 +142,10 @@ class Ordering(ABC):
         """The order of a not-yet-started epoch after ``set_epoch`` changed its number."""
         return order
 
-    def start_epoch(self, epoch: int) -> None:  # noqa: B027 (optional hook)
+    def start_epoch(self, epoch: int) -> None:
         """Called when an epoch begins; balancers reset their running sums here."""
 
-    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:  # noqa: B027
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         """Take the gradients of the examples ``indices`` (B,), given in visit order."""
 
     @abstractmethod
@@ -166,11 +163,9 @@ class Ordering(ABC):
             f'update_v() is for balance_type="adamean", but this sampler uses "{self.name}".'
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, set())
+    @property
+    def state_owner(self) -> str:
+        return f'balance_type="{self.name}"'
 
 
 _BASE_OPTIONS = ("seed", "rule", "random_first_epoch", "block_policy")
@@ -237,14 +232,17 @@ class IndexTensor:
         return self.buffer[:count]
 
 
-class FrontBackOrder:
+class FrontBackOrder(Stateful):
     """The GraB placement: +1 examples to the front in visit order, -1 examples to the back in
     reverse visit order, unobserved examples in between in their previous relative order."""
 
+    front: list[int]
+    back: list[int]
+
     def __init__(self) -> None:
-        self.front: list[int] = []
-        self.back: list[int] = []
         self._front_tensor, self._back_tensor = IndexTensor(), IndexTensor()
+        self.add_state("front", [], save=self._front_tensor.view, load=int_list)
+        self.add_state("back", [], save=self._back_tensor.view, load=int_list)
 
     def clear(self) -> None:
         self.front.clear()
@@ -261,14 +259,6 @@ class FrontBackOrder:
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(self.front + middle + self.back[::-1], dtype=torch.int64)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "front": self._front_tensor.view(self.front),
-            "back": self._back_tensor.view(self.back),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.front = [int(i) for i in state["front"]]
-        self.back = [int(i) for i in state["back"]]
+    def after_load(self) -> None:
         self._front_tensor.reset()
         self._back_tensor.reset()

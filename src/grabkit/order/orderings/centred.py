@@ -12,18 +12,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from grabkit.order.orderings.base import (
-    FrontBackOrder,
-    Ordering,
-    balance_combinations,
-    check_state_keys,
-)
+from grabkit.order.orderings.base import FrontBackOrder, Ordering, balance_combinations
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["CentredBalance", "StaleMean", "StaleMeanBalance", "dense_rows"]
 
 
-class StaleMean:
+def _own_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+class StaleMean(Stateful):
     """The mean of the per-example gradients observed in the previous epoch (zero at first).
 
     ``add`` takes a batch sum and a count; ``roll`` makes this epoch's mean the stale one. An
@@ -31,10 +31,14 @@ class StaleMean:
     updated in place (no new tensor the size of the model per batch); a loaded one is copied.
     """
 
+    value: torch.Tensor | None  # (d,)
+    running_sum: torch.Tensor | None  # (d,)
+    count: int
+
     def __init__(self) -> None:
-        self.value: torch.Tensor | None = None  # (d,)
-        self.running_sum: torch.Tensor | None = None  # (d,)
-        self.count = 0
+        self.add_state("value", None)
+        self.add_state("running_sum", None, load=_own_copy)
+        self.add_state("count", 0, load=int)
 
     def current(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(like) if self.value is None else self.value
@@ -60,15 +64,6 @@ class StaleMean:
             self.value = self.running_sum / self.count
         self.running_sum, self.count = None, 0
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "running_sum": self.running_sum, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        running_sum = state["running_sum"]
-        self.value = state["value"]
-        self.running_sum = None if running_sum is None else running_sum.clone()
-        self.count = int(state["count"])
-
 
 class CentredBalance(Ordering):
     """Balance T(x_i) - m against one running sum; subclasses set the centre and transform.
@@ -78,11 +73,13 @@ class CentredBalance(Ordering):
     """
 
     sequential = True
+    acc: torch.Tensor | None  # (1, d): the running signed sum
+    placement: FrontBackOrder
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (1, d)
-        self.placement = FrontBackOrder()
+        self.add_state("acc", None)
+        self.add_state("placement", FrontBackOrder())
 
     # -- hooks for subclasses -------------------------------------------------------------
     def transform(self, batch: GradientBatch) -> GradientBatch:
@@ -101,12 +98,6 @@ class CentredBalance(Ordering):
         """``record`` for a batch balanced without a transform on the one-transfer path (hook
         statistics): subclasses may take the sum from ``batch`` without forming it."""
         self.record(batch.total(), count)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
 
     # -- Ordering --------------------------------------------------------------------------
     def start_epoch(self, epoch: int) -> None:
@@ -141,15 +132,6 @@ class CentredBalance(Ordering):
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"acc": self.acc, "placement": self.placement.state_dict(), **self.extra_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "placement", *self.extra_state()})
-        self.acc = state["acc"]
-        self.placement.load_state_dict(state["placement"])
-        self.load_extra_state(state)
-
 
 def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
     """The (B, d) matrix behind a dense batch; a clear error for hook-statistics batches."""
@@ -168,13 +150,15 @@ class StaleMeanBalance(CentredBalance):
     """A ``CentredBalance`` that keeps the previous epoch's mean gradient in ``self.mean``.
 
     Each epoch's batch totals (``record``) become the next epoch's stale mean; the mean goes into
-    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and add
-    their own state through ``extra_state`` (calling ``super()``).
+    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and
+    declare their own state with ``add_state``.
     """
+
+    mean: StaleMean
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.mean = StaleMean()
+        self.add_state("mean", StaleMean())
 
     def start_epoch(self, epoch: int) -> None:
         super().start_epoch(epoch)
@@ -185,9 +169,3 @@ class StaleMeanBalance(CentredBalance):
 
     def record_batch(self, batch: GradientBatch, count: int) -> None:
         self.mean.add_batch(batch, count)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"mean": self.mean.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.mean.load_state_dict(state["mean"])

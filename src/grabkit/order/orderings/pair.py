@@ -13,7 +13,6 @@ from grabkit.order.orderings.base import (
     Ordering,
     balance_combinations,
     balance_dense_vectors,
-    check_state_keys,
     register_ordering,
 )
 from grabkit.stats.gradient_batch import GradientBatch
@@ -35,13 +34,17 @@ class PairBalance(Ordering):
 
     name = "pair"
     splittable = True
+    acc: torch.Tensor | None  # (1, d)
+    pending: torch.Tensor | None  # (d,) gradient of the example waiting
+    pending_index: int
+    placement: FrontBackOrder
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (1, d)
-        self.pending: torch.Tensor | None = None  # (d,) gradient of the example waiting
-        self.pending_index = -1
-        self.placement = FrontBackOrder()
+        self.add_state("acc", None)
+        self.add_state("pending", None)
+        self.add_state("pending_index", -1, load=int)
+        self.add_state("placement", FrontBackOrder())
 
     def start_epoch(self, epoch: int) -> None:
         self.placement.clear()
@@ -140,17 +143,3 @@ class PairBalance(Ordering):
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "acc": self.acc,
-            "pending": self.pending,
-            "pending_index": self.pending_index,
-            "placement": self.placement.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "pending", "pending_index", "placement"})
-        self.acc, self.pending = state["acc"], state["pending"]
-        self.pending_index = int(state["pending_index"])
-        self.placement.load_state_dict(state["placement"])

@@ -11,7 +11,7 @@ from grabkit.order.orderings.base import (
     IndexTensor,
     Ordering,
     balance_combinations,
-    check_state_keys,
+    int_list,
     register_ordering,
 )
 from grabkit.order.orderings.centred import StaleMean
@@ -32,6 +32,10 @@ class RecursiveBalance(Ordering):
 
     name = "recursive"
     splittable = True
+    acc: torch.Tensor | None  # (num_nodes, d)
+    mean: StaleMean
+    leaf_front: dict[int, list[int]]  # leaf -> its +1 examples, in visit order
+    leaf_back: dict[int, list[int]]  # leaf -> its -1 examples, in visit order
 
     def __init__(self, n: int, *, depth: int = 5, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
@@ -40,11 +44,11 @@ class RecursiveBalance(Ordering):
         self.depth = depth
         self.num_nodes = 2 ** (depth + 1) - 1
         self.first_leaf = 2**depth - 1
-        self.acc: torch.Tensor | None = None  # (num_nodes, d)
-        self.mean = StaleMean()
-        self.leaf_front: dict[int, list[int]] = {}
-        self.leaf_back: dict[int, list[int]] = {}
         self._tensors: dict[tuple[str, int], IndexTensor] = {}
+        self.add_state("acc", None)
+        self.add_state("mean", StaleMean())
+        self.add_state("leaf_front", {}, save=lambda _: self._saved_leaves("front"), load=_leaves)
+        self.add_state("leaf_back", {}, save=lambda _: self._saved_leaves("back"), load=_leaves)
 
     def start_epoch(self, epoch: int) -> None:
         self.mean.roll()
@@ -93,24 +97,20 @@ class RecursiveBalance(Ordering):
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(halves[0] + middle + halves[1], dtype=torch.int64)
 
-    def _view(self, side: str, leaf: int) -> torch.Tensor:
-        """The leaf's list as a tensor, extended incrementally (published after every step)."""
-        items = (self.leaf_front if side == "front" else self.leaf_back).setdefault(leaf, [])
-        return self._tensors.setdefault((side, leaf), IndexTensor()).view(items)
-
-    def state_dict(self) -> dict[str, Any]:
+    def _saved_leaves(self, side: str) -> dict[str, torch.Tensor]:
+        """Every leaf either side has reached, as "leaf" -> its list on ``side`` as a tensor
+        (extended incrementally: the state is published after every step)."""
         leaves = sorted(set(self.leaf_front) | set(self.leaf_back))
+        lists = self.leaf_front if side == "front" else self.leaf_back
+        tensors = self._tensors
         return {
-            "acc": self.acc,
-            "mean": self.mean.state_dict(),
-            "leaf_front": {str(k): self._view("front", k) for k in leaves},
-            "leaf_back": {str(k): self._view("back", k) for k in leaves},
+            str(k): tensors.setdefault((side, k), IndexTensor()).view(lists.setdefault(k, []))
+            for k in leaves
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "mean", "leaf_front", "leaf_back"})
-        self.acc = state["acc"]
-        self.mean.load_state_dict(state["mean"])
-        self.leaf_front = {int(k): [int(i) for i in v] for k, v in state["leaf_front"].items()}
-        self.leaf_back = {int(k): [int(i) for i in v] for k, v in state["leaf_back"].items()}
+    def after_load(self) -> None:
         self._tensors = {}
+
+
+def _leaves(saved: dict[str, Any]) -> dict[int, list[int]]:
+    return {int(k): int_list(v) for k, v in saved.items()}

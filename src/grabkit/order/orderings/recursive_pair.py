@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import HostProducts, apply_update, fetch_inner_products
-from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
+from grabkit.order.orderings.base import Ordering, int_list, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["RecursivePairBalance"]
@@ -29,12 +29,17 @@ class RecursivePairBalance(Ordering):
     """
 
     name = "recursive-pair"
+    acc: torch.Tensor | None  # (num_nodes, d)
+    batch_orders: list[list[int]]  # per batch, its examples from most to least positive slot
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (num_nodes, d)
-        self.batch_orders: list[list[int]] = []
         self._converted: list[torch.Tensor] = []
+        self.add_state("acc", None)
+        self.add_state(
+            "batch_orders", [], save=lambda _: self._batch_tensors(),
+            load=lambda saved: [int_list(b) for b in saved],
+        )  # fmt: skip
 
     def start_epoch(self, epoch: int) -> None:
         self.batch_orders = []
@@ -114,14 +119,5 @@ class RecursivePairBalance(Ordering):
             self._converted.append(torch.tensor(b, dtype=torch.int64))
         return list(self._converted)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "acc": self.acc,
-            "batch_orders": self._batch_tensors(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "batch_orders"})
-        self.acc = state["acc"]
-        self.batch_orders = [[int(i) for i in b] for b in state["batch_orders"]]
+    def after_load(self) -> None:
         self._converted = []
