@@ -127,3 +127,34 @@ def test_a_sketch_source_validates_its_width_and_refuses_a_projection():
     with pytest.raises(ValueError, match="already a random projection"):
         source = SketchHooks(model, 16)
         GraBSampler(range(4), PairBalance(4), source, transforms=[Project("sparse")])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        ({"batch_size": "4"}, TypeError, "batch_size"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"num_replicas": 2, "rank": "0"}, TypeError, "rank"),
+        ({"num_replicas": 2, "rank": 2}, ValueError, "rank"),
+        ({"balance_type": "recursive", "depth": 1.5}, TypeError, "depth"),
+        ({"balance_type": "recursive", "depth": 17}, ValueError, "depth"),
+        ({"balance_type": "ema", "ema_decay": "0.1"}, TypeError, "ema_decay"),
+        ({"balance_type": "ema", "ema_decay": 1.5}, ValueError, "ema_decay"),
+        ({"prob_balance": True, "prob_balance_c": "big"}, TypeError, "prob_balance_c"),
+        ({"prob_balance": True, "prob_balance_c": 0}, ValueError, "prob_balance_c"),
+        ({"seed": "0"}, TypeError, "seed"),
+    ],
+)
+def test_a_wrong_type_is_a_type_error_and_a_wrong_value_a_value_error(kwargs, error, name):
+    # before: a wrong type raised ValueError in most of these places
+    with pytest.raises(error, match=f"`{name}` should be"):
+        GraBSampler(range(6), **kwargs)
+
+
+def test_wrong_types_in_calls_are_type_errors():
+    sampler = GraBSampler(range(6), batch_size=2)
+    list(sampler)
+    with pytest.raises(TypeError, match="`epoch` should be"):
+        sampler.set_epoch(1.0)
+    with pytest.raises(TypeError, match="`count` should be"):
+        sampler.skip("2")

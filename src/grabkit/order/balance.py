@@ -33,7 +33,6 @@ going to the left child on +1 and to the right child on -1.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +43,7 @@ import torch
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.stats.transfer import to_device, to_host
+from grabkit.validation import check_bool, check_positive
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -130,18 +130,9 @@ class SignRule(Stateful):
     """
 
     def __init__(self, probabilistic: bool = False, c: float | str | None = None) -> None:
-        if not isinstance(probabilistic, bool):
-            raise TypeError(f"`prob_balance` should be a bool, but got {probabilistic!r}")
-        if c is None or c == "auto":
-            self.c: float | None = None
-        elif isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0:
-            self.c = float(c)
-        else:
-            raise ValueError(
-                "`prob_balance_c` should be a positive number or 'auto', but got "
-                f"prob_balance_c={c!r}"
-            )
-        self.probabilistic = probabilistic
+        self.probabilistic = check_bool("prob_balance", probabilistic)
+        auto = c is None or (isinstance(c, str) and c == "auto")
+        self.c: float | None = None if auto else check_positive("prob_balance_c", c)
         self._saved: dict | None = None  # state_dict() until the state next changes
         # for the scale-aware c: max |<s, z>| in this epoch
         self.add_state("largest_seen", 0.0, load=float)

@@ -50,6 +50,7 @@ from grabkit.order.sources import (
     param_dim,
 )
 from grabkit.order.transforms import Cast, GatherAcrossRanks, Normalize, Project, Transform
+from grabkit.validation import check_int
 
 __all__ = ["STATISTICS", "SamplerParts", "sampler_parts"]
 
@@ -103,7 +104,7 @@ def sampler_parts(
     options = {k: values.pop(k) for k in list(values) if k not in _DEFAULTS}
     given = dict(values)
     values = {**_DEFAULTS, **values}
-    _check_seed(values["seed"])
+    check_int("seed", values["seed"])
     built = _ordering(n, ordering, values, options)
     transforms = tuple(transforms)
     if not transforms:
@@ -147,11 +148,6 @@ def _merge_grab_sampler_spellings(values: dict[str, Any]) -> None:
                 f"{old}={old_value!r}); pass only one of them."
             )
         values[new] = old_value
-
-
-def _check_seed(seed: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
 
 
 def _refuse_with(part: str, given: Mapping[str, Any], names: Iterable[str]) -> None:

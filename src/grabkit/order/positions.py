@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from grabkit.validation import check_non_negative_int
+
 __all__ = ["first_position", "skip_count"]
 
 
@@ -91,8 +93,7 @@ def skip_count(
             )
         end = stepped + max(kept, 1)
         count = min(math.ceil(end / batch_size) * batch_size, num_samples) - stepped
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"`count` should be a non-negative integer, but got count={count!r}")
+    check_non_negative_int("count", count)
     if count > num_samples - stepped:
         raise ValueError(
             f"skip({count}) but the epoch has only {num_samples - stepped} examples left to "

@@ -46,7 +46,7 @@ from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
-from grabkit.validation import check_positive_int
+from grabkit.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["GraBSampler"]
 
@@ -276,9 +276,7 @@ class GraBSampler(Sampler[int], Stateful):
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` (seeds its random parts), like DistributedSampler."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"`epoch` should be a non-negative integer, but got epoch={epoch!r}")
-        self._requested_epoch = epoch
+        self._requested_epoch = check_non_negative_int("epoch", epoch)
         self._publish()
 
     def _padded_order(self) -> torch.Tensor:

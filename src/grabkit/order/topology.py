@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from grabkit.validation import check_positive_int
+from grabkit.validation import check_int_in_range, check_positive_int
 
 __all__ = ["Setting", "Topology", "dataset_size"]
 
@@ -48,10 +48,7 @@ class Topology:
         if rank is None:
             rank = dist.get_rank() if initialised else 0
         check_positive_int("num_replicas", num_replicas)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(
-                f"`rank` should be an integer in [0, {num_replicas - 1}], but got rank={rank!r}"
-            )
+        check_int_in_range("rank", rank, 0, num_replicas - 1)
         if drop_last and n % num_replicas:
             num_samples = n // num_replicas
         else:

@@ -28,6 +28,7 @@ from grabkit.order.balance import (
 )
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_int, check_positive_int
 
 __all__ = [
     "ORDERINGS",
@@ -99,10 +100,8 @@ class Ordering(Stateful, ABC):
         random_first_epoch: bool = True,
         block_policy: BlockPolicy | None = None,
     ) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"`n` should be a positive integer, but got n={n!r}")
-        self.n = n
-        self.seed = seed
+        self.n = check_positive_int("n", n)
+        self.seed = check_int("seed", seed)
         self.rule = SignRule() if rule is None else rule
         self.random_first_epoch = random_first_epoch
         self.policy = DEFAULT_POLICY if block_policy is None else block_policy

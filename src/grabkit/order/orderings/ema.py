@@ -10,6 +10,7 @@ from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_probability
 
 __all__ = ["EMABalance", "VectorEMA", "check_rate"]
 
@@ -40,9 +41,8 @@ class VectorEMA(Stateful):
 
 
 def check_rate(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"`{name}` should be a number in (0, 1], but got {name}={value!r}")
-    return float(value)
+    """An EMA's weight of the newest observation, in (0, 1]."""
+    return check_probability(name, value, allow_one=True)
 
 
 @register_ordering

@@ -17,6 +17,7 @@ from grabkit.order.orderings.base import (
 from grabkit.order.orderings.centred import StaleMean
 from grabkit.order.orderings.store import warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_int_in_range
 
 __all__ = ["RecursiveBalance"]
 
@@ -39,9 +40,7 @@ class RecursiveBalance(Ordering):
 
     def __init__(self, n: int, *, depth: int = 5, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 16:
-            raise ValueError(f"`depth` should be an integer in [0, 16], but got depth={depth!r}")
-        self.depth = depth
+        self.depth = depth = check_int_in_range("depth", depth, 0, 16)
         self.num_nodes = 2 ** (depth + 1) - 1
         self.first_leaf = 2**depth - 1
         self._tensors: dict[tuple[str, int], IndexTensor] = {}
