@@ -68,6 +68,9 @@ class Transform(ABC):
     def bind(self, setting: Setting) -> None:  # noqa: B027 (optional)
         """Called once by the sampler before the first step."""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
     def config(self) -> dict[str, Any]:
         """What this transform records in the sampler's configuration (plain data)."""
         return {}
@@ -119,6 +122,9 @@ class Cast(Transform):
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"`dtype` should be a torch.dtype, but got dtype={dtype!r}")
         self.dtype, self.device = dtype, None if device is None else torch.device(device)
+
+    def __repr__(self) -> str:
+        return f"Cast(dtype={self.dtype}, device={self.device})"
 
     def __call__(self, rows: Rows) -> Rows:
         X = rows.batch.coordinates()
@@ -176,6 +182,9 @@ class Project(Transform):
 
     def bind(self, setting: Setting) -> None:
         self.n, self.seed = setting.n, setting.seed
+
+    def __repr__(self) -> str:
+        return f"Project({self.kind!r}, dim={self.dim})"
 
     def config(self) -> dict[str, Any]:
         kind = "callable" if callable(self.kind) else self.kind

@@ -166,8 +166,18 @@ class Ordering(Stateful, ABC):
     def state_owner(self) -> str:
         return f'balance_type="{self.name}"'
 
+    def __repr__(self) -> str:
+        rule = self.rule
+        walk = f", probabilistic=True, c={rule.c}" if rule.probabilistic else ""
+        options = "".join(f", {k}={_short(v)}" for k, v in self.option_values.items())
+        return f"{type(self).__name__}(n={self.n}, seed={self.seed}{walk}{options})"
+
 
 _BASE_OPTIONS = ("seed", "rule", "random_first_epoch", "block_policy")
+
+
+def _short(value: Any) -> str:
+    return f"tensor{tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 #: balance_type name -> ordering class; ``register_ordering`` adds to it
 ORDERINGS: dict[str, type[Ordering]] = {}

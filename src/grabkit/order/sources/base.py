@@ -74,6 +74,9 @@ class GradientSource(ABC):
         """The statistics object hook mode reads (None without hooks)."""
         return None
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
     def config(self) -> dict[str, Any]:
         """What this source records in the sampler's configuration (plain data): ``dim``, the
         gradient length, and whatever else changes the orders."""

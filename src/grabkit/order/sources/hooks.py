@@ -145,6 +145,9 @@ class ExactHooks(HookGradients):
         self.model = unwrap_data_parallel(model)
         self.loss_reduction, self.stats_options = loss_reduction, stats_options
 
+    def __repr__(self) -> str:
+        return f"ExactHooks({type(self.model).__name__}, loss_reduction={self.loss_reduction!r})"
+
     def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
         from grabkit.order.transforms import Project
 

@@ -61,6 +61,10 @@ class SketchHooks(HookGradients):
             params = [p for p in model.parameters() if p.requires_grad]
         self.gradient_dim = param_dim(params)  # recorded: d, what the sketches shrink
 
+    def __repr__(self) -> str:
+        model = type(self.model).__name__
+        return f"SketchHooks({model}, dim={self.dim}, loss_reduction={self.loss_reduction!r})"
+
     def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
         from grabkit.order.transforms import Project
 
