@@ -404,8 +404,7 @@ def balance_combinations(
     fixed_weights: np.ndarray | None = None,
     depth: int = 0,
     sequential: bool = True,
-    before_update: Callable[[torch.Tensor], None] | None = None,
-    record_batch: Callable[[GradientBatch], None] | None = None,
+    on_accept: Callable[[torch.Tensor | None], None] | None = None,
     policy: BlockPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
@@ -427,12 +426,11 @@ def balance_combinations(
             ``fixed_weights``.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
-        before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
-            that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
-            the batch's rows (formed while each block is in cache on the dense CPU path).
-        record_batch: on the one-transfer path (devices, hook statistics), called with
-            ``batch`` instead of ``before_update(batch.total())``, at the same point: for a
-            consumer that adds the batch's sum into a running sum without forming it.
+        on_accept: ``on_accept(total)`` runs once the whole batch was checked finite, before
+            the sums move, so that a rejected batch leaves every piece of state untouched.
+            ``total`` is the (d,) sum of the batch's rows where the dense CPU path formed it
+            on the way (while each block is in cache), else None: the consumer takes the sum
+            from ``batch`` as it likes (``batch.add_total_to`` forms none for hook statistics).
         policy: the dense CPU block shape (``BlockPolicy``); ``rows=0`` takes the one-transfer
             path as device batches do. The decisions do not depend on it.
     Returns:
@@ -449,15 +447,13 @@ def balance_combinations(
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
             products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
-        if record_batch is not None:
-            record_batch(batch)
-        elif before_update is not None:
-            before_update(batch.total())
+        if on_accept is not None:
+            on_accept(None)
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
     X = batch.coordinates()
     return _DenseCpuBalance(
         lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
-        before_update, policy,
+        on_accept, policy,
     ).run()  # fmt: skip
 
 
@@ -563,11 +559,11 @@ class _DenseCpuBalance:
         fixed: torch.Tensor | None,
         U: np.ndarray,
         depth: int,
-        before_update: Callable[[torch.Tensor], None] | None,
+        on_accept: Callable[[torch.Tensor | None], None] | None,
         policy: BlockPolicy,
     ) -> None:
         self.rows, self.accumulators, self.rule = rows, accumulators, rule
-        self.weights, self.U, self.depth, self.before_update = weights, U, depth, before_update
+        self.weights, self.U, self.depth, self.on_accept = weights, U, depth, on_accept
         self.r, self.f = accumulators.shape[0], U.shape[1]
         self.B, d = shape
         self.dtype = accumulators.dtype
@@ -579,7 +575,7 @@ class _DenseCpuBalance:
         else:
             self.blocks = _vector_blocks(weights, max_rows)
         # scratch rows: [batch total (when asked for); running sums; fixed vectors]
-        self.t = 0 if before_update is None else 1
+        self.t = 0 if on_accept is None else 1
         self.scratch = torch.empty(self.t + self.r + self.f, d, dtype=self.dtype)
         self.scratch[: self.t].zero_()
         self.scratch[self.t :].copy_(_stack(accumulators, fixed))
@@ -657,7 +653,7 @@ class _DenseCpuBalance:
         if self.t:
             for i in np.flatnonzero(~self.summed).tolist():  # rows no vector used
                 self.scratch[0] += self.rows(i, i + 1)[0]
-            self.before_update(self.scratch[0])
+            self.on_accept(self.scratch[0])
         sums = self.V[: self.r]
         if self.f:
             sums.addmm_(torch.from_numpy(self.deferred).to(self.dtype), self.V[self.r :])

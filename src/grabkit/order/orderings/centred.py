@@ -119,15 +119,18 @@ class CentredBalance(Ordering):
             fixed=fixed,
             fixed_weights=fixed_weights,
             sequential=self.sequential,
-            before_update=lambda total: self.record(
-                total if vectors is batch else batch.total(), batch.size
-            ),
-            record_batch=(lambda _: self.record_batch(batch, batch.size))
-            if vectors is batch
-            else None,
+            on_accept=lambda total: self._accept(batch, total if vectors is batch else None),
             policy=self.policy,
         )
         self.placement.place(indices.tolist(), signs[:, 0])
+
+    def _accept(self, batch: GradientBatch, total: torch.Tensor | None) -> None:
+        """Record a batch found finite: from the sum of its rows when balancing formed it, else
+        from the batch (which may add its sum without forming it: hook statistics)."""
+        if total is None:
+            self.record_batch(batch, batch.size)
+        else:
+            self.record(total, batch.size)
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)

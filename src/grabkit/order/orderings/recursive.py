@@ -75,7 +75,9 @@ class RecursiveBalance(Ordering):
             fixed=None if m is None else m.reshape(1, -1),
             fixed_weights=None if m is None else np.ones((batch.size, 1)),
             depth=self.depth,
-            before_update=lambda total: self.mean.add(total, batch.size),
+            on_accept=lambda total: self.mean.add(
+                batch.total() if total is None else total, batch.size
+            ),
             policy=self.policy,
         )
         decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
