@@ -7,8 +7,7 @@ how many were balanced or skipped so far, ``yielded`` how many were handed out.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -26,7 +25,7 @@ def first_position(
     epoch: int,
     *,
     local: Callable[[], torch.Tensor] | None,
-    indices: Any,
+    indices: torch.Tensor | Iterable[int] | None,
     hook: bool,
 ) -> int:
     """Where a step's B examples start (>= ``stepped``).
@@ -62,7 +61,12 @@ def first_position(
 
 
 def _locate(
-    local: torch.Tensor, indices: Any, B: int, stepped: int, num_samples: int, epoch: int
+    local: torch.Tensor,
+    indices: torch.Tensor | Iterable[int],
+    B: int,
+    stepped: int,
+    num_samples: int,
+    epoch: int,
 ) -> int:
     wanted = torch.as_tensor(indices).reshape(-1).to(torch.int64)
     if wanted.numel() != B:

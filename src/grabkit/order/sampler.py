@@ -40,6 +40,7 @@ from grabkit.order.sources import (
     DenseGradients,
     Gradients,
     GradientSource,
+    StatisticsReader,
 )
 from grabkit.order.state import plain_config, read_state
 from grabkit.order.topology import Setting, Topology, dataset_size
@@ -210,7 +211,7 @@ class GraBSampler(Sampler[int], Stateful):
         return self.ordering.seed
 
     @property
-    def stats(self) -> Any:
+    def stats(self) -> StatisticsReader | None:
         """The statistics object hook mode reads (None when gradients are passed to ``step``)."""
         return self.source.statistics
 

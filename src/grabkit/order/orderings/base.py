@@ -179,6 +179,7 @@ _BASE_OPTIONS = ("seed", "rule", "random_first_epoch", "block_policy")
 def _short(value: Any) -> str:
     return f"tensor{tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
+
 #: balance_type name -> ordering class; ``register_ordering`` adds to it
 ORDERINGS: dict[str, type[Ordering]] = {}
 

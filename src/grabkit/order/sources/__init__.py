@@ -11,7 +11,13 @@ A new source is one subclass of ``GradientSource`` (``batches`` and, if it keeps
 
 from __future__ import annotations
 
-from grabkit.order.sources.base import Gradients, GradientSource, check_dim, dense_batch
+from grabkit.order.sources.base import (
+    Gradients,
+    GradientSource,
+    StatisticsReader,
+    check_dim,
+    dense_batch,
+)
 from grabkit.order.sources.dense import DenseGradients, param_dim
 from grabkit.order.sources.hooks import HOOK_SAMPLER_NOT_PICKLABLE, ExactHooks, HookGradients
 from grabkit.order.sources.sketch import DEFAULT_SKETCH_DIM, SketchHooks
@@ -25,6 +31,7 @@ __all__ = [
     "Gradients",
     "HookGradients",
     "SketchHooks",
+    "StatisticsReader",
     "check_dim",
     "dense_batch",
     "param_dim",

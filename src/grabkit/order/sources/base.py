@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
+from grabkit.order.orderings import Ordering
 from grabkit.order.topology import Setting
+from grabkit.order.transforms import Chain
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
     GradientBatch,
@@ -25,15 +27,22 @@ from grabkit.stats.gradient_batch import (
 )
 from grabkit.stats.source import StatisticsSource
 
-if TYPE_CHECKING:
-    from grabkit.order.orderings import Ordering
-    from grabkit.order.transforms import Chain
-
-__all__ = ["GradientSource", "Gradients", "check_dim", "dense_batch"]
+__all__ = ["GradientSource", "Gradients", "StatisticsReader", "check_dim", "dense_batch"]
 
 #: what ``step(grads)`` accepts: a dict of (B, ...) per-example gradients (what
 #: ``torch.func.vmap(torch.func.grad(f))`` returns), a (B, d) tensor, or a ``GradientBatch``
 Gradients: TypeAlias = Mapping[str, torch.Tensor] | torch.Tensor | GradientBatch
+
+
+@runtime_checkable
+class GradientBatchReader(Protocol):
+    """A statistics object of your own: one ``GradientBatch`` per step, read at ``step()``."""
+
+    def gradient_batch(self) -> GradientBatch: ...
+
+
+#: what hook mode reads: a ``StatisticsSource`` (every backward kept) or a simple reader
+StatisticsReader: TypeAlias = StatisticsSource | GradientBatchReader
 
 
 class GradientSource(ABC):
@@ -70,7 +79,7 @@ class GradientSource(ABC):
         """Remove any hooks this source attached."""
 
     @property
-    def statistics(self) -> StatisticsSource | Any | None:
+    def statistics(self) -> StatisticsReader | None:
         """The statistics object hook mode reads (None without hooks)."""
         return None
 

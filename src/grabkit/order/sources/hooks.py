@@ -15,18 +15,24 @@ read at ``step()``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from grabkit.order.sources.base import Gradients, GradientSource, check_dim, dense_batch
+from grabkit.order.orderings import Ordering
+from grabkit.order.sources.base import (
+    Gradients,
+    GradientSource,
+    StatisticsReader,
+    check_dim,
+    dense_batch,
+)
+from grabkit.order.sources.dense import param_dim
 from grabkit.order.topology import Setting
+from grabkit.order.transforms import Chain, Project
+from grabkit.stats.engine import PerSampleStats, unwrap_data_parallel
 from grabkit.stats.gradient_batch import GradientBatch, as_gradient_batch
 from grabkit.stats.source import StatisticsSource, Subscription
-
-if TYPE_CHECKING:
-    from grabkit.order.orderings import Ordering
-    from grabkit.order.transforms import Chain
 
 __all__ = ["HOOK_SAMPLER_NOT_PICKLABLE", "ExactHooks", "HookGradients"]
 
@@ -52,14 +58,14 @@ class HookGradients(GradientSource):
 
     reads_hooks: ClassVar[bool] = True
 
-    def __init__(self, stats: StatisticsSource | Any, dim: int | None = None) -> None:
-        self._stats: StatisticsSource | Any = stats
+    def __init__(self, stats: StatisticsReader | None, dim: int | None = None) -> None:
+        self._stats = stats
         self.dim = dim
         self.pending: list[GradientBatch] = []
         self.subscription: Subscription | None = None
 
     @property
-    def statistics(self) -> StatisticsSource | Any:
+    def statistics(self) -> StatisticsReader | None:
         return self._stats
 
     def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
@@ -134,9 +140,6 @@ class ExactHooks(HookGradients):
         params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
         **stats_options: Any,
     ) -> None:
-        from grabkit.order.sources.dense import param_dim
-        from grabkit.stats.engine import unwrap_data_parallel
-
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"`model` should be an nn.Module, but got {type(model).__name__}")
         if params is None:
@@ -149,8 +152,6 @@ class ExactHooks(HookGradients):
         return f"ExactHooks({type(self.model).__name__}, loss_reduction={self.loss_reduction!r})"
 
     def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
-        from grabkit.order.transforms import Project
-
         num_replicas = setting.topology.num_replicas
         if num_replicas > 1:
             raise ValueError(
@@ -172,8 +173,6 @@ class ExactHooks(HookGradients):
                 "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
             )
         if self._stats is None:
-            from grabkit.stats import PerSampleStats
-
             self._stats = PerSampleStats(
                 self.model, loss_reduction=self.loss_reduction, **self.stats_options
             )

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from grabkit.order.orderings import Ordering
 from grabkit.order.sources.base import Gradients
+from grabkit.order.sources.dense import param_dim
 from grabkit.order.sources.hooks import HookGradients
 from grabkit.order.topology import Setting
+from grabkit.order.transforms import Chain, Project
 from grabkit.stats.gradient_batch import GradientBatch
-
-if TYPE_CHECKING:
-    from grabkit.order.orderings import Ordering
-    from grabkit.order.transforms import Chain
+from grabkit.stats.sketch import SketchedStats, kronecker_factors
 
 __all__ = ["DEFAULT_SKETCH_DIM", "SketchHooks"]
 
@@ -49,9 +49,6 @@ class SketchHooks(HookGradients):
         params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
         **stats_options: Any,
     ) -> None:
-        from grabkit.order.sources.dense import param_dim
-        from grabkit.stats.sketch import kronecker_factors
-
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"`model` should be an nn.Module, but got {type(model).__name__}")
         kronecker_factors(dim)  # validates it
@@ -66,16 +63,12 @@ class SketchHooks(HookGradients):
         return f"SketchHooks({model}, dim={self.dim}, loss_reduction={self.loss_reduction!r})"
 
     def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
-        from grabkit.order.transforms import Project
-
         if transforms.has(Project):
             raise ValueError(
                 'statistics="sketch" is already a random projection of the gradients; drop '
                 "projection= (the sketch's width is sketch_dim)."
             )
         if self._stats is None:
-            from grabkit.stats.sketch import SketchedStats
-
             self._stats = SketchedStats(
                 self.model, self.dim, setting.seed, loss_reduction=self.loss_reduction,
                 **self.stats_options,
