@@ -4,6 +4,7 @@ each part refuses what it would silently ignore."""
 from __future__ import annotations
 
 import pickle
+from copy import deepcopy
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 from grabkit import GraBSampler
 from grabkit.order import (
+    BALANCE_TYPES,
     DenseGradients,
     ExactHooks,
     MeanBalance,
@@ -158,3 +160,16 @@ def test_wrong_types_in_calls_are_type_errors():
         sampler.set_epoch(1.0)
     with pytest.raises(TypeError, match="`count` should be"):
         sampler.skip("2")
+
+
+@pytest.mark.parametrize("kind", BALANCE_TYPES)
+def test_a_sampler_without_hooks_pickles_and_copies_with_its_state(kind):
+    X = _X()
+    options = {"ntk_features": X} if kind.startswith("ntk") else {}
+    sampler = GraBSampler(range(len(X)), balance_type=kind, prob_balance=True, **options)
+    order = list(sampler)
+    sampler.step(X[order[:5]])
+    copies = [pickle.loads(pickle.dumps(sampler)), deepcopy(sampler)]
+    for s in (*copies, sampler):
+        s.step(X[order[5:9]])
+    assert list(copies[0]) == list(copies[1]) == list(sampler)

@@ -46,8 +46,8 @@ class RecursiveBalance(Ordering):
         self._tensors: dict[tuple[str, int], IndexTensor] = {}
         self.add_state("acc", None)
         self.add_state("mean", StaleMean())
-        self.add_state("leaf_front", {}, save=lambda _: self._saved_leaves("front"), load=_leaves)
-        self.add_state("leaf_back", {}, save=lambda _: self._saved_leaves("back"), load=_leaves)
+        self.add_state("leaf_front", {}, save=self._saved_front, load=_leaves)
+        self.add_state("leaf_back", {}, save=self._saved_back, load=_leaves)
 
     def start_epoch(self, epoch: int) -> None:
         self.mean.roll()
@@ -97,6 +97,12 @@ class RecursiveBalance(Ordering):
         placed = set(halves[0]) | set(halves[1])
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(halves[0] + middle + halves[1], dtype=torch.int64)
+
+    def _saved_front(self, leaf_front: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+        return self._saved_leaves("front")
+
+    def _saved_back(self, leaf_back: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+        return self._saved_leaves("back")
 
     def _saved_leaves(self, side: str) -> dict[str, torch.Tensor]:
         """Every leaf either side has reached, as "leaf" -> its list on ``side`` as a tensor

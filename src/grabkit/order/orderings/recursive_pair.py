@@ -36,10 +36,7 @@ class RecursivePairBalance(Ordering):
         super().__init__(n, **kwargs)
         self._converted: list[torch.Tensor] = []
         self.add_state("acc", None)
-        self.add_state(
-            "batch_orders", [], save=lambda _: self._batch_tensors(),
-            load=lambda saved: [int_list(b) for b in saved],
-        )  # fmt: skip
+        self.add_state("batch_orders", [], save=self._batch_tensors, load=_batch_orders)
 
     def start_epoch(self, epoch: int) -> None:
         self.batch_orders = []
@@ -110,14 +107,18 @@ class RecursivePairBalance(Ordering):
         half = len(read) // 2
         return torch.tensor(read[:half] + middle + read[half:], dtype=torch.int64)
 
-    def _batch_tensors(self) -> list[torch.Tensor]:
+    def _batch_tensors(self, batch_orders: list[list[int]]) -> list[torch.Tensor]:
         """The batch orders as tensors, converting only the batches added since the last call
         (the state is published after every step)."""
-        if len(self._converted) > len(self.batch_orders):
+        if len(self._converted) > len(batch_orders):
             self._converted = []
-        for b in self.batch_orders[len(self._converted) :]:
+        for b in batch_orders[len(self._converted) :]:
             self._converted.append(torch.tensor(b, dtype=torch.int64))
         return list(self._converted)
 
     def after_load(self) -> None:
         self._converted = []
+
+
+def _batch_orders(saved: list[torch.Tensor]) -> list[list[int]]:
+    return [int_list(b) for b in saved]
