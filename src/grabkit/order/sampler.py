@@ -1,8 +1,18 @@
 """``GraBSampler``: a ``torch.utils.data.Sampler`` whose order is decided by per-example gradients.
 
-Two ways to feed it: the per-example gradients given to ``step(grads)`` (grab-sampler's way), or
-hook statistics (``model=``: ``step()`` after the backward(s), no (B, d) tensor ever built); see
-the class docstring for both loops.
+The sampler holds three parts and keeps the epochs: an ordering (``grabkit.order.orderings``),
+a gradient source (``grabkit.order.sources``: the per-example gradients given to
+``step(grads)``, grab-sampler's way, or hook statistics read after the backward(s), no (B, d)
+tensor ever built) and a chain of transforms (``grabkit.order.transforms``). A step's data goes
+source -> transforms -> ordering, each stage a method of the next part:
+
+    GraBSampler.step(grads)
+      source.batches(grads)          GradientBatch pieces, one per backward (wrapped once)
+      first_position(...)            where they sit in the epoch (checked before anything moves)
+      transforms(Rows(piece, ...))   Cast / Project / GatherAcrossRanks / Normalize, as built
+      ordering.observe(batch, idx)   the decisions (grabkit.order.balance: one host transfer)
+
+See the class docstring for the loops.
 
 A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``, or pass the indices
 of each stepped batch, ``step(grads, indices=idx)``; skipped examples get no decision that epoch.
