@@ -85,7 +85,23 @@ class HookGradients(GradientSource):
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
         if grads is not None:
             return check_dim([dense_batch(grads)], self.dim)
-        return check_dim(self._kept(), self.dim)
+        pieces = self._kept()
+        if not self.sketched:
+            self._check_trainable_set(pieces)
+        return check_dim(pieces, self.dim)
+
+    def _check_trainable_set(self, pieces: list[GradientBatch]) -> None:
+        """Exact statistics follow the trainable set: another length than at construction means
+        parameters were frozen or unfrozen since, which the ordering state cannot follow."""
+        for piece in pieces:
+            if self.dim is not None and piece.dim != self.dim:
+                raise ValueError(
+                    f"the model's trainable parameters changed since this sampler was built: "
+                    f"its ordering state balances {self.dim} numbers per example, and the hooks "
+                    f"now give {piece.dim} (parameters frozen or unfrozen). Build a new sampler "
+                    "for the new trainable set, or use statistics='sketch', whose width does not "
+                    "change."
+                )
 
     def _kept(self) -> list[GradientBatch]:
         """The pieces of this step, in visit order (not consumed until ``clear()``)."""
