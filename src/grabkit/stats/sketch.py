@@ -546,6 +546,10 @@ class SketchedStats(StatisticsSource):
     def backward_seen(self) -> bool:
         return self.engine.backward_seen
 
+    @property
+    def parameter_gradients_seen(self) -> bool:
+        return self.engine.parameter_gradients_seen
+
     def sketches(self) -> torch.Tensor:
         """(B, k) S g_i of the latest backward (computed on first read, then cached)."""
         generation = self.engine.generation

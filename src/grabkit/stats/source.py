@@ -8,7 +8,8 @@ reads the same hooks as (B, k) sketches). A consumer ``subscribe``s once and get
 * its listener runs after each backward, just before the next forward drops that backward's
   statistics (so gradient accumulation can keep every micro-batch);
 * ``take()`` returns the latest backward's ``GradientBatch`` once (None before any backward, and
-  again None until the next backward): a consumer never counts one backward twice;
+  again None until the next backward; None for a backward that reached no parameter): a consumer
+  never counts one backward twice;
 * ``close()`` ends the subscription.
 
 Subscriptions are independent: two consumers of one source each take every backward. A
@@ -44,6 +45,13 @@ class StatisticsSource(ABC):
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
 
+    @property
+    def parameter_gradients_seen(self) -> bool:
+        """Whether a backward since this step's first forward reached the trainable parameters,
+        not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one).
+        Sources that cannot tell say True."""
+        return True
+
     @abstractmethod
     def gradient_batch(self) -> GradientBatch:
         """The latest backward's statistics as a ``GradientBatch``."""
@@ -69,8 +77,13 @@ class Subscription:
             source.step_listeners.append(listener)
 
     def take(self) -> GradientBatch | None:
-        """The latest backward's batch, the first time it is asked for; else None."""
-        if not self.source.backward_seen or self._taken == self.source.generation:
+        """The latest backward's batch, the first time it is asked for; else None. A backward
+        that reached no parameter (an input gradient alone) gives nothing: it is not a
+        micro-batch of the step."""
+        source = self.source
+        if not (source.backward_seen and source.parameter_gradients_seen):
+            return None
+        if self._taken == source.generation:
             return None
         self._taken = self.source.generation
         return self.source.gradient_batch()
