@@ -73,7 +73,7 @@ class GraBSampler(Sampler[int], Stateful):
     The sampler is three parts and the epoch bookkeeping around them:
 
     * ``ordering`` (``grabkit.order.orderings``): what decides the next epoch's order from the
-      gradients it observes (``MeanBalance(n)``, ``PairBalance(n, depth=...)``, ... with their
+      gradients it observes (``MeanBalance(n)``, ``RecursiveBalance(n, depth=3)``, ... with their
       own options, seed and sign rule);
     * ``source`` (``grabkit.order.sources``): where each step's per-example gradients come
       from: ``DenseGradients()`` (given to ``step(grads)``; the default), ``ExactHooks(model)``
