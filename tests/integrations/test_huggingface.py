@@ -13,11 +13,14 @@ transformers = pytest.importorskip("transformers")
 from tests.integrations.tiny import (  # noqa: E402
     B,
     N,
+    batch,
     dataset,
+    lm_dataset,
     params,
     plain_grab_loop,
     plain_noise_scale,
     tiny_bert,
+    tiny_gpt2,
 )
 from transformers import (  # noqa: E402
     Trainer,
@@ -137,18 +140,44 @@ def gnts(optimizer):
     return OptimizerWrapperGNTS(optimizer, max_batch_draws=4, norm_threshold=0.1)
 
 
-def test_adaptive_accumulation_skips_and_the_schedule_follows_real_updates(tmp_path):
+def _adaptive_reference(steps: int, clip: float):
+    """The plain loop: every microbatch folded into the wrapper, the open window applied at the
+    last microbatch, a linear LR schedule over the microbatches (Trainer's max_steps)."""
+    from transformers import get_linear_schedule_with_warmup
+
+    model, data = tiny_bert(), dataset()
+    wrapper = gnts(torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapper.clip_grad_norm = clip
+    schedule = get_linear_schedule_with_warmup(wrapper, 0, steps)
+    for step in range(steps):
+        rows = [(step * B + i) % N for i in range(B)]
+        model(**batch(data, rows)).loss.backward()
+        wrapper.step(count=B)
+        if step == steps - 1:
+            assert wrapper.flush()  # the open window, at the last microbatch's LR
+        schedule.step()
+    return model, wrapper
+
+
+def test_adaptive_accumulation_applies_every_microbatch_and_the_schedule_reaches_zero(tmp_path):
+    """The last window is applied at the last microbatch, and the linear schedule, counted in
+    microbatches as Trainer counts it, ends at 0; the run equals the plain loop."""
     args = arguments(
         tmp_path, gradient_accumulation_steps=1, max_grad_norm=0.1, lr_scheduler_type="linear",
-        max_steps=12,
+        max_steps=12, train_sampling_strategy="sequential",
     )  # fmt: skip
     trainer = GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), accumulation=gnts)
     trainer.train()
     wrapper = trainer._adaptive_wrapper()
     assert 0 < wrapper.num_steps < 12  # windows of several microbatches
+    assert wrapper.counters.num_draws == 0  # nothing left unapplied
+    assert wrapper.last_reason == "flushed"
     assert wrapper.clip_grad_norm == 0.1  # clipping handed to the wrapper, Trainer's is off
-    assert trainer.lr_scheduler.scheduler.last_epoch == wrapper.num_steps
-    assert float(wrapper.last_step_count) == B * wrapper.last_step_num_draws  # counts reached it
+    assert trainer.lr_scheduler.get_last_lr()[0] == 0.0
+    reference, reference_wrapper = _adaptive_reference(12, clip=0.1)
+    assert reference_wrapper.num_steps == wrapper.num_steps
+    for name, value in params(reference).items():
+        torch.testing.assert_close(params(trainer.model)[name], value, rtol=1e-5, atol=1e-7)
     logged = [e for e in trainer.state.log_history if "grabkit/optimizer_updates" in e]
     assert logged[-1]["grabkit/optimizer_updates"] == wrapper.num_steps
 
@@ -191,6 +220,7 @@ def test_noise_scale_equals_the_plain_loop_and_is_measured_before_clipping(tmp_p
     trainer = GrabkitTrainer(
         tiny_bert(), args, train_dataset=dataset(), noise_scale={"update_rate": 0.5}
     )
+    trainer.model_accepts_loss_kwargs = False  # Trainer divides each microbatch's mean by 2
     trainer.train()
     expected = plain_noise_scale(0.05)
     after_clipping = plain_noise_scale(0.05, measure_after_clipping=True)
@@ -248,3 +278,69 @@ def test_noise_scale_needs_trainer_accumulation(tmp_path):
     args = arguments(tmp_path, gradient_accumulation_steps=1)
     with pytest.raises(ValueError, match="gradient_accumulation_steps >= 2"):
         GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), noise_scale={})
+
+
+def _trained(tmp_path, model_fn, data, kwargs, loss_kwargs=None, max_grad_norm=1.0):
+    """Train 2 epochs (clipping on, as by default); parameters and logged losses."""
+    args = arguments(tmp_path, max_grad_norm=max_grad_norm)
+    trainer = GrabkitTrainer(model_fn(), args, train_dataset=data, **kwargs)
+    if loss_kwargs is not None:
+        trainer.model_accepts_loss_kwargs = loss_kwargs
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return params(trainer.model), losses, trainer
+
+
+_MEASURING = {  # model, takes loss kwargs (None: as Trainer finds), GrabkitTrainer kwargs
+    "gpt2-default": ("gpt2", None, {"noise_scale": {}}),
+    "gpt2-tokens-examples-window": (
+        "gpt2", None, {"noise_scale": {"window": "examples", "update_rate": 0.2}, "count": "tokens"}
+    ),
+    "bert-default": ("bert", None, {"noise_scale": {"confidence": 0.9}}),
+    "bert-examples": ("bert", None, {"noise_scale": {}, "count": "examples"}),
+    "bert-mean-losses": ("bert", False, {"noise_scale": {"population_size": N}}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_MEASURING))
+def test_noise_scale_never_changes_training(tmp_path, case):
+    """Every measuring option against the same run without it: parameters and logged losses
+    bitwise (the noise scale once switched a causal LM's loss to microbatch means)."""
+    kind, loss_kwargs, kwargs = _MEASURING[case]
+    model_fn, data = (tiny_gpt2, lm_dataset()) if kind == "gpt2" else (tiny_bert, dataset())
+    plain, plain_losses, _ = _trained(tmp_path / "plain", model_fn, data, {}, loss_kwargs)
+    measured, losses, trainer = _trained(tmp_path / "noise", model_fn, data, kwargs, loss_kwargs)
+    assert losses == plain_losses
+    for name, value in measured.items():
+        assert torch.equal(value, plain[name]), name
+    assert trainer.noise_scale_result is not None  # and it measured
+    assert any("noise_scale/b_simple" in e for e in trainer.state.log_history)
+
+
+def test_causal_lm_noise_scale_is_per_token_by_default(tmp_path):
+    """count="auto": Trainer normalizes a causal LM's window by its label tokens, so the
+    microbatches are counted in tokens, as Trainer counts them (this transformers counts all 8
+    labels of a row for GPT-2, whose loss_type is None); "examples" is refused."""
+    *_, trainer = _trained(tmp_path, tiny_gpt2, lm_dataset(), {"noise_scale": {}})
+    assert trainer.noise_scale_result.examples == 2 * N * 8  # 2 epochs of N rows of 8 tokens
+    args = arguments(tmp_path / "examples")
+    refused = GrabkitTrainer(
+        tiny_gpt2(), args, train_dataset=lm_dataset(), noise_scale={}, count="examples"
+    )
+    with pytest.raises(ValueError, match=r'count="examples" would misweight.*"auto" or "tokens"'):
+        refused.train()
+
+
+def test_windows_of_unequal_microbatches_are_left_out_when_trainer_averages_means(tmp_path):
+    """Trainer divides each microbatch's mean by the window's K: a window of microbatches of
+    different sizes is not weighted by size, so it is not measured (N = 24 in batches of 5,
+    K = 3: windows (5, 5, 5) and (5, 4))."""
+    args = arguments(
+        tmp_path, per_device_train_batch_size=5, gradient_accumulation_steps=3,
+        num_train_epochs=1,
+    )  # fmt: skip
+    trainer = GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), noise_scale={})
+    trainer.model_accepts_loss_kwargs = False
+    trainer.train()
+    assert trainer.noise_scale_result.observations == 1
+    assert trainer.noise_scale_result.examples == 15

@@ -21,6 +21,53 @@ def tiny_bert() -> BertForSequenceClassification:
     return BertForSequenceClassification(config)
 
 
+def tiny_gpt2(n_positions: int = 8):
+    """A causal LM whose loss is the window's token sum over ``num_items_in_batch``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=40, n_positions=n_positions, n_embd=16, n_layer=1, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def lm_dataset(length: int = 8) -> list[dict[str, torch.Tensor]]:
+    """N rows of ``length`` tokens, labels = inputs (the model shifts them)."""
+    ids = torch.randint(0, 40, (N, length), generator=torch.Generator().manual_seed(2))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def ragged_lm_dataset(longest: int = 24) -> list[dict[str, torch.Tensor]]:
+    """N token rows of lengths 1 .. ``longest`` (a tiny vocabulary of 40)."""
+    g = torch.Generator().manual_seed(4)
+    lengths = torch.randint(1, longest + 1, (N,), generator=g).tolist()
+    return [{"input_ids": torch.randint(0, 40, (n,), generator=g)} for n in lengths]
+
+
+def pad_right(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row: attention_mask, and labels -100 at padding."""
+    longest = max(len(row["input_ids"]) for row in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row["input_ids"])] = row["input_ids"]
+        mask[i, : len(row["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def tiny_llama(max_positions: int = 32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
 def dataset() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 40, (N, T), generator=g)

@@ -35,6 +35,7 @@ from grabkit.accumulate.accumulator import GradientAccumulator, squared_norm
 from grabkit.accumulate.controllers import Controller, Observation
 from grabkit.accumulate.counters import AccumulationCounters
 from grabkit.accumulate.distributed import GradientLayout, StatisticsReducer
+from grabkit.integrations.wiring import check_wiring
 from grabkit.validation import check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper"]
@@ -232,6 +233,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     ) -> bool:
         # Subclasses with another step signature call this, not super().step(): Optimizer wraps
         # every class's own ``step`` with the hook runner, so hooks would fire twice.
+        if not getattr(self, "_wiring_checked", False):  # a framework clipping every microbatch
+            self._wiring_checked = True
+            check_wiring(self, "adaptive")
         if closure is not None:
             with torch.enable_grad():
                 self.last_closure_loss = closure()

@@ -4,7 +4,8 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
 
     sampler = GraBSampler(dataset, model=model)
     loader = DataLoader(dataset, sampler=sampler, batch_size=16)
-    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)  # one process
+    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+    loader = shard_by_sampler(loader)  # several processes: keep the sampler's split
     accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
     for batch in loader:
         accelerator.backward(loss_fn(model, batch))
@@ -21,7 +22,15 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
   ``load_state`` the next ``iter(loader)`` yields exactly the untrained rest of the epoch. Do
-  not also ``skip_first_batches``.
+  not also ``skip_first_batches``. A state saved at an epoch's last step resumes with the next
+  epoch: accelerate's recipe (``load_state``, then the epoch loop from the saved epoch + 1, i.e.
+  ``step // len(loader)``) works unchanged. Under several processes rank 0's state is saved and
+  every rank loads it as its own.
+* :func:`shard_by_sampler`: several processes. Build the ``GraBSampler`` after ``Accelerator()``
+  with ``statistics="sketch"`` (it splits every epoch across the ranks, and its steps gather the
+  ranks' sketches) and call ``shard_by_sampler`` on the prepared loader, so that accelerate's
+  ``BatchSamplerShard`` does not split the batches again; a GraB loader re-split by accelerate is
+  refused at its first batch.
 
 Nothing here imports accelerate; it works with any object that has ``.optimizer`` and
 ``.scaler`` the way ``AcceleratedOptimizer`` has them.
@@ -34,10 +43,10 @@ from typing import Any
 import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import rewound_state
+from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.order import GraBBatchSampler, GraBSampler
 
-__all__ = ["SamplerCheckpoint", "adaptive_step"]
+__all__ = ["SamplerCheckpoint", "adaptive_step", "grab_sampler_of", "shard_by_sampler"]
 
 
 def _unwrap(optimizer: Any) -> AdaptiveAccumulationWrapper:
@@ -99,7 +108,86 @@ class SamplerCheckpoint:
         self.sampler = sampler
 
     def state_dict(self) -> dict[str, Any]:
-        return rewound_state(self.sampler.state_dict())
+        return rewound_state(self.sampler.state_dict(), self.sampler.num_samples)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+        sampler = self.sampler
+        state = rewound_state(state, sampler.num_samples)  # "ended" at an epoch's end
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+
+
+def grab_sampler_of(loader: Any) -> GraBSampler | None:
+    """The ``GraBSampler`` a (prepared) ``DataLoader`` draws from, or None.
+
+    Looks through accelerate's ``DataLoaderShard`` / ``BatchSamplerShard`` / ``SkipBatchSampler``
+    layers and a ``BatchSampler`` or ``GraBBatchSampler``.
+    """
+    seen = [loader]
+    for _ in range(6):
+        found = []
+        for obj in seen:
+            for name in ("sampler", "batch_sampler"):
+                inner = getattr(obj, name, None)
+                if isinstance(inner, GraBBatchSampler):
+                    return inner.sampler
+                if isinstance(inner, GraBSampler):
+                    return inner
+                if inner is not None:
+                    found.append(inner)
+        seen = found
+    return None
+
+
+def shard_by_sampler(loader: Any) -> Any:
+    """Let the GraB sampler split the epoch across processes; accelerate keeps its split.
+
+    Under several processes ``accelerator.prepare(loader)`` wraps the batches in
+    ``BatchSamplerShard``, which hands each process every ``num_processes``-th batch of the whole
+    sampler output. A ``GraBSampler`` built after ``Accelerator()`` with ``statistics="sketch"``
+    already splits each epoch across the ranks as ``DistributedSampler`` does (rank r visits
+    positions r, r + W, ..., and every ``step()`` gathers the ranks' sketches in global order), so
+    the second split must go: this makes the prepared loader's ``BatchSamplerShard`` pass the
+    sampler's batches through (as ``transformers.Trainer`` does for its own rank-aware sampler),
+    after checking that the sampler was built for these processes. ``len(loader)`` is then this
+    rank's number of batches. Returns the loader (changed in place).
+
+    Raises:
+        ValueError: the loader draws from no ``GraBSampler``, or the sampler's ``num_replicas``
+            / ``rank`` are not accelerate's ``num_processes`` / ``process_index``.
+    """
+    sampler = grab_sampler_of(loader)
+    if sampler is None:
+        raise ValueError(
+            "shard_by_sampler: this loader draws from no GraBSampler (or GraBBatchSampler); pass "
+            "the loader returned by accelerator.prepare(DataLoader(data, sampler=grab_sampler))."
+        )
+    shards = _batch_sampler_shards(loader)
+    for shard in shards:
+        processes, index = int(shard.num_processes), int(shard.process_index)
+        if processes == 1:
+            continue  # one process, or already passed through
+        if (sampler.num_replicas, sampler.rank) != (processes, index):
+            raise ValueError(
+                f"shard_by_sampler: accelerate runs {processes} processes (this is process "
+                f"{index}) but the GraBSampler was built with num_replicas="
+                f"{sampler.num_replicas}, rank={sampler.rank}; build it after Accelerator() with "
+                'statistics="sketch" and leave num_replicas and rank to the process group.'
+            )
+        shard.num_processes, shard.process_index = 1, 0
+    return loader
+
+
+def _batch_sampler_shards(loader: Any) -> list[Any]:
+    """accelerate's ``BatchSamplerShard`` objects inside a prepared loader (by duck type)."""
+    out, seen = [], [loader]
+    for _ in range(6):
+        found = []
+        for obj in seen:
+            inner = getattr(obj, "batch_sampler", None)
+            if inner is None:
+                continue
+            if hasattr(inner, "num_processes") and hasattr(inner, "process_index"):
+                out.append(inner)
+            found.append(inner)
+        seen = found
+    return out

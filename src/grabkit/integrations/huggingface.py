@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` with GraB ordering, adaptive accumulation and noise-scale logging.
+"""Hugging Face ``Trainer`` with GraB ordering, adaptive accumulation, noise-scale logging and
+length grouping.
 
 One subclass, each capability one keyword (``pip install grabkit[huggingface]``)::
 
@@ -6,6 +7,7 @@ One subclass, each capability one keyword (``pip install grabkit[huggingface]``)
     trainer = GrabkitTrainer(model, args, train_dataset=ds,
                              accumulation=lambda opt: OptimizerWrapperGNTS(opt, norm_threshold=0.5))
     trainer = GrabkitTrainer(model, args, train_dataset=ds, noise_scale={"update_rate": 0.05})
+    trainer = GrabkitTrainer(model, args, train_dataset=ds, grouping=True)
 
 What it wires, and why plain callbacks cannot:
 
@@ -14,33 +16,42 @@ What it wires, and why plain callbacks cannot:
   (``training_step``), so each example is balanced with its own gradient under gradient
   accumulation. Its state is written into every checkpoint (``grabkit_sampler.pt``) and, on
   ``train(resume_from_checkpoint=...)``, restored so that Trainer's own data skipping replays the
-  interrupted epoch's order: the resumed run equals the uninterrupted one.
+  interrupted epoch's order, and a checkpoint at an epoch's last step resumes with the next epoch
+  (``grabkit.integrations.resume``): the resumed run equals the uninterrupted one. Under several
+  processes (``torchrun``, ``accelerate launch``) the sampler needs ``"statistics": "sketch"``:
+  it splits every epoch across the ranks itself (accelerate is told to keep that split,
+  ``shard_by_sampler``) and the ranks gather (B, k) sketches, deciding as one process would.
+  ``train_sampling_strategy="group_by_length"`` would replace GraB's order and is refused.
 * ``accumulation``: a factory ``optimizer -> AdaptiveAccumulationWrapper`` (any GQC wrapper).
   Each Trainer step is one microbatch (``gradient_accumulation_steps`` must be 1: the wrapper
   decides the window); ``max_grad_norm`` moves from Trainer (which would clip every microbatch
   before the wrapper sees it) to the wrapper (which clips the averaged gradient); the microbatch's
-  ``count`` (examples, or tokens with ``count="tokens"``) reaches the wrapper; the LR schedule
-  advances on real updates only. ``state.global_step`` keeps counting microbatches (Trainer's
-  data position and checkpoints depend on it); the real updates are logged as
-  ``grabkit/optimizer_updates`` and shape the schedule.
-* ``noise_scale``: ``AccumulationNoiseScale`` options; the step's estimate is closed after the
-  last microbatch's backward, *before* Trainer clips, and ``noise_scale/*`` values go through
-  ``Trainer.log``. Needs ``gradient_accumulation_steps >= 2`` (the microbatches are the small
-  batches of the two-batch identity).
+  ``count`` reaches the wrapper; the window still open at the last microbatch is applied there
+  (``flush``), before the LR schedule takes its last step. The LR schedule is counted as Trainer
+  counts it, in microbatches (``max_steps``): each real update uses the schedule's value at the
+  microbatch where it happens, so warm-up and decay follow the data consumed and a linear
+  schedule ends at 0. ``state.global_step`` counts microbatches; the real updates are logged as
+  ``grabkit/optimizer_updates``.
+* ``noise_scale``: the gradient noise scale of Trainer's accumulation windows, closed after each
+  window's last backward, *before* Trainer clips, logged as ``noise_scale/*``. Trainer's loss
+  scaling is left as it is (measuring never changes training); the microbatches are weighted as
+  Trainer weights them, so the estimate is per label token for models whose loss Trainer
+  normalizes by ``num_items_in_batch`` (causal LMs) and per example otherwise
+  (``grabkit.integrations.trainer_noise``). One process: ``gradient_accumulation_steps >= 2``;
+  several: ``DDPNoiseScale`` on the DDP model.
+* ``grouping``: each padded batch runs through the model's body one length group at a time
+  (``GroupedForward``, planning options as a dict), with the padded run's loss and gradients.
+* ``count``: the weight of a microbatch for the wrapper and the noise scale: ``"auto"`` (what
+  Trainer's loss averages: label tokens when it normalizes by ``num_items_in_batch``, counted as
+  Trainer counts them, else examples), ``"tokens"`` or ``"examples"``.
 
-``accumulation`` sets ``args.max_grad_norm`` to 0 on the Trainer's own ``TrainingArguments``
-(the value moves to the wrapper); ``noise_scale`` with ``count="examples"`` sets
-``model_accepts_loss_kwargs = False`` so that each microbatch's mean loss is divided by the
-accumulation steps (see ``_scale_losses_by_share``).
-
-Single process only for ``grab`` and ``noise_scale`` (hook-mode GraB does not distribute yet):
-a distributed run raises instead of letting accelerate shard the GraB order silently.
+``ExampleGradientNormsCallback`` logs quantiles of the per-example gradient norms.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,16 +59,18 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import replay_state
-from grabkit.integrations.schedule import RealUpdateSchedule
-from grabkit.noise.accumulation import AccumulationNoiseScale
+from grabkit.integrations.accelerate import grab_sampler_of, shard_by_sampler
+from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
+from grabkit.integrations.grouped_forward import GroupedForward, check_padded_labels
+from grabkit.integrations.resume import adopt_rank, replay_state
+from grabkit.integrations.trainer_noise import TrainerNoiseScale
 from grabkit.order import GraBSampler
 
-__all__ = ["GrabkitTrainer", "microbatch_count"]
+__all__ = ["ExampleGradientNormsCallback", "GrabkitTrainer", "microbatch_count"]
 
 SAMPLER_FILE = "grabkit_sampler.pt"
 NOISE_FILE = "grabkit_noise_scale.pt"
-_COUNTS = ("examples", "tokens")
+_COUNTS = ("auto", "examples", "tokens")
 
 
 def microbatch_count(inputs: Mapping[str, Any], count: str, shifted: bool = False) -> float:
@@ -83,6 +96,11 @@ def microbatch_count(inputs: Mapping[str, Any], count: str, shifted: bool = Fals
     raise ValueError("cannot count the examples of a batch without tensors; pass count='tokens'")
 
 
+def _uses_group_by_length(args: Any) -> bool:
+    strategy = getattr(args, "train_sampling_strategy", None)
+    return strategy == "group_by_length" or bool(getattr(args, "group_by_length", False))
+
+
 class _CheckpointFiles(TrainerCallback):
     """Write the sampler's and the estimator's state into each Trainer checkpoint folder."""
 
@@ -90,7 +108,7 @@ class _CheckpointFiles(TrainerCallback):
         self.trainer = trainer
 
     def on_save(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
+        if not state.is_world_process_zero:  # every rank's state is the same (collective steps)
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         if self.trainer.grab_sampler is not None:
@@ -99,18 +117,86 @@ class _CheckpointFiles(TrainerCallback):
             torch.save(self.trainer.noise_scale.state_dict(), os.path.join(folder, NOISE_FILE))
 
 
+class _FlushLastWindow(TrainerCallback):
+    """Apply the adaptive wrapper's open window at the last microbatch (before the scheduler's
+    last step), or at train end when training stopped early."""
+
+    def __init__(self, trainer: GrabkitTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 1 >= state.max_steps:
+            self._flush()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush()
+
+    def _flush(self) -> None:
+        wrapper = self.trainer._adaptive_wrapper()
+        if wrapper is not None:
+            wrapper.flush()
+
+
+class ExampleGradientNormsCallback(TrainerCallback):
+    """Log quantiles of the per-example gradient norms |g_i| of the steps since the last log.
+
+    Logged as ``grad_norm_per_example/{min,q10,median,q90,max,mean,count}``: the norms of the
+    examples' gradients as Trainer backpropagates them (its division by the accumulation steps or
+    by the window's label tokens included; ``grabkit.integrations.example_norms``);
+    ``callback.norms.take()`` gives the raw values instead. With a ``GrabkitTrainer`` every reporter
+    receives them; with a plain ``Trainer`` they reach ``state.log_history`` and the callbacks
+    after this one (Trainer runs its reporters first). Under several processes each rank measures
+    its own examples and rank 0's are reported. A GraB sampler's statistics on the model are
+    shared (one set of hooks; a sketching sampler's give estimated norms).
+
+    Args:
+        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
+    """
+
+    def __init__(
+        self, quantiles: Sequence[float] = DEFAULT_QUANTILES, loss_reduction: str = "mean"
+    ) -> None:
+        self.quantiles, self.loss_reduction = tuple(quantiles), loss_reduction
+        self.norms: ExampleGradientNorms | None = None
+        ExampleGradientNorms.check_quantiles(self.quantiles)
+
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if self.norms is None:
+            sampler = grab_sampler_of(train_dataloader)
+            stats = None if sampler is None else sampler.stats
+            self.norms = ExampleGradientNorms(model, stats, self.loss_reduction, self.quantiles)
+
+    def summary(self) -> dict[str, float]:
+        return {} if self.norms is None else self.norms.summary()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logged = logs is None or any(k.startswith("grad_norm_per_example/") for k in logs)
+        if not logged and "loss" in logs:  # a plain Trainer: not merged by GrabkitTrainer.log
+            summary = self.summary()
+            logs.update(summary)
+            if state.log_history:
+                state.log_history[-1].update(summary)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.norms is not None:
+            self.norms.close()
+            self.norms = None
+
+
 class GrabkitTrainer(Trainer):
     """``transformers.Trainer`` with grabkit's capabilities as keywords (see the module doc).
 
     Args (beyond ``Trainer``'s):
-        grab: ``GraBSampler`` keywords (``{}`` for vanilla GraB); ``seed`` defaults to
-            ``args.seed``. The sampler is ``trainer.grab_sampler`` once training starts.
+        grab: ``GraBSampler`` keywords (``{}`` for vanilla GraB; several processes:
+            ``{"statistics": "sketch"}``); ``seed`` defaults to ``args.seed``. The sampler is
+            ``trainer.grab_sampler`` once training starts.
         accumulation: ``optimizer -> AdaptiveAccumulationWrapper`` (e.g. a GQC wrapper class
             with its options bound); or pass the wrapper itself in ``optimizers=(wrapper, None)``.
         noise_scale: ``AccumulationNoiseScale`` keywords (``{}`` for the defaults); the last
             result is ``trainer.noise_scale_result``.
-        count: ``"examples"`` or ``"tokens"``: the weight of a microbatch for the wrapper and the
-            noise scale (tokens: ``labels != -100``; match how your loss is averaged).
+        grouping: True, or ``plan_groups`` options: run each batch's body by length groups.
+        count: ``"auto"``, ``"examples"`` or ``"tokens"``: the weight of a microbatch for the
+            wrapper and the noise scale.
     """
 
     def __init__(
@@ -119,76 +205,91 @@ class GrabkitTrainer(Trainer):
         grab: Mapping[str, Any] | None = None,
         accumulation: Callable[[torch.optim.Optimizer], AdaptiveAccumulationWrapper] | None = None,
         noise_scale: Mapping[str, Any] | None = None,
-        count: str = "examples",
+        grouping: bool | Mapping[str, Any] | None = None,
+        count: str = "auto",
         **kwargs: Any,
     ) -> None:
         if count not in _COUNTS:
             raise ValueError(f"`count` should be one of {_COUNTS}, but got count={count!r}")
         super().__init__(*args, **kwargs)
         self.grab_options = None if grab is None else dict(grab)
+        self.grouping_options = (
+            None if grouping in (None, False) else ({} if grouping is True else dict(grouping))
+        )
         self.accumulation = accumulation
         self.count = count
         self.grab_sampler: GraBSampler | None = None
-        self.noise_scale: AccumulationNoiseScale | None = None
-        self.noise_scale_result = None
+        self.noise_scale: TrainerNoiseScale | None = None
+        self.grouped_forward: GroupedForward | None = None  # while (and after) training
         self._resume_folder: str | None = None
         self._wrapper_clip: float | None = None  # max_grad_norm, moved to the wrapper
         self._check_combination(noise_scale)
+        if self.grouping_options is not None:
+            GroupedForward(self.model, **self.grouping_options)  # options checked now
         if noise_scale is not None:
-            self.noise_scale = AccumulationNoiseScale(self.model, **dict(noise_scale))
-            self._scale_losses_by_share()
-        if accumulation is not None or isinstance(self.optimizer, AdaptiveAccumulationWrapper):
+            self.noise_scale = TrainerNoiseScale(self.model, noise_scale, self.args.world_size)
+        if self._adaptive():
             self._hand_clipping_to_wrapper()
         self.add_callback(_CheckpointFiles(self))
+        self.add_callback(_FlushLastWindow(self))
+
+    @property
+    def noise_scale_result(self):
+        """The noise-scale estimate so far (None before the first measured window)."""
+        return None if self.noise_scale is None else self.noise_scale.result
 
     # -- configuration checks ------------------------------------------------------------------
-    def _check_combination(self, noise_scale: Mapping[str, Any] | None) -> None:
-        adaptive = self.accumulation is not None or isinstance(
+    def _adaptive(self) -> bool:
+        return self.accumulation is not None or isinstance(
             self.optimizer, AdaptiveAccumulationWrapper
         )
-        if (self.grab_options is not None or noise_scale is not None) and self.args.world_size > 1:
-            raise NotImplementedError(
-                f"GrabkitTrainer: grab= and noise_scale= run in one process only, but this run has "
-                f"world_size={self.args.world_size}; accelerate would shard the GraB order across "
-                "ranks and credit gradients to the wrong examples. Train on one process, or use "
-                "GraBSampler with dense gradients in your own DDP loop."
-            )
-        if adaptive and self.args.gradient_accumulation_steps != 1:
+
+    def _check_combination(self, noise_scale: Mapping[str, Any] | None) -> None:
+        self._check_grab()
+        accumulation_steps = self.args.gradient_accumulation_steps
+        if self._adaptive() and accumulation_steps != 1:
             raise ValueError(
                 "GrabkitTrainer: an adaptive accumulation wrapper decides when to step, so "
                 "TrainingArguments.gradient_accumulation_steps should be 1, but got "
-                f"{self.args.gradient_accumulation_steps}; set it to 1 (the wrapper's "
-                "max_batch_draws bounds the window)."
+                f"{accumulation_steps}; set it to 1 (the wrapper's max_batch_draws bounds the "
+                "window)."
             )
-        if noise_scale is not None and adaptive:
+        if noise_scale is not None and self._adaptive():
             raise NotImplementedError(
                 "GrabkitTrainer: noise_scale= measures Trainer's fixed accumulation windows; with "
                 "accumulation= the windows are the wrapper's. Use the wrapper's statistics() (or "
                 "NoiseScaleController) instead."
             )
-        if noise_scale is not None and self.args.gradient_accumulation_steps < 2:
+        if noise_scale is not None and accumulation_steps < 2 and self.args.world_size == 1:
             raise ValueError(
-                "GrabkitTrainer: noise_scale= compares microbatch gradients with their mean, so it "
-                "needs TrainingArguments.gradient_accumulation_steps >= 2, but got "
-                f"{self.args.gradient_accumulation_steps}."
+                "GrabkitTrainer: noise_scale= on one process compares microbatch gradients with "
+                "their mean, so it needs TrainingArguments.gradient_accumulation_steps >= 2, but "
+                f"got {accumulation_steps}."
             )
 
-    def _scale_losses_by_share(self) -> None:
-        """Make ``.grad`` the window's mean gradient, as the noise-scale identity needs.
-
-        Counting examples: each microbatch's mean loss divided by the accumulation steps (Trainer
-        does this when the model takes no loss kwargs; models that accept ``**kwargs`` but
-        ignore ``num_items_in_batch``, such as BERT classifiers, would otherwise sum the
-        microbatch means). Counting tokens: the model must divide its token sum by
-        ``num_items_in_batch``, the window's tokens.
-        """
-        if self.count == "examples":
-            self.model_accepts_loss_kwargs = False
-        elif not self.model_accepts_loss_kwargs:
+    def _check_grab(self) -> None:
+        if self.grab_options is None:
+            return
+        world = self.args.world_size
+        if world > 1 and self.grab_options.get("statistics", "exact") != "sketch":
             raise ValueError(
-                'GrabkitTrainer: noise_scale= with count="tokens" needs a model whose loss takes '
-                "num_items_in_batch (the window's label tokens), but this model takes no loss "
-                'kwargs; use count="examples", or a model/compute_loss_func that accepts it.'
+                f"GrabkitTrainer: grab= with {world} processes decides from every rank's "
+                "per-example gradients, which the ranks exchange as sketches; exact hook "
+                'statistics stay on their rank. Pass grab={..., "statistics": "sketch"} '
+                "(sketch_dim=1024 by default; see GraBSampler)."
+            )
+        if _uses_group_by_length(self.args):
+            raise ValueError(
+                "GrabkitTrainer: grab= orders the examples by their gradients, and "
+                'train_sampling_strategy="group_by_length" would reorder them by length, '
+                "silently dropping GraB's order. Use the default random sampling strategy with "
+                "grab= (GraB's batches then keep their padding)."
+            )
+        if self.grouping_options is not None:
+            raise NotImplementedError(
+                "GrabkitTrainer: grab= reads per-example statistics from one call of each layer "
+                "per backward, and grouping= calls the model once per length group; use one of "
+                "them."
             )
 
     def _hand_clipping_to_wrapper(self) -> None:
@@ -205,17 +306,26 @@ class GrabkitTrainer(Trainer):
             options = {"seed": self.args.seed, **self.grab_options}
             self.grab_sampler = GraBSampler(dataset, model=self.model, **options)
         if self._resume_folder is not None:
-            path = os.path.join(self._resume_folder, SAMPLER_FILE)
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"GrabkitTrainer: resuming from {self._resume_folder}, which has no "
-                    f"{SAMPLER_FILE}; it was not saved by a GrabkitTrainer with grab=, so the GraB "
-                    "order cannot be restored."
-                )
-            state = torch.load(path, weights_only=True)
-            self.grab_sampler.load_state_dict(replay_state(state, len(self.grab_sampler)))
+            self._restore_sampler(self._resume_folder)
             self._resume_folder = None
         return self.grab_sampler
+
+    def _restore_sampler(self, folder: str) -> None:
+        path = os.path.join(folder, SAMPLER_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"GrabkitTrainer: resuming from {folder}, which has no {SAMPLER_FILE}; it was not "
+                "saved by a GrabkitTrainer with grab=, so the GraB order cannot be restored."
+            )
+        sampler = self.grab_sampler
+        state = replay_state(torch.load(path, weights_only=True), sampler.num_samples)
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.grab_sampler is not None:
+            shard_by_sampler(loader)  # the sampler splits the epoch across ranks, not accelerate
+        return loader
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """``Trainer.train``; also restores grabkit's state from the checkpoint."""
@@ -234,7 +344,21 @@ class GrabkitTrainer(Trainer):
             noise_path = os.path.join(folder, NOISE_FILE)
             if self.noise_scale is not None and os.path.isfile(noise_path):
                 self.noise_scale.load_state_dict(torch.load(noise_path, weights_only=True))
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if self.grouping_options is not None:
+            if any(
+                isinstance(c, ExampleGradientNormsCallback) for c in self.callback_handler.callbacks
+            ):
+                raise NotImplementedError(
+                    "GrabkitTrainer: grouping= calls the model once per length group, and "
+                    "ExampleGradientNormsCallback reads per-example statistics from one call of "
+                    "each layer per backward; use one of them."
+                )
+            self.grouped_forward = GroupedForward(self.model, **self.grouping_options).attach()
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            if self.grouped_forward is not None:
+                self.grouped_forward.detach()
 
     # -- adaptive accumulation -------------------------------------------------------------------
     def create_optimizer(self, model=None):
@@ -262,13 +386,6 @@ class GrabkitTrainer(Trainer):
                 )
             wrapper.clip_grad_norm = clip
 
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        wrapper = self._adaptive_wrapper()
-        if wrapper is not None and not isinstance(scheduler, RealUpdateSchedule):
-            self.lr_scheduler = RealUpdateSchedule(scheduler, wrapper)
-        return self.lr_scheduler
-
     def _adaptive_wrapper(self) -> AdaptiveAccumulationWrapper | None:
         optimizer = self.optimizer
         while optimizer is not None and not isinstance(optimizer, AdaptiveAccumulationWrapper):
@@ -276,26 +393,64 @@ class GrabkitTrainer(Trainer):
         return optimizer
 
     # -- every microbatch ------------------------------------------------------------------------
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        wrapper = self._adaptive_wrapper()
+    def _weighting(self, num_items_in_batch: Any) -> str:
+        """How Trainer weights this microbatch in its window, as its ``training_step`` decides:
+        ``"items"`` (its loss over the window's ``num_items_in_batch``) or ``"steps"`` (its mean
+        loss over the window's microbatches)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        return "items" if scaled else "steps"
+
+    def _microbatch_count(self, inputs: Mapping[str, Any], weighting: str) -> float:
         shifted = bool(getattr(self, "_loss_shifts_labels", False))  # as num_items_in_batch
-        count = microbatch_count(inputs, self.count, shifted)
+        unit = self.count
+        if unit == "auto":
+            unit = "tokens" if weighting == "items" and "labels" in inputs else "examples"
+        count = microbatch_count(inputs, unit, shifted)
+        if self.noise_scale is not None and weighting == "items" and unit == "examples":
+            tokens = microbatch_count(inputs, "tokens", shifted)
+            if tokens != count:
+                raise ValueError(
+                    "GrabkitTrainer: Trainer averages this model's loss over the window's "
+                    f"label tokens (num_items_in_batch), so a microbatch's share of the gradient "
+                    f"is its {tokens:g} tokens, not its {count:g} examples, and noise_scale= "
+                    'with count="examples" would misweight it. Use count="auto" or "tokens" (the '
+                    "estimate is then per token)."
+                )
+        return count
+
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        if self.grouping_options is not None:
+            check_padded_labels(inputs.get("labels"), inputs.get("attention_mask"))
+        return super().compute_loss(model, inputs, *args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        weighting = self._weighting(num_items_in_batch)
+        count = self._microbatch_count(inputs, weighting)
+        wrapper = self._adaptive_wrapper()
         if wrapper is not None:
             wrapper.default_count = count  # the weight of the step() Trainer calls next
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.grab_sampler is not None:
             self.grab_sampler.step()  # this microbatch's examples, with their own gradients
         if self.noise_scale is not None:
-            self.noise_scale.end_microbatch(count)
-            if self.accelerator.sync_gradients:  # the window's last microbatch: before clipping
-                self.noise_scale_result = self.noise_scale.end_step()
+            items = None if num_items_in_batch is None else float(num_items_in_batch)
+            last = self.accelerator.sync_gradients  # the window's last microbatch: before clipping
+            self.noise_scale.microbatch(model, count, weighting, items, last)
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         wrapper = self._adaptive_wrapper()
         if wrapper is not None:
             logs["grabkit/optimizer_updates"] = wrapper.num_steps
-        if self.noise_scale_result is not None and "loss" in logs:
-            values = self.noise_scale_result.as_dict()
-            logs.update({f"noise_scale/{k}": v for k, v in values.items()})
+        if "loss" in logs:
+            result = self.noise_scale_result
+            if result is not None:
+                logs.update({f"noise_scale/{k}": v for k, v in result.as_dict().items()})
+            for callback in self.callback_handler.callbacks:
+                if isinstance(callback, ExampleGradientNormsCallback):
+                    logs.update(callback.summary())
         super().log(logs, start_time)

@@ -17,29 +17,44 @@
 * ``AdaptiveAccumulationCallback``: for a LightningModule whose ``configure_optimizers`` returns
   an ``AdaptiveAccumulationWrapper`` (a GQC wrapper). It passes each batch's ``count`` to the
   wrapper, moves ``gradient_clip_val`` from Lightning (which would clip every microbatch) to the
-  wrapper (which clips the averaged gradient), and lets step-interval LR schedulers advance only
-  on real updates. Keep ``accumulate_grad_batches=1``: the wrapper decides the window.
+  wrapper (which clips the averaged gradient), lets step-interval LR schedulers advance only
+  on real updates, and applies the window still open at train end. Keep
+  ``accumulate_grad_batches=1``: the wrapper decides the window.
 * ``NoiseScaleCallback``: ``AccumulationNoiseScale`` with Lightning's ``accumulate_grad_batches``
   windows, closed in ``on_before_optimizer_step`` (before Lightning clips) and logged with
   ``pl_module.log`` as ``noise_scale/*``. One process only (raises under DDP).
+* ``GroupingCallback``: the transformers models of the LightningModule run each right-padded
+  batch by length groups (``GroupedForward``), with the padded run's loss and gradients.
+* ``ExampleGradientNormsCallback``: quantiles (and a TensorBoard histogram) of the per-example
+  gradient norms of every optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from torch import nn
 from torch.utils.data import DistributedSampler
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import rewound_state
+from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
+from grabkit.integrations.grouped_forward import GroupedForward
+from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBBatchSampler, GraBSampler
 
-__all__ = ["AdaptiveAccumulationCallback", "GraBCallback", "NoiseScaleCallback", "batch_count"]
+__all__ = [
+    "AdaptiveAccumulationCallback",
+    "ExampleGradientNormsCallback",
+    "GraBCallback",
+    "GroupingCallback",
+    "NoiseScaleCallback",
+    "batch_count",
+]
 
 
 def batch_count(batch: Any) -> float:
@@ -153,9 +168,10 @@ class GraBCallback(Callback):
     from it (Lightning's ``DistributedSamplerWrapper`` included).
 
     Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
-    stepped), at an optimizer step; a state saved after an epoch's last step resumes with the
-    next epoch, as Lightning does (a ``DataLoader(drop_last=True)`` whose last batch is partial
-    is not covered: its resume would draw the dropped rest). Lightning writes the callback state
+    stepped), at an optimizer step; a state saved after an epoch's last step is marked as ended
+    and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``; a
+    ``DataLoader(drop_last=True)`` whose last batch is partial is not covered: its resume would
+    draw the dropped rest). Lightning writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
     local examples, and the sketches are gathered, so the ordering state, order and position
@@ -207,7 +223,7 @@ class GraBCallback(Callback):
         if self.sampler is None:
             return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
-        return {"sampler": rewound_state(self.sampler.state_dict())}
+        return {"sampler": rewound_state(self.sampler.state_dict(), self.sampler.num_samples)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -217,15 +233,9 @@ class GraBCallback(Callback):
             self._load(state_dict)
 
     def _load(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict["sampler"])
-        config = state.get("config")
-        if isinstance(config, Mapping) and config.get("num_replicas") == self.sampler.num_replicas:
-            state["config"] = {**config, "rank": self.sampler.rank}  # rank 0's is every rank's
-        self.sampler.load_state_dict(state)
-        if int(state["live"]["stepped"]) >= self.sampler.num_samples:
-            # saved after the epoch's last step: Lightning resumes with the next epoch and draws
-            # from the loader once, so pass the (empty) rest of this one now
-            iter(self.sampler)
+        sampler = self.sampler
+        state = rewound_state(state_dict["sampler"], sampler.num_samples)  # "ended" at epoch end
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
         self._pending = None
 
 
@@ -248,6 +258,11 @@ def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> Non
 
 class AdaptiveAccumulationCallback(Callback):
     """Wire an ``AdaptiveAccumulationWrapper`` optimizer into Lightning's automatic optimization.
+
+    Each batch's ``count`` reaches the wrapper, Lightning's clipping moves to the wrapper,
+    step-interval LR schedulers advance on real updates only (``RealUpdateSchedule``: warm-up and
+    decay are counted in updates), and the window still open when training ends is applied
+    (``flush``).
 
     Args:
         count_fn: batch -> its weight (examples, or tokens); default :func:`batch_count`.
@@ -283,6 +298,9 @@ class AdaptiveAccumulationCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("grabkit/optimizer_updates", float(self.wrapper.num_steps))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.wrapper.flush()  # the window still open when training ends: applied, not dropped
 
 
 class NoiseScaleCallback(Callback):
@@ -350,3 +368,118 @@ class NoiseScaleCallback(Callback):
                 self._pending_state = state_dict["estimator"]
             else:
                 self.estimator.load_state_dict(state_dict["estimator"])
+
+
+def _transformers_models(pl_module: nn.Module) -> list[nn.Module]:
+    """The outermost transformers models (modules with a ``base_model``) inside ``pl_module``."""
+    found: list[nn.Module] = []
+    for module in pl_module.modules():
+        inside = any(module is m or any(module is d for d in m.modules()) for m in found)
+        if not inside and isinstance(getattr(module, "base_model", None), nn.Module):
+            found.append(module)
+    return found
+
+
+class GroupingCallback(Callback):
+    """Run the transformers models of the LightningModule by length groups while fitting.
+
+    Each right-padded batch runs through the model's body one length group at a time, each group
+    padded only to its own longest row, with the padded run's outputs at real positions (hence its
+    loss and gradients, up to float rounding): ``grabkit.integrations.grouped_forward``. The
+    batches, the loader and the ``training_step`` stay as they are.
+
+    Args:
+        model: the transformers model to group; None: every outermost module of the
+            LightningModule that has a ``base_model`` (a transformers ``PreTrainedModel``).
+        **planning: ``grabkit.group.plan_groups`` keywords.
+
+    Not with ``GraBCallback`` or ``ExampleGradientNormsCallback`` on the same model: their hook
+    statistics read one call of each layer per backward.
+    """
+
+    def __init__(self, model: nn.Module | None = None, **planning: Any) -> None:
+        self.model, self.planning = model, planning
+        self.grouped: list[GroupedForward] = []
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        readers = (GraBCallback, ExampleGradientNormsCallback)
+        hooked = [c for c in trainer.callbacks if isinstance(c, readers)]
+        if hooked:
+            raise NotImplementedError(
+                f"GroupingCallback calls the model once per length group, and "
+                f"{type(hooked[0]).__name__} reads per-example statistics from one call of each "
+                "layer per backward; use one of them."
+            )
+        models = [self.model] if self.model is not None else _transformers_models(pl_module)
+        if not models:
+            raise ValueError(
+                "GroupingCallback found no transformers model (a module with base_model) in the "
+                "LightningModule; pass it: GroupingCallback(model=self.net)."
+            )
+        self.grouped = [GroupedForward(m, **self.planning) for m in models]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for grouped in self.grouped:
+            grouped.attach()
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        for grouped in self.grouped:
+            grouped.detach()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.on_fit_end(trainer, pl_module)
+
+
+class ExampleGradientNormsCallback(Callback):
+    """Log quantiles (and a histogram) of the per-example gradient norms |g_i| of every step.
+
+    At each optimizer step, the norms of the step's examples (every microbatch's backward) are
+    logged with ``pl_module.log_dict`` as ``grad_norm_per_example/{min,q10,median,q90,max,mean,
+    count}`` and, when the logger's experiment has ``add_histogram`` (TensorBoard), as a
+    histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss
+    (Lightning's division by ``accumulate_grad_batches`` undone; see
+    ``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
+    statistics on the model are shared (one set of hooks; a sketching sampler's give estimated
+    norms).
+
+    Args:
+        module: the network to measure (default: the LightningModule).
+        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        quantiles: Sequence[float] = DEFAULT_QUANTILES,
+        loss_reduction: str = "mean",
+    ) -> None:
+        self.module, self.loss_reduction = module, loss_reduction
+        self.quantiles = ExampleGradientNorms.check_quantiles(quantiles)
+        self.norms: ExampleGradientNorms | None = None
+        self.last: dict[str, float] = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        stats = None
+        for callback in trainer.callbacks:
+            sampler = getattr(callback, "sampler", None)
+            if isinstance(callback, GraBCallback) and sampler is not None:
+                stats = sampler.stats
+        module = self.module if self.module is not None else pl_module
+        self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
+        self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norms = self.norms.take()
+        self.last = self.norms.summarize(norms)
+        if self.last:
+            pl_module.log_dict(self.last)
+        experiment = getattr(trainer.logger, "experiment", None)
+        if norms.numel() and hasattr(experiment, "add_histogram"):
+            experiment.add_histogram("grad_norm_per_example", norms, trainer.global_step)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.norms is not None:
+            self.norms.close()
+            self.norms = None

@@ -1,4 +1,4 @@
-"""Sampler states for frameworks that prefetch batches ahead of training.
+"""Sampler states for frameworks that checkpoint at optimizer steps and prefetch batches.
 
 Trainers and loaders fetch batches before they train on them (accelerate's ``DataLoaderShard``
 looks one batch ahead, ``DataLoader`` workers prefetch several). A ``GraBSampler`` snapshot taken
@@ -6,6 +6,15 @@ at a checkpoint therefore counts examples as *yielded* that were never trained; 
 continues from the yielded position loses them (the symptom: fewer examples trained than the
 epoch has). The states below are taken at an optimizer-step boundary, where everything stepped
 was trained and nothing in flight was.
+
+The epoch-end rule, one for every integration. A framework checkpoint is a position between
+optimizer steps: when every example of its epoch was stepped, that epoch is over, and the
+framework resumes with the next one (Hugging Face ``Trainer`` counts epochs from the global step,
+accelerate's recipe loops from the saved epoch + 1, Lightning starts the next epoch). The states
+below then carry ``"ended": True``, and after ``load_state_dict`` the sampler's next ``iter()``
+starts the next epoch instead of yielding the epoch's empty rest (which is what a bare
+``GraBSampler.state_dict()`` snapshot does, as a position inside the epoch, the way
+``StatefulDataLoader`` restores it).
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["replay_state", "rewound_state"]
+__all__ = ["adopt_rank", "replay_state", "rewound_state"]
 
 
 def _check(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,14 +45,20 @@ def _stepped(state: Mapping[str, Any]) -> int:
     return int(state["live"]["stepped"])
 
 
-def rewound_state(state: Mapping[str, Any]) -> dict[str, Any]:
+def rewound_state(state: Mapping[str, Any], num_samples: int) -> dict[str, Any]:
     """The state with the in-flight examples handed back: the next ``iter()`` yields them again.
 
     Use when the resumed loader starts at the first example not yet trained (Lightning's and
-    accelerate's own loaders after ``load_state``): yielded := stepped.
+    accelerate's own loaders after ``load_state``): yielded := stepped. A state whose epoch was
+    fully stepped is marked ``"ended"``: the next ``iter()`` starts the next epoch.
+
+    Args:
+        state: ``GraBSampler.state_dict()`` taken right after an optimizer step.
+        num_samples: ``len(sampler)``, the examples of one epoch on this rank.
     """
     state = _check(state)
     state["yielded"] = min(int(state["yielded"]), _stepped(state))
+    state["ended"] = _stepped(state) >= num_samples
     return state
 
 
@@ -53,14 +68,31 @@ def replay_state(state: Mapping[str, Any], num_samples: int) -> dict[str, Any]:
     Hugging Face ``Trainer`` (and ``accelerate.skip_first_batches``) resume an epoch by iterating
     the loader from its start and dropping the batches already trained; the sampler must then
     yield the whole epoch again in the same order while its decisions keep counting from the
-    stepped position. A state whose epoch was fully stepped is returned unchanged (the next
-    ``iter()`` starts the next epoch).
+    stepped position. A state whose epoch was fully stepped is marked ``"ended"``: the framework
+    resumes with the next epoch, and so does the sampler's next ``iter()``.
 
     Args:
         state: ``GraBSampler.state_dict()`` taken right after an optimizer step.
         num_samples: ``len(sampler)``, the examples of one epoch on this rank.
     """
     state = _check(state)
-    if _stepped(state) < num_samples and bool(state["started"]):
+    ended = _stepped(state) >= num_samples
+    if not ended and bool(state["started"]):
         state["yielded"] = 0
+    state["ended"] = ended
+    return state
+
+
+def adopt_rank(state: Mapping[str, Any], num_replicas: int, rank: int) -> dict[str, Any]:
+    """Rank 0's state made this rank's: frameworks save one copy and every rank loads it.
+
+    Under several processes each ``step()`` is a collective (the ranks gather their sketches and
+    check that they stepped alike), so the position, order and ordering state of every rank are
+    the same; only the ``rank`` in the recorded configuration differs. A state of another
+    ``num_replicas`` is returned unchanged (``load_state_dict`` refuses it, naming both).
+    """
+    state = dict(state)
+    config = state.get("config")
+    if isinstance(config, Mapping) and config.get("num_replicas") == num_replicas:
+        state["config"] = {**config, "rank": rank}
     return state

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from grabkit.integrations.wiring import check_wiring
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
@@ -135,6 +136,9 @@ class AccumulationNoiseScale:
         clips ``.grad`` (``grad_scaler.unscale_``, ``clip_grad_norm_``): it reads the accumulated
         ``.grad``. Returns None until a step with at least two microbatches was seen.
         """
+        if not getattr(self, "_wiring_checked", False):  # a framework that clipped already
+            self._wiring_checked = True
+            check_wiring(self, "noise")
         if any(self._written):
             raise RuntimeError(
                 "a backward pass ran after the last end_microbatch(); call "
@@ -158,6 +162,14 @@ class AccumulationNoiseScale:
         share = torch.tensor(counts, dtype=torch.float64, device=self._device) / total
         self.estimator.observe_microbatches(squares[:-1] / share[:, None] ** 2, counts)
         return self.estimator.observe_step(squares[-1])
+
+    def discard_step(self) -> None:
+        """Close the step without measuring it (where ``end_step`` would go): the averages stay
+        as they are. For a step whose microbatches are not weighted as ``end_microbatch``'s
+        counts say (e.g. equal shares 1 / K of microbatches of different sizes)."""
+        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
+        self._written, self._repeated = [False] * len(self._params), False
+        self._squares.zero_()
 
     @property
     def estimate(self) -> NoiseScaleResult | None:

@@ -156,6 +156,12 @@ class DDPNoiseScale(TrackedEstimator):
         self._pending = (work, summed, reduced, scale_sq)
         return super().estimate
 
+    def discard_step(self) -> None:
+        """Close the step whose synchronised backward just ran without measuring it (where
+        ``observe_step`` would go), e.g. when its local gradients are not each rank's mean over
+        its examples. Every rank must discard the same step (no collective runs)."""
+        self._local, self._reduced, self._hook_calls = [], [], {}
+
     def _fold_pending(self) -> None:
         if self._pending is None:
             return

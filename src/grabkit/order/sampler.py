@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from grabkit.integrations.wiring import check_sampler_iteration
 from grabkit.order import distributed as collective
 from grabkit.order.balance import NON_FINITE_HELP, SignRule
 from grabkit.order.keywords import sampler_parts
@@ -297,6 +298,7 @@ class GraBSampler(Sampler[int], Stateful):
         return self._padded_order()[self.rank : self.total_size : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
+        check_sampler_iteration(self)  # a framework re-splitting or running it unintegrated
         if not self._agreed and collective.process_group_matches(self.num_replicas):
             collective.check_agreement({**self._config, "rank": None}, self.num_replicas)
             self._agreed = True
@@ -433,7 +435,9 @@ class GraBSampler(Sampler[int], Stateful):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
-        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does)."""
+        empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
+        the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
+        last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
@@ -442,7 +446,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._yielded = int(state["yielded"])
         self._started = bool(state["started"]) or self._stepped > 0
         self.orders_history = [o.tolist() for o in self._history]
-        self._resume = self._started
+        self._resume = self._started and not state.get("ended", False)
         self.source.clear()
         self._token += 1
         self._publish()

@@ -15,6 +15,15 @@ count; an empty pass when all of it had been yielded, as ``RandomSampler`` does)
 out before the snapshot and not stepped by the checkpoint get no decision in that epoch (they keep
 their place between the front and back parts); later gradients are never attributed to them. The
 state records the configuration, and loading it into a sampler built otherwise raises.
+
+The epoch's end. A snapshot is a position inside its epoch, as a ``StatefulDataLoader`` snapshot
+is: one taken at the epoch's last batch resumes with an empty pass and then the next epoch, as
+torchdata's samplers do. A checkpoint taken by a training framework at an optimizer step is a
+position between steps: when every example of the epoch was stepped, the epoch is over and the
+framework's next ``iter()`` starts the next one (Hugging Face ``Trainer``, accelerate's epoch loop
+from the saved epoch + 1, Lightning). Such a state carries ``"ended": True``
+(``grabkit.integrations.resume`` writes it; the sampler's own ``state_dict()`` never does), and
+after ``load_state_dict`` the next ``iter()`` starts the next epoch (numbered by ``set_epoch``).
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ def check_config(
 ) -> None:
     """Raise unless ``state`` has the expected keys, version and the same configuration."""
     expected = {"version", "config", "epoch", "yielded", "started", "live"}
-    unknown, missing = set(state) - expected, expected - set(state)
+    unknown, missing = set(state) - expected - {"ended"}, expected - set(state)
     if unknown or missing:
         raise ValueError(
             f"{where}.load_state_dict: unexpected keys {sorted(unknown)}, missing keys "

@@ -1,0 +1,95 @@
+"""One epoch-end rule for every framework: a checkpoint taken at an epoch's last optimizer step
+resumes with the next epoch, through each framework's documented resume recipe.
+
+A sampler state is a position inside an epoch (``StatefulDataLoader`` restores it that way: a
+snapshot taken at the epoch's last batch resumes with an empty pass, as torchdata's own samplers
+do; ``tests/order/test_guarantees.py``). The integrations take their states at optimizer steps,
+where an epoch whose every example was stepped is over: the framework's next ``iter()`` starts the
+next epoch, as the framework itself does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from tests.integrations.test_huggingface import arguments  # noqa: E402
+from tests.integrations.tiny import B, N, dataset, params, tiny_bert  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from grabkit.integrations.accelerate import SamplerCheckpoint  # noqa: E402
+from grabkit.integrations.huggingface import GrabkitTrainer  # noqa: E402
+from grabkit.order import GraBSampler  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_trainer_resumed_from_an_epoch_end_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    """save_strategy="epoch": 3 updates an epoch, checkpoint-3 is epoch 0's last step."""
+
+    def run(resume=None):
+        args = arguments(tmp_path, save_strategy="epoch", num_train_epochs=3)
+        trainer = GrabkitTrainer(
+            tiny_bert(), args, train_dataset=dataset(), grab={"record_orders": True}
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run()
+    resumed = run(str(tmp_path / "checkpoint-3"))
+    assert resumed.state.global_step == full.state.global_step == 9
+    assert resumed.grab_sampler.orders_history == full.grab_sampler.orders_history
+    for name, value in params(resumed.model).items():
+        assert torch.equal(value, params(full.model)[name]), name
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def accelerate_run(root, *, stop_after=None, resume=None, epochs=3):
+    """accelerate's checkpointing recipe: ``save_state`` to ``step_<n>``; on resume
+    ``load_state``, then the epoch loop from ``n // len(loader)`` (saved epoch + 1 at an epoch
+    end), with no ``skip_first_batches`` (``SamplerCheckpoint`` resumes the rest of an epoch)."""
+    accelerator = Accelerator(cpu=True, project_dir=str(root))
+    model, data = tiny_bert(), dataset()
+    sampler = GraBSampler(data, model=model, seed=0, record_orders=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, sampler=sampler, batch_size=B)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
+    updates, trained, first_epoch = 0, 0, 0
+    if resume is not None:
+        accelerator.load_state(str(root / f"step_{resume}"))
+        updates, first_epoch = resume, resume // len(loader)
+    for epoch in range(first_epoch, epochs):
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            accelerator.backward(model(**batch).loss)
+            sampler.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            trained, updates = trained + len(batch["labels"]), updates + 1
+            if updates == stop_after:
+                accelerator.save_state(str(root / f"step_{updates}"))
+    return model, sampler, trained
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_accelerate_resume_recipe_at_an_epoch_end(tmp_path):
+    """6 batches an epoch: step 6 is epoch 0's last (mid-epoch: test_accelerate.py)."""
+    stop = N // B
+    full_model, full_sampler, _ = accelerate_run(tmp_path, stop_after=stop)
+    model, sampler, trained = accelerate_run(tmp_path, resume=stop)
+    assert trained == 3 * N - stop * B  # nothing lost, nothing repeated
+    assert sampler.orders_history == full_sampler.orders_history
+    for name, value in params(model).items():
+        assert torch.equal(value, params(full_model)[name]), name

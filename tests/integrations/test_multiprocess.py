@@ -1,0 +1,204 @@
+"""GrabkitTrainer and the accelerate recipe on two gloo processes (spawned, loopback, CPU).
+
+One spawn serves every test here (each rank imports transformers once):
+
+* ``GrabkitTrainer(grab={"statistics": "sketch"}, noise_scale={})`` with gradient accumulation, a
+  float64 tiny BERT (so that DDP's averaged update is the one-process update): both ranks hold the
+  order of a one-process sketch-mode sampler stepped on the same global microbatches, every
+  example is trained once per epoch, the noise scale equals ``MicrobatchNoiseScale`` fed each
+  rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, or at an
+  epoch's last step) ends with the uninterrupted run's orders and parameters;
+* the README's accelerate multi-process block, run as written on both ranks; without its
+  ``shard_by_sampler`` line the first batch is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from tests.integrations.tiny import N, batch, dataset, tiny_bert
+from tests.support.distributed import run_distributed
+
+from grabkit.noise import MicrobatchNoiseScale
+from grabkit.order import GraBSampler
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+W, B, K, SKETCH, EPOCHS = 2, 3, 2, 64, 2  # 12 examples a rank and epoch: 2 windows of 2 x 3
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_block() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return next(code for code in blocks if "shard_by_sampler(loader)" in code)
+
+
+class _Recorder:
+    """The data collator: stacks the rows and records which examples this rank trained."""
+
+    def __init__(self) -> None:
+        self.index = {tuple(row["input_ids"].tolist()): i for i, row in enumerate(dataset())}
+        self.seen: list[int] = []
+
+    def __call__(self, rows):
+        from transformers import default_data_collator
+
+        self.seen += [self.index[tuple(row["input_ids"].tolist())] for row in rows]
+        return default_data_collator(rows)
+
+
+def _trainer_run(out: str, resume: str | None = None) -> dict:
+    from transformers import TrainingArguments
+
+    from grabkit.integrations.huggingface import GrabkitTrainer
+
+    args = TrainingArguments(
+        out, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=EPOCHS,
+        learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
+        report_to=[], use_cpu=True, save_strategy="steps", save_steps=1, logging_steps=1,
+        disable_tqdm=True, seed=0, log_level="error", ddp_backend="gloo",
+    )  # fmt: skip
+    recorder = _Recorder()
+    trainer = GrabkitTrainer(
+        tiny_bert().double(), args, train_dataset=dataset(), data_collator=recorder,
+        grab={"statistics": "sketch", "sketch_dim": SKETCH, "record_orders": True},
+        noise_scale={"update_rate": 0.5},
+    )  # fmt: skip
+    trainer.model_accepts_loss_kwargs = False  # each microbatch's mean over K: the plain mean
+    trainer.train(resume_from_checkpoint=resume)
+    result = trainer.noise_scale_result
+    return {
+        "orders": trainer.grab_sampler.orders_history,
+        "seen": recorder.seen,
+        "params": {k: v.detach().tolist() for k, v in trainer.model.named_parameters()},
+        "noise": [result.grad_norm_sq, result.trace_sigma, result.observations],
+        "replicas": [trainer.grab_sampler.num_replicas, trainer.grab_sampler.rank],
+    }
+
+
+def _readme_run(folder: str, keep_split: bool) -> dict:
+    code = _readme_block()
+    if not keep_split:
+        code = code.replace("loader = shard_by_sampler(loader)", "")
+    os.makedirs(folder, exist_ok=True)
+    os.chdir(folder)
+    namespace: dict = {"__name__": "__readme__"}
+    try:
+        exec(compile(code, str(README), "exec"), namespace)
+    except ValueError as error:
+        return {"error": str(error)}
+    sampler = namespace["sampler"]
+    return {
+        "order": sampler.order.tolist(), "epoch": sampler.epoch, "replicas": sampler.num_replicas,
+        "stepped": sampler.state_dict()["live"]["stepped"], "len": len(namespace["loader"]),
+    }  # fmt: skip
+
+
+def _body(rank: int, world_size: int, root: str) -> dict:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+    full = _trainer_run(os.path.join(root, "full"))
+    steps_per_epoch = N // (W * B * K)
+    resumed = {}  # from rank 0's checkpoint: epoch 0's last step, and mid-epoch 1
+    for step in (steps_per_epoch, steps_per_epoch + 1):
+        checkpoint = os.path.join(root, "full", f"checkpoint-{step}")
+        resumed[step] = _trainer_run(os.path.join(root, f"resumed{step}"), checkpoint)
+    readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
+    refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
+    return {"full": full, "resumed": resumed, "readme": readme, "refused": refused}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    return run_distributed(_body, W, payload=str(tmp_path_factory.mktemp("mp")), timeout=900)
+
+
+@functools.cache
+def _reference() -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
+    """One process: the sketch-mode sampler stepped on the global microbatches (W * B rows, in
+    the order the ranks visit them together), SGD on their mean; and the DDP noise scale by hand
+    from each rank's local window gradient (mean over its K * B rows) against their average."""
+    model, data = tiny_bert().double(), dataset()
+    probe = tiny_bert().double()  # the noise reference's own backwards, away from the hooks
+    sampler = GraBSampler(
+        data, model=model, statistics="sketch", sketch_dim=SKETCH, seed=0, record_orders=True,
+        num_replicas=1, rank=0,
+    )  # fmt: skip
+    names = [name for name, _ in model.named_parameters()]
+    noise = MicrobatchNoiseScale(update_rate=0.5, block_names=tuple(names))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        for start in range(0, N, W * B * K):
+            probe.load_state_dict(model.state_dict())
+            local = []
+            for r in range(W):
+                rows = order[start + r : start + W * B * K : W]
+                grads = torch.autograd.grad(
+                    probe(**batch(data, rows)).loss, list(probe.parameters())
+                )
+                local.append(grads)
+            squares = torch.tensor([[g.pow(2).sum() for g in grads] for grads in local])
+            average = [(a + b) / 2 for a, b in zip(*local, strict=True)]
+            noise.observe_microbatches(squares, [B * K] * W)
+            noise.observe_step(torch.stack([g.pow(2).sum() for g in average]))
+            for m in range(K):
+                rows = order[start + m * W * B : start + (m + 1) * W * B]
+                (model(**batch(data, rows)).loss / K).backward()
+                sampler.step()
+            opt.step()
+            opt.zero_grad()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return sampler.orders_history, params, noise.estimate
+
+
+def test_trainer_ranks_share_the_one_process_order_and_train_each_example_once(ranks):
+    orders, params, _ = _reference()
+    assert len({tuple(order) for order in orders}) == EPOCHS  # the gradients moved the order
+    for rank, got in enumerate(ranks):
+        assert got["full"]["replicas"] == [W, rank]
+        assert got["full"]["orders"] == orders
+        for name, value in got["full"]["params"].items():
+            torch.testing.assert_close(torch.tensor(value, dtype=torch.float64), params[name])
+    seen = sorted(i for got in ranks for i in got["full"]["seen"])
+    assert seen == sorted(list(range(N)) * EPOCHS)  # each example once per epoch, all ranks
+
+
+def test_trainer_noise_scale_is_the_ddp_estimate_of_the_local_windows(ranks):
+    *_, expected = _reference()
+    for got in ranks:
+        grad_norm_sq, trace_sigma, observations = got["full"]["noise"]
+        assert observations == expected.observations == EPOCHS * N // (W * B * K)
+        assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-6)
+        assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
+
+
+@pytest.mark.parametrize("step", [2, 3])  # epoch 0's last optimizer step; mid-epoch 1
+def test_trainer_resumed_on_every_rank_from_rank_0s_checkpoint_is_exact(ranks, step):
+    for got in ranks:
+        full, resumed = got["full"], got["resumed"][step]
+        assert resumed["orders"] == full["orders"]
+        assert resumed["params"] == full["params"]
+        assert resumed["noise"] == full["noise"]
+
+
+def test_readme_accelerate_recipe_on_two_processes(ranks):
+    readme = [got["readme"] for got in ranks]
+    assert readme[0]["order"] == readme[1]["order"]  # one order for all ranks
+    assert sorted(readme[0]["order"]) == list(range(256))
+    for got in readme:
+        assert got["replicas"] == W and got["epoch"] == 1
+        assert got["stepped"] == 256 // W  # every example of this rank's share trained
+        assert got["len"] == 256 // W // 16  # accelerate kept the sampler's split
+    for got in ranks:
+        assert "shard_by_sampler(loader)" in got["refused"]["error"]
