@@ -4,8 +4,15 @@ After each microbatch the wrapper folds ``count * p.grad`` into a per-parameter 
 sets ``p.grad`` back to ``None``. So ``.grad`` only ever holds the one microbatch not yet folded:
 a user's ``zero_grad()``, a GradScaler's in-place unscaling or DDP's bucket views cannot touch
 the accumulation, and the next backward writes a fresh gradient instead of adding into an old one.
-When the wrapper steps, the exact weighted mean ``sum_i c_i g_i / sum_i c_i`` is written back into
-``.grad`` for the inner optimizer.
+A ``.grad`` tensor is only ever read: the sums live in buffers the accumulator owns (kept from
+window to window, so no page faults), and a reference to a microbatch's gradient that the user
+kept still holds that gradient. When the wrapper steps, the exact weighted mean
+``sum_i c_i g_i / sum_i c_i`` is written back into ``.grad`` (the buffer itself) for the inner
+optimizer.
+
+Sharded (``fully_shard``) gradients are ``DTensor``\\ s: the sums hold each rank's local shard,
+the squared norm is the local shard's (the wrapper sums it over ranks), and the mean goes back
+into ``.grad`` as a ``DTensor`` laid out like the parameter.
 
 Sums are float32 for float16/bfloat16 gradients (so that many small additions do not round
 away) and the gradient's own dtype otherwise.
@@ -14,6 +21,8 @@ away) and the gradient's own dtype otherwise.
 from __future__ import annotations
 
 import torch
+
+from grabkit.sharding import dtensor_like, local
 
 __all__ = ["GradientAccumulator", "squared_norm"]
 
@@ -44,14 +53,8 @@ class GradientAccumulator:
         self._buffers: dict[torch.Tensor, torch.Tensor] = {}
 
     def _start_sum(self, p: torch.Tensor, g: torch.Tensor, weight: float | torch.Tensor) -> None:
+        g = local(g)
         dtype = _sum_dtype(g)
-        if g.dtype == dtype and g._base is None and not g.requires_grad:
-            # the gradient owns its storage (not a view into, e.g., a DDP bucket) and ``.grad``
-            # is about to be cleared: take it over instead of copying it
-            if not (isinstance(weight, float) and weight == 1.0):
-                g.mul_(weight)
-            self._sums[p] = g
-            return
         buffer = self._buffers.get(p)
         if buffer is None or (buffer.shape, buffer.dtype, buffer.device) != (
             g.shape,
@@ -95,7 +98,7 @@ class GradientAccumulator:
         if known:
             sums = [self._sums[p] for p, _ in known]
             grads = [
-                g if g.dtype == s.dtype else g.to(s.dtype)
+                local(g) if g.dtype == s.dtype else local(g).to(s.dtype)
                 for (_, g), s in zip(known, sums, strict=True)
             ]
             if isinstance(weight, torch.Tensor):
@@ -106,29 +109,35 @@ class GradientAccumulator:
             p.grad = None
 
     def sum_squared_norm(self) -> torch.Tensor:
-        """``|S|^2`` over the local parameters (float64, 0-dim, on the sums' device)."""
+        """``|S|^2`` over the sums this rank holds (float64, 0-dim, on the sums' device)."""
         return squared_norm(list(self._sums.values()))
 
-    def write_mean(self, total_count: float | torch.Tensor) -> list[torch.Tensor]:
+    def write_mean(
+        self, total_count: float | torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Set ``p.grad = S_p / total_count`` (in the parameter's dtype); empty the sums.
 
-        ``.grad`` may share storage with the sum: the caller must clear ``.grad`` (the wrapper
-        does, right after the inner step) before the next window starts.
+        Returns ``(param, mean)`` pairs, ``mean`` the rank's local part of the new ``.grad``
+        (for a ``DTensor``, its shard: in-place changes reach ``.grad``). ``.grad`` may share
+        storage with the sum: the caller must clear ``.grad`` (the wrapper does, right after the
+        inner step) before the next window starts.
         """
-        grads = []
+        means = []
         for p, s in self._sums.items():
             s.div_(total_count)
-            p.grad = s if s.dtype == p.dtype else s.to(p.dtype)
-            grads.append(p.grad)
+            mean = s if s.dtype == p.dtype else s.to(p.dtype)
+            p.grad = dtensor_like(mean, p)
+            means.append((p, mean))
         self._sums = {}
-        return grads
+        return means
 
     def discard(self) -> None:
         """Forget this window's sums (their storage stays for reuse)."""
         self._sums = {}
 
     def state_dict(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """The running sums in ``params`` order (``None`` where a parameter has none yet)."""
+        """The running sums in ``params`` order (``None`` where a parameter has none yet); for
+        sharded parameters this rank's shards, plain tensors."""
         return [None if p not in self._sums else self._sums[p].clone() for p in params]
 
     def load_state_dict(self, sums: list[torch.Tensor | None], params: list[torch.Tensor]) -> None:
@@ -141,10 +150,11 @@ class GradientAccumulator:
         for index, (p, s) in enumerate(zip(params, sums, strict=True)):
             if s is None:
                 continue
-            if s.shape != p.shape:
+            if s.shape != local(p).shape:
                 raise ValueError(
                     f"the checkpoint's accumulated gradient for parameter {index} has shape "
-                    f"{tuple(s.shape)} but the parameter has shape {tuple(p.shape)}"
+                    f"{tuple(s.shape)} but the parameter has (on this rank) shape "
+                    f"{tuple(local(p).shape)}"
                 )
             loaded[p] = s.to(device=p.device, copy=True)
         self._sums = loaded

@@ -11,18 +11,18 @@ Gradient norms need to know how the gradient is laid out across ranks:
   squared norms is used so that every rank reads the same number.
 * ``"sharded"`` (FSDP-style): every rank holds a disjoint shard; the squared norm of the whole
   gradient is the SUM of the shards' squared norms (the norm is sqrt(sum of squares)).
+
+The wrapper reads the layout from the parameters unless told (:mod:`grabkit.sharding`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradientLayout", "StatisticsReducer"]
+from grabkit.sharding import GradientLayout
 
-GradientLayout = Literal["replicated", "sharded"]
+__all__ = ["GradientLayout", "StatisticsReducer"]
 
 
 class StatisticsReducer:

@@ -20,28 +20,51 @@ False with reason ``"overflow_skipped"``.
 
 Decisions cost one device-to-host transfer per microbatch (the decision flag; under a GradScaler
 also the overflow flag, as GradScaler itself does). Under torch.distributed every statistic is
-all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks decide alike.
+all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with
+``fully_shard`` (FSDP2) parameters the gradients are shards and norms are summed over ranks.
+
+Window observers (``register_window_observer``; :class:`~grabkit.noise.AccumulationNoiseScale`
+with ``optimizer=`` is one) hear of every microbatch folded or dropped, every window discarded and
+every window's mean gradient before the wrapper clips or transforms it.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from grabkit.accumulate.accumulator import GradientAccumulator, squared_norm
 from grabkit.accumulate.controllers import Controller, Observation
 from grabkit.accumulate.counters import AccumulationCounters
 from grabkit.accumulate.distributed import GradientLayout, StatisticsReducer
 from grabkit.integrations.wiring import check_wiring
+from grabkit.sharding import gradient_layout_of, local
 from grabkit.validation import check_count, check_positive, check_positive_int
 
-__all__ = ["AdaptiveAccumulationWrapper"]
+__all__ = ["AdaptiveAccumulationWrapper", "WindowObserver"]
 
 _STATE_VERSION = 2
 _COUNTER_NAMES = frozenset(AccumulationCounters.names())
+
+
+class WindowObserver(Protocol):
+    """What the wrapper tells an observer (see ``register_window_observer``)."""
+
+    def microbatch_closed(self, folded: bool, count: Any, window_count: Any) -> None:
+        """After each ``step()``: the microbatch was folded (its local ``count``, and
+        ``window_count`` agreed over the ranks) or dropped (``folded`` False)."""
+
+    def window_discarded(self) -> None:
+        """A non-finite window was thrown away."""
+
+    def window_applied(self, means: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``(param, mean gradient)`` of the window about to be applied, before clipping and
+        the controller's transform (for sharded parameters, the rank's shard)."""
 
 
 class _Microbatch(NamedTuple):
@@ -88,7 +111,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             (the norm is the global one, also under sharding).
         process_group: the ranks that must agree (default: the world, when initialised).
         gradient_layout: ``"replicated"`` (DDP) or ``"sharded"`` (FSDP-style), see
-            :mod:`grabkit.accumulate.distributed`.
+            :mod:`grabkit.accumulate.distributed`; by default read from the parameters
+            (``fully_shard``'s ``DTensor`` parameters are sharded, plain ones replicated).
+            ``FullyShardedDataParallel`` (FSDP1) parameters are refused.
 
     The counters (``num_batches``, ``num_steps``, ``num_draws``, ``num_skipped``,
     ``last_step_num_draws``, ``last_step_count``, ``last_reason``, ...) are the fields of
@@ -128,8 +153,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         max_batch_draws: int = 64,
         default_count: float = 1.0,
         clip_grad_norm: float | None = None,
-        process_group=None,
-        gradient_layout: GradientLayout = "replicated",
+        process_group: Any = None,
+        gradient_layout: GradientLayout | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -143,6 +168,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if clip_grad_norm is not None:
             clip_grad_norm = check_positive("clip_grad_norm", clip_grad_norm)
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        gradient_layout = _check_layout(params, gradient_layout, controller)
         super().__init__([{"params": params}], dict(optimizer.defaults))
         # from here on param_groups / state / defaults are the inner optimizer's own objects
         self.optimizer = optimizer
@@ -159,6 +185,15 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self.counters = AccumulationCounters()
         self.last_closure_loss: Any = None
         self.last_optimizer_result: Any = None  # what the inner optimizer's step returned
+        self._observers: OrderedDict[int, WindowObserver] = OrderedDict()  # weak-referenceable
+
+    def register_window_observer(self, observer: WindowObserver) -> RemovableHandle:
+        """Tell ``observer`` (a :class:`WindowObserver`) of every microbatch and window from now
+        on; ``handle.remove()`` stops it. Observers only read: they never change what the
+        wrapper applies."""
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = observer
+        return handle
 
     # ----------------------------------------------------------------- forwarding
     def __getattr__(self, name: str) -> Any:
@@ -249,6 +284,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if isinstance(microbatch, str):
             return self._drop_microbatch(params, microbatch)
         obs = self._fold(pending, microbatch, device)
+        for observer in list(self._observers.values()):
+            observer.microbatch_closed(True, count, microbatch.count)
         reason = self._decide(obs)
         self.counters.last_reason = reason
         if reason == "nonfinite_skipped":
@@ -278,7 +315,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """|g_k|^2 of this rank's microbatch in true units, when the controller reads it."""
         if not self.controller.needs_microbatch_norm:
             return None
-        norm_sq = squared_norm([g for _, g in pending]).to(device)
+        norm_sq = squared_norm([local(g) for _, g in pending]).to(device)
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
         if grad_scale is not None:
             norm_sq = norm_sq * grad_scale.double().reciprocal().to(device).square()
@@ -413,6 +450,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         counters.num_skipped += dropped
         counters.num_draws = 0
         counters.total_count = None
+        for observer in list(self._observers.values()):
+            observer.window_discarded()
         warnings.warn(
             f"a microbatch's gradient or metric is not finite (NaN or inf): the accumulation "
             f"window ({dropped} microbatch(es), this one included) was discarded and nothing was "
@@ -437,13 +476,16 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     def _drop_microbatch(self, params: list[torch.Tensor], reason: str) -> bool:
         for p in params:
             p.grad = None
+        for observer in list(self._observers.values()):
+            observer.microbatch_closed(False, None, None)
         if reason != "no_gradient":
             self.counters.num_skipped += 1
         self.counters.last_reason = reason
         return False
 
     def _transform_mean_gradient(self, grads: list[torch.Tensor], obs: Observation) -> None:
-        """The controller's transform (e.g. rescaling), then the optional clipping, in place."""
+        """The controller's transform (e.g. rescaling), then the optional clipping, in place
+        (on this rank's part of each gradient: the whole of it, or its shard)."""
         self.controller.transform_mean_gradient(grads, obs)
         if self.clip_grad_norm is not None and grads:
             total_norm = obs.mean_norm_sq.sqrt()  # of the mean before the controller's transform
@@ -477,8 +519,10 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         return True
 
     def _apply(self, obs: Observation) -> None:
-        grads = self._accumulator.write_mean(self.counters.total_count)
-        self._transform_mean_gradient(grads, obs)
+        means = self._accumulator.write_mean(self.counters.total_count)
+        for observer in list(self._observers.values()):
+            observer.window_applied(means)
+        self._transform_mean_gradient([mean for _, mean in means], obs)
         self.last_optimizer_result = self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.controller.end_window(obs)
@@ -600,3 +644,25 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 f"the checkpoint's configuration differs from this wrapper's ({detail}); build "
                 "the wrapper with the checkpoint's options to resume"
             )
+
+
+def _check_layout(
+    params: list[torch.Tensor], layout: GradientLayout | None, controller: Controller
+) -> GradientLayout:
+    """The gradient layout to combine norms with: the parameters', or the one given if they
+    allow it; a controller that needs whole parameters refuses shards."""
+    found = gradient_layout_of(params, "AdaptiveAccumulationWrapper")
+    if layout is None:
+        layout = found
+    elif found == "sharded" and layout != "sharded":
+        raise ValueError(
+            f"gradient_layout={layout!r}, but the parameters are sharded DTensors "
+            "(fully_shard): their gradients are shards whose squared norms add up over ranks; "
+            "leave gradient_layout unset (or pass 'sharded')"
+        )
+    if layout == "sharded" and getattr(controller, "mode", None) == "independent":
+        raise ValueError(
+            f"{type(controller).__name__}(mode='independent') rescales each parameter by its "
+            "own norm, which a shard does not know; use mode='global' with sharded gradients"
+        )
+    return layout

@@ -71,9 +71,12 @@ class DataCollection:
         shape_annot: data-side annotation, e.g. ``"(B, L_seq, M_feat)"`` or a nested dict.
         data_list: the items; each a tensor (or nested dict) shaped like the annotation
             without ``B``.
-        data_groups, length_info, data_partition: build an already grouped collection instead
-            (``length_info[label][g][j]`` is the length of the ``j``-th item of group ``g``;
-            ``data_partition[g]`` its item indices, consecutive by default).
+        data_groups: build an already grouped collection instead, from these groups (with
+            ``length_info`` and ``data_partition``).
+        length_info: ``length_info[label][g][j]`` is the length of the ``j``-th item of group
+            ``g`` (with ``data_groups``).
+        data_partition: ``data_partition[g]`` are group ``g``'s item indices, consecutive by
+            default (with ``data_groups``).
         padding: pad value per leaf: ``None`` (zeros), a number, a ``Padder`` such as
             ``CDimPadder(torch.eye(3))``, or a nested dict of those.
     """

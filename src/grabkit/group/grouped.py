@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .coupling import warn_if_batch_coupled
+from .distributed import data_parallel
 from .planning import GroupPlan, as_length_matrix, plan_groups
 from .plumbing import length_mask, merge_groups, narrow_gather, normalise_dims
 
@@ -150,6 +151,9 @@ class GroupedBatch:
         An empty batch has no groups: ``module`` then runs once on the empty padded batch (with
         a ``(0, *L)`` mask), which is exactly the ungrouped result.
         """
+        parallel = data_parallel(module)  # DDP / fully_shard: see group/distributed.py
+        if parallel is not None:
+            return parallel.run(self, pass_mask, *args, **kwargs)
         if len(self) == 0:
             sizes = [self.padded.shape[d] for d in self.length_dims]
             mask = length_mask(self.lengths, sizes, self.padded.device) if pass_mask else None
@@ -246,7 +250,8 @@ def run_grouped(
         plan: a :class:`GroupPlan`; default: :func:`plan_groups` with ``planning`` options.
         return_lengths: also return ``{output_dim: (n,) lengths}`` for output dims that
             depend on the input length, inferred per distinct input length.
-        *args, **kwargs: passed to every call of ``module`` unchanged.
+        *args: passed to every call of ``module`` unchanged.
+        **kwargs: passed to every call of ``module`` unchanged.
 
     Positions beyond an item's (output) length are unspecified, as in the padded run.
     """
@@ -361,6 +366,9 @@ def backward_by_group(
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction should be 'mean' or 'sum', but got {reduction!r}")
+    parallel = data_parallel(module)  # DDP / fully_shard: see group/distributed.py
+    if parallel is not None:
+        return parallel.backward_by_group(batch, loss_fn, pass_mask, reduction)
     if len(batch) == 0:
         if reduction == "mean":
             raise ValueError(

@@ -297,8 +297,9 @@ def plan_groups(
         alpha: price of one group (one module call) in ``cost`` units. ``None``: ``overhead``
             times the padding-free cost of the batch, ``sum_i cost(L_i)``.
         max_group_cost: optional cap on ``rows_g * cost(L_g)`` (e.g. an activation-memory budget).
-        length_buckets / size_buckets: allowed padded lengths / row counts (``torch.compile``
-            sees at most ``len(length_buckets) * len(size_buckets)`` shapes).
+        length_buckets: allowed padded lengths (``torch.compile`` sees at most
+            ``len(length_buckets) * len(size_buckets)`` shapes).
+        size_buckets: allowed row counts.
 
     Exact over partitions contiguous in length order, which hold an optimum whenever sizes are
     not bucketed. Runs on the CPU in ``O(n)`` numpy operations.

@@ -2,20 +2,45 @@
 
 A hook on each parameter sees the increment d_k that the k-th backward adds to ``.grad``, before
 it is added, and takes its squared norm |d_k|^2 (one pass over the gradient per microbatch, no
-copy). At the end of the step ``.grad`` holds sum_k d_k, whose squared norm is read once, before
-any clipping or unscaling touches it; both are at the same loss scale, divided out at the end.
+copy). At the end of the step the step gradient's squared norm is read once, before any clipping
+or unscaling touches it; both are at the same loss scale, divided out at the end.
+
+Where the step gradient comes from:
+
+* a plain loop: ``.grad`` holds sum_k d_k when ``end_step`` runs;
+* under ``DistributedDataParallel`` (``no_sync`` accumulation, accelerate's ``accumulate()``, or
+  synchronising every microbatch) the hooks still see each rank's local increments (DDP averages
+  after accumulation) and ``.grad`` holds the ranks' average once the last backward synchronised;
+  ``fully_shard`` (FSDP2) likewise, with the hooks on the unsharded parameters of each forward
+  (:mod:`grabkit.taps`) and the average in sharded ``.grad`` s;
+* an :class:`~grabkit.accumulate.AdaptiveAccumulationWrapper` folds and clears ``.grad`` after
+  every microbatch, so the estimator follows the wrapper instead (``optimizer=wrapper``): each
+  backward's gradient is a whole microbatch's, and the step gradient is the window's weighted
+  mean, read as the wrapper writes it, before its clipping.
+
+With several ranks every rank's microbatch norms enter the estimate (:mod:`grabkit.noise.windows`
+combines them exactly, one small all-gather per step), and every rank reports the same number.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
+from torch import nn
 
 from grabkit.integrations.wiring import check_wiring
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
+from grabkit.noise.windows import combine, gather_terms, rank_terms
+from grabkit.sharding import gradient_layout_of, local, world_size
+from grabkit.taps import GradientTaps
 from grabkit.validation import check_positive
+
+if TYPE_CHECKING:
+    from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 
 __all__ = ["AccumulationNoiseScale"]
 
@@ -24,15 +49,23 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
-    """|t|^2 as a 0-d tensor, one pass over ``t``; half precision is reduced in float32.
+    """|t|^2 (of this rank's shard for a DTensor) as a 0-d tensor, one pass over ``t``; half
+    precision is reduced in float32.
 
     ``torch.dot`` is the cheapest single-pass reduction of a contiguous tensor on CPU (BLAS);
     float16 / bfloat16 are widened first so that the squares do not overflow.
     """
-    flat = t.detach().reshape(-1)
+    flat = local(t).detach().reshape(-1)
     if flat.dtype in _HALF_DTYPES:
         flat = flat.float()
     return torch.dot(flat, flat)
+
+
+def _unwrap(params: ParamsLike) -> ParamsLike:
+    """The module inside ``DistributedDataParallel``, whose parameter names are the model's."""
+    if isinstance(params, nn.parallel.DistributedDataParallel):
+        return params.module
+    return params
 
 
 class AccumulationNoiseScale:
@@ -49,17 +82,41 @@ class AccumulationNoiseScale:
             result = gns.end_step()          # before clipping / unscaling
             optimizer.step(); optimizer.zero_grad()
 
+    Under ``DistributedDataParallel`` or ``fully_shard`` the loop is the same on every rank
+    (counts are local; ``end_step`` after the backward that synchronised, i.e. the last
+    microbatch outside ``no_sync()``); all ranks' microbatches enter one estimate, the same on
+    every rank. With an :class:`~grabkit.accumulate.AdaptiveAccumulationWrapper`, pass it as
+    ``optimizer=`` and call nothing: the wrapper closes microbatches and windows for the
+    estimator (each microbatch loss is then its own mean, as the wrapper expects)::
+
+        optimizer = AdaptiveAccumulationWrapper(torch.optim.SGD(model.parameters()), NormTest())
+        gns = AccumulationNoiseScale(model, optimizer=optimizer)
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            optimizer.step(count=len(y))
+        print(gns.estimate)                   # updated at every window the wrapper applied
+
     Args:
-        params: a module, tensors, or ``(name, tensor)`` pairs; one block per tensor.
-        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
+        params: a module (a ``DistributedDataParallel`` or ``fully_shard`` one too), tensors, or
+            ``(name, tensor)`` pairs; one block per tensor. Sharded parameters need the module.
+        update_rate: EMA weight of the newest step, as in ``MicrobatchNoiseScale``.
+        window: ``"steps"`` or ``"examples"``, the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        population_size: the data set size N when steps draw without replacement (see
+            ``NoiseScaleTracker``).
         grad_scaler: a ``torch.amp.GradScaler`` whose scale multiplies the losses; its current
-            scale is read at each ``end_microbatch`` and divided out (squared) before use.
+            scale is read as each microbatch closes and divided out (squared) before use.
+        optimizer: an ``AdaptiveAccumulationWrapper`` over these parameters, to follow its
+            windows (see above).
+        process_group: the ranks whose microbatches form one step: by default a DDP model's
+            group, else the world when torch.distributed is initialised with several ranks. All
+            of them must close every step (``end_step`` is collective).
 
     One ``backward()`` per microbatch (``end_microbatch`` raises otherwise: call it after each
     backward); ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The
     hooks also see any other differentiation through these parameters (``torch.autograd.grad``
     for a penalty, another estimator): keep those out of the measured steps. Call ``remove()``
-    (or use ``with``) to detach the hooks.
+    (or use ``with``) to detach the hooks. ``FullyShardedDataParallel`` (FSDP1) is refused.
     """
 
     def __init__(
@@ -70,53 +127,76 @@ class AccumulationNoiseScale:
         confidence: float = 0.95,
         grad_scaler: torch.amp.GradScaler | None = None,
         population_size: int | None = None,
+        *,
+        optimizer: AdaptiveAccumulationWrapper | None = None,
+        process_group: Any = None,
     ) -> None:
+        if process_group is None and isinstance(params, nn.parallel.DistributedDataParallel):
+            process_group = params.process_group
+        params = _unwrap(params)
         named = named_trainable_parameters(params, "AccumulationNoiseScale")
+        self.layout = gradient_layout_of([p for _, p in named], "AccumulationNoiseScale")
         self.block_names = tuple(name for name, _ in named)
         self.estimator = MicrobatchNoiseScale(
             update_rate, window, confidence, self.block_names, population_size
         )
         self.grad_scaler = grad_scaler
+        self.process_group = process_group
         self._params = [p for _, p in named]
-        self._device = self._params[0].device
-        # Row k holds |d_k|^2 per block of the step's k-th microbatch, and after the last one
-        # the row of |G_B|^2. The hooks copy each square into it at once: keeping the 0-d results
-        # alive until the step ends measurably slows the backward passes (small allocations
-        # left between the large gradient buffers). Rows are zero until written (no gradient).
+        self._block_of = {p: i for i, p in enumerate(self._params)}
+        self._device = local(self._params[0]).device
+        # Row k holds |d_k|^2 per block of the step's k-th microbatch. The hooks copy each
+        # square into it at once: keeping the 0-d results alive until the step ends measurably
+        # slows the backward passes (small allocations left between the large gradient
+        # buffers). Rows are zero until written (no gradient).
         self._squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
         self._row = 0  # the microbatch the hooks are measuring
         self._written = [False] * len(named)  # per block: this microbatch's square is in its row
         self._repeated = False  # a block's hook ran twice in this microbatch (two backwards)
         self._micro_scales_sq: list[float] = []
         self._micro_counts: list[float] = []
-        self._handles = [p.register_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
+        self._window_counts: list[float] = []  # the wrapper's agreed count per microbatch
+        self._wrapper = optimizer
+        self._taps = GradientTaps(
+            named, self._record, params if isinstance(params, nn.Module) else None
+        )
+        if optimizer is not None:
+            self._watch(optimizer)
 
-    def _make_hook(self, index: int):
-        def hook(grad: torch.Tensor) -> None:
-            self._record(self._row, index, _square_norm(grad))
+    def _watch(self, optimizer: AdaptiveAccumulationWrapper) -> None:
+        from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 
-        return hook
+        if not isinstance(optimizer, AdaptiveAccumulationWrapper):
+            raise TypeError(
+                "optimizer= is for an AdaptiveAccumulationWrapper (or a GQC wrapper), whose "
+                f"windows the estimator follows, but got {type(optimizer).__name__}; with a "
+                "plain optimizer call end_microbatch() and end_step() yourself"
+            )
+        wrapped = {p for group in optimizer.param_groups for p in group["params"]}
+        named = zip(self.block_names, self._params, strict=True)
+        missing = [name for name, p in named if p not in wrapped]
+        if missing:
+            raise ValueError(
+                f"the wrapper does not optimize {missing[:3]} ({len(missing)} of the measured "
+                "parameters): build the estimator on the parameters the wrapper steps"
+            )
+        self._wrapper_handle = optimizer.register_window_observer(self)
 
-    def _record(self, row: int, index: int, square: torch.Tensor) -> None:
-        """Put ``square`` at (row, index); a second one in the same microbatch is an error.
+    # ------------------------------------------------------------------ hooks
+    def _record(self, index: int, grad: torch.Tensor) -> None:
+        """Put |grad|^2 at (row, index); a second one in the same microbatch is an error.
 
         Each backward's increment is measured on its own, and |d' + d''|^2 is not
         |d'|^2 + |d''|^2: two backward passes in one microbatch cannot be measured as one.
         """
         if self._written[index]:
             self._repeated = True
-        self._squares[row, index] = square
+        self._squares[self._row, index] = _square_norm(grad)
         self._written[index] = True
 
-    def end_microbatch(self, count: float) -> None:
-        """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count.
-
-        Only bookkeeping: the squares are already in their row; ``end_step`` reads them all.
-        """
+    def _close_microbatch(self, count: float) -> None:
         if self._repeated:
-            self._repeated = False
-            self._written = [False] * len(self._params)
-            self._squares[self._row].zero_()
+            self._forget_row()
             raise RuntimeError(
                 "more than one backward() ran since the last end_microbatch(); the hooks measure "
                 "each backward's gradient on its own, so call end_microbatch(count) after every "
@@ -126,16 +206,38 @@ class AccumulationNoiseScale:
         self._micro_scales_sq.append(loss_scale_squared(self.grad_scaler))
         self._row += 1
         self._written = [False] * len(self._params)
-        if self._row == self._squares.shape[0]:  # room for the next microbatch or the step row
+        if self._row == self._squares.shape[0]:  # room for the next microbatch
             self._squares = torch.cat([self._squares, torch.zeros_like(self._squares)])
+
+    def _forget_row(self) -> None:
+        self._repeated = False
+        self._written = [False] * len(self._params)
+        self._squares[self._row].zero_()
+
+    def _clear_step(self) -> None:
+        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
+        self._window_counts = []
+        self._squares.zero_()
+
+    # ------------------------------------------------------------------ a plain loop
+    def end_microbatch(self, count: float) -> None:
+        """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count
+        (on this rank).
+
+        Only bookkeeping: the squares are already in their row; ``end_step`` reads them all.
+        """
+        self._refuse_if_following("end_microbatch")
+        self._close_microbatch(count)
 
     def end_step(self) -> NoiseScaleResult | None:
         """Close the step: fold its estimate into the averages and return the current result.
 
         Call it after the last microbatch's ``end_microbatch`` and before anything rescales or
         clips ``.grad`` (``grad_scaler.unscale_``, ``clip_grad_norm_``): it reads the accumulated
-        ``.grad``. Returns None until a step with at least two microbatches was seen.
+        ``.grad``. Collective with several ranks. Returns None until a step with at least two
+        microbatches (over all ranks) was seen.
         """
+        self._refuse_if_following("end_step")
         if not getattr(self, "_wiring_checked", False):  # a framework that clipped already
             self._wiring_checked = True
             check_wiring(self, "noise")
@@ -144,42 +246,112 @@ class AccumulationNoiseScale:
                 "a backward pass ran after the last end_microbatch(); call "
                 "end_microbatch(count) after every microbatch's backward()"
             )
-        microbatches, scales_sq, counts = self._row, self._micro_scales_sq, self._micro_counts
-        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
-        if len(counts) < 2:
-            self._squares.zero_()
-            return self.estimator.estimate
-        # the last row: |sum_k d_k|^2 of the accumulated .grad, at the last microbatch's scale
-        for index, p in enumerate(self._params):
-            if p.grad is not None:
-                self._squares[microbatches, index] = _square_norm(p.grad)
-        scales_sq.append(scales_sq[-1])
-        scale_sq = torch.tensor(scales_sq, dtype=torch.float64, device=self._device)
-        squares = self._squares[: microbatches + 1] / scale_sq[:, None]  # (K + 1, P), a new tensor
-        self._squares.zero_()
-        total = sum(counts)
-        # the increment is d_k = (n_k / B) g_k, so |g_k|^2 = |d_k|^2 (B / n_k)^2
-        share = torch.tensor(counts, dtype=torch.float64, device=self._device) / total
-        self.estimator.observe_microbatches(squares[:-1] / share[:, None] ** 2, counts)
-        return self.estimator.observe_step(squares[-1])
+        grads = [p.grad for p in self._params]
+        if self._row and all(g is None for g in grads):
+            closed = self._row
+            self._clear_step()
+            raise RuntimeError(
+                "end_step() found no gradient in .grad after "
+                f"{closed} microbatch(es): something cleared it (zero_grad() "
+                "before end_step(), or an AdaptiveAccumulationWrapper, which folds .grad away "
+                "after every microbatch: build the estimator with optimizer=wrapper instead)"
+            )
+        step = torch.stack(
+            [
+                torch.zeros((), dtype=torch.float64, device=self._device)
+                if g is None
+                else _square_norm(g).to(torch.float64)
+                for g in grads
+            ]
+        )
+        counts = torch.tensor(self._micro_counts, dtype=torch.float64, device=self._device)
+        # the increment is d_k = (n_k / B_r) g_k: losses scaled by their share of this rank's
+        # batch, and the ranks averaged
+        weights = counts / counts.sum() / self._world()
+        norms = self._true_squares() / (weights * self._world())[:, None].square()
+        scale_sq = self._micro_scales_sq[-1] if self._micro_scales_sq else 1.0
+        return self._fold(norms, counts, weights, step / scale_sq)
+
+    def _refuse_if_following(self, what: str) -> None:
+        if self._wrapper is not None:
+            raise RuntimeError(
+                f"{what}() is called by the AdaptiveAccumulationWrapper this estimator follows "
+                "(optimizer=); just call the wrapper's step() after each backward"
+            )
 
     def discard_step(self) -> None:
         """Close the step without measuring it (where ``end_step`` would go): the averages stay
         as they are. For a step whose microbatches are not weighted as ``end_microbatch``'s
         counts say (e.g. equal shares 1 / K of microbatches of different sizes)."""
-        self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
+        self._refuse_if_following("discard_step")
+        self._clear_step()
         self._written, self._repeated = [False] * len(self._params), False
-        self._squares.zero_()
 
+    # ------------------------------------------------------------------ shared
+    def _world(self) -> int:
+        return world_size(self.process_group)
+
+    def _true_squares(self) -> torch.Tensor:
+        """(K, P) squares of the closed microbatches with each one's loss scale divided out."""
+        scale_sq = torch.tensor(self._micro_scales_sq, dtype=torch.float64, device=self._device)
+        return self._squares[: self._row] / scale_sq[:, None]
+
+    def _fold(
+        self,
+        norms: torch.Tensor,
+        counts: torch.Tensor,
+        weights: torch.Tensor,
+        step_norm_sq: torch.Tensor,
+    ) -> NoiseScaleResult | None:
+        """Combine this step's microbatches over the ranks and fold the estimate in."""
+        terms = rank_terms(norms, counts, weights, step_norm_sq)
+        self._clear_step()
+        rows = gather_terms(terms, self.process_group, self._world())
+        combined = combine(rows, self.layout, self.block_names)
+        if combined is not None:
+            self.estimator.fold(*combined)
+        return self.estimator.estimate
+
+    # ------------------------------------------------------------------ following a wrapper
+    def microbatch_closed(self, folded: bool, count: object, window_count: object) -> None:
+        """Called by the wrapper after each ``step()``: the microbatch was folded into the
+        window (with its local ``count`` and the count agreed over the ranks) or dropped."""
+        if not folded:
+            self._forget_row()
+            return
+        self._close_microbatch(float(count))
+        self._window_counts.append(float(window_count))
+
+    def window_discarded(self) -> None:
+        """Called by the wrapper when a non-finite window is thrown away."""
+        self._clear_step()
+        self._written = [False] * len(self._params)
+
+    def window_applied(self, means: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Called by the wrapper with each parameter's window mean before its clipping."""
+        step = torch.zeros(len(self._params), dtype=torch.float64, device=self._device)
+        for p, mean in means:
+            index = self._block_of.get(p)
+            if index is not None:
+                step[index] = _square_norm(mean).to(torch.float64)
+        counts = torch.tensor(self._micro_counts, dtype=torch.float64, device=self._device)
+        window = torch.tensor(self._window_counts, dtype=torch.float64, device=self._device)
+        # each microbatch's gradient is its own mean; the window weighs the ranks' average of
+        # microbatch k by its agreed count c_k
+        weights = window / window.sum() / self._world()
+        self._fold(self._true_squares(), counts, weights, step)
+
+    # ------------------------------------------------------------------ reporting, lifecycle
     @property
     def estimate(self) -> NoiseScaleResult | None:
         return self.estimator.estimate
 
     def remove(self) -> None:
-        """Detach the gradient hooks."""
-        for handle in self._handles:
+        """Detach the gradient hooks (and stop following the wrapper)."""
+        self._taps.remove()
+        handle = self.__dict__.pop("_wrapper_handle", None)
+        if handle is not None:
             handle.remove()
-        self._handles = []
 
     def __enter__(self) -> AccumulationNoiseScale:
         return self
@@ -192,7 +364,7 @@ class AccumulationNoiseScale:
         a backward and its ``end_microbatch``) resumes to the same estimate.
 
         The step's accumulated ``.grad`` is the model's, not this object's: to resume in
-        mid-step, save and restore it too.
+        mid-step, save and restore it too. With several ranks each saves its own.
         """
         return {
             "estimator": self.estimator.state_dict(),
@@ -201,22 +373,27 @@ class AccumulationNoiseScale:
             "repeated": self._repeated,
             "counts": list(self._micro_counts),
             "scales_sq": list(self._micro_scales_sq),
+            "window_counts": list(self._window_counts),
         }
 
     def load_state_dict(self, state: dict) -> None:
         expected = {"estimator", "squares", "written", "repeated", "counts", "scales_sq"}
-        if not isinstance(state, dict) or set(state) != expected:
+        keys = set(state) - {"window_counts"} if isinstance(state, dict) else None
+        if keys != expected:
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"AccumulationNoiseScale state has keys {got}, expected {sorted(expected)}"
+                f"AccumulationNoiseScale state has keys {got}, expected {sorted(expected)} "
+                "(and window_counts)"
             )
         squares, counts = state["squares"], [float(c) for c in state["counts"]]
+        window_counts = [float(c) for c in state.get("window_counts", [])]
         blocks = len(self._params)
         if (
             squares.ndim != 2
             or tuple(squares.shape) != (len(counts) + 1, blocks)
             or len(state["scales_sq"]) != len(counts)
             or len(state["written"]) != blocks
+            or len(window_counts) not in (0, len(counts))
         ):
             raise ValueError(
                 f"AccumulationNoiseScale state does not fit {blocks} blocks: squares of shape "
@@ -231,3 +408,4 @@ class AccumulationNoiseScale:
         self._repeated = bool(state["repeated"])
         self._micro_counts = counts
         self._micro_scales_sq = [float(x) for x in state["scales_sq"]]
+        self._window_counts = window_counts

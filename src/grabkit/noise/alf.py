@@ -33,6 +33,7 @@ from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
+from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.validation import check_positive
 
 __all__ = ["GradientNoiseScaleEstimator"]
@@ -62,6 +63,19 @@ def _flatten_tensors(tensors: object, prefix: str = "") -> list[tuple[str, torch
     for key, value in items:
         leaves.extend(_flatten_tensors(value, f"{prefix}.{key}" if prefix else key))
     return leaves
+
+
+def _refuse_sharded(leaves: list[torch.Tensor]) -> None:
+    """Sharded parameters are not what a sharded model's forward differentiates through."""
+    refuse_flat_parameters(leaves, "GradientNoiseScaleEstimator")
+    if any(is_sharded(t) for t in leaves):
+        raise NotImplementedError(
+            "GradientNoiseScaleEstimator differentiates the loss with respect to the given "
+            "tensors, but these are fully_shard (DTensor) shards, which the forward does not "
+            "use directly (it gathers unsharded copies); under fully_shard measure with "
+            "AccumulationNoiseScale(model) (microbatches, or one step per rank) or "
+            "PerExampleNoiseScale with PerSampleStats"
+        )
 
 
 class GradientNoiseScaleEstimator(nn.Module):
@@ -157,6 +171,7 @@ class GradientNoiseScaleEstimator(nn.Module):
             raise ValueError("tensors should contain at least one tensor, but is empty")
         names = tuple(n for n, _ in named)
         leaves = [t for _, t in named]
+        _refuse_sharded(leaves)
         small, big = self._split_sizes(loss.shape[-1])
         shuffled = loss[..., torch.randperm(loss.shape[-1], device=loss.device)]
         big_grads = self._part_gradients(shuffled[..., small:], leaves)

@@ -45,7 +45,11 @@ class DDPNoiseScale(TrackedEstimator):
 
     Args:
         model: the DDP-wrapped model (its comm hook slot must be free: DDP allows one hook).
-        update_rate, window, confidence, population_size: as in ``MicrobatchNoiseScale``.
+        update_rate: EMA weight of the newest step, as in ``MicrobatchNoiseScale``.
+        window: ``"steps"`` or ``"examples"``, the unit of ``update_rate``.
+        confidence: coverage of the reported interval for B_simple.
+        population_size: the data set size N when steps draw without replacement (see
+            ``NoiseScaleTracker``).
         grad_scaler: a ``torch.amp.GradScaler`` multiplying the losses; its scale is divided out
             (call ``observe_step`` before ``grad_scaler.update()``).
 
@@ -64,7 +68,8 @@ class DDPNoiseScale(TrackedEstimator):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError(
                 f"DDPNoiseScale expects a DistributedDataParallel model, but got "
-                f"{type(model).__name__}; wrap it first (or use AccumulationNoiseScale)"
+                f"{type(model).__name__}; wrap it first, or use AccumulationNoiseScale(model), "
+                "which also measures fully_shard (FSDP2) models and one process"
             )
         self.process_group = model.process_group
         self.world_size = dist.get_world_size(self.process_group)

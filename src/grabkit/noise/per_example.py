@@ -7,17 +7,24 @@ mean_i |g_i|^2 estimates |G|^2 + tr(Sigma) (batches of one) and |G_B|^2 estimate
 
 The per-example squared norms come from ``grabkit.stats.PerSampleStats`` (layer hooks, no
 per-example gradient is ever built) or from any other source as plain tensors.
+
+With several ranks (DDP, ``fully_shard``) each rank's batch gives its own unbiased estimates;
+the ranks average them (one all-reduce of 2P + 1 numbers per step), so every rank folds the same
+step and reports the same estimate, over all ranks' examples.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import TrackedEstimator
+from grabkit.sharding import world_size
 
 if TYPE_CHECKING:
     from grabkit.stats import PerSampleStats
@@ -36,7 +43,34 @@ class PerExampleNoiseScale(TrackedEstimator):
         block_names: names of the P blocks when norms are given per block.
         population_size: the data set size N when batches are drawn without replacement; see
             ``NoiseScaleTracker`` (finite-population correction).
+        process_group: the ranks whose batches make one step (default: the world when
+            torch.distributed is initialised with several ranks; ``observe`` is then collective).
     """
+
+    def __init__(
+        self,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__(update_rate, window, confidence, block_names, population_size)
+        self.process_group = process_group
+
+    def _average_over_ranks(
+        self, grad_norm: torch.Tensor, trace: torch.Tensor, batch: float
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The ranks' mean of their unbiased estimates (still unbiased) and their examples."""
+        world = world_size(self.process_group)
+        if world == 1:
+            return grad_norm, trace, batch
+        blocks = grad_norm.numel()
+        count = torch.tensor([float(batch)], dtype=torch.float64, device=grad_norm.device)
+        summed = torch.cat([grad_norm.reshape(-1), trace.reshape(-1), count])
+        dist.all_reduce(summed, group=self.process_group)
+        return summed[:blocks] / world, summed[blocks:-1] / world, float(summed[-1])
 
     @staticmethod
     def step_estimates(
@@ -79,9 +113,10 @@ class PerExampleNoiseScale(TrackedEstimator):
         """Fold one batch in (arguments as in ``step_estimates``) and return the estimate.
 
         Batches with non-finite norms (an overflowing loss scale) are skipped; returns None
-        until the first finite one.
+        until the first finite one. Collective with several ranks.
         """
-        self.fold(*self.step_estimates(norms_sq, batch_grad_norm_sq, grad_scale))
+        estimates = self.step_estimates(norms_sq, batch_grad_norm_sq, grad_scale)
+        self.fold(*self._average_over_ranks(*estimates))
         return self.estimate
 
     @classmethod

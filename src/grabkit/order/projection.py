@@ -344,7 +344,8 @@ def make_projection(
         in_dim: d, the length of a flattened per-example gradient.
         out_dim: k, the length after projection.
         seed: the projection is a deterministic function of ``(kind, in_dim, out_dim, seed)``.
-        device, dtype: where the projection's tensors live (they follow the input later).
+        device: where the projection's tensors live (they follow the input later).
+        dtype: their dtype.
     Returns:
         A ``Projection``: call it on (B, d) to get (B, k).
     """

@@ -89,9 +89,10 @@ class GraBSampler(Sampler[int], Stateful):
         ordering: an ``Ordering`` instance built for ``len(data_source)`` examples.
         source: a ``GradientSource`` (default ``DenseGradients()``).
         transforms: ``Transform`` instances, applied in order (default none).
-        num_replicas, rank, drop_last: as ``torch.utils.data.DistributedSampler``;
-            ``num_replicas``/``rank`` default to the initialised process group (else 1 and 0).
-            The seed is the ordering's.
+        num_replicas: as ``torch.utils.data.DistributedSampler``; defaults to the initialised
+            process group's size (else 1).
+        rank: as ``DistributedSampler``; defaults to this process's rank (else 0).
+        drop_last: as ``DistributedSampler`` (the seed is the ordering's).
         batch_size: the loader's batch size: lets hook mode check that a backward covered
             the whole yielded batch, and sets ``skip()``'s default.
         record_orders: keep every epoch's order in ``orders_history``.

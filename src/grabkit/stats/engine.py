@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from grabkit.sharding import refuse_flat_parameters
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.gradient_batch import FlatLayout
@@ -38,6 +39,7 @@ from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.source import StatisticsSource
 from grabkit.stats.step import StepStatistics
+from grabkit.taps import GradientTaps
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
@@ -256,6 +258,7 @@ class PerSampleStats(StatisticsSource):
                 f"`loss_reduction` should be one of {_LOSS_REDUCTIONS}, but got "
                 f"loss_reduction={loss_reduction!r}"
             )
+        refuse_flat_parameters(model.parameters(), "PerSampleStats")  # FSDP1
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
@@ -340,10 +343,10 @@ class PerSampleStats(StatisticsSource):
             hook = functools.partial(self._on_forward, layer)
             self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
             _ATTACHED[layer.module] = self
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                hook = functools.partial(self._on_param_grad, name)
-                self._handles.append(p.register_hook(hook))
+        # taps, not p.register_hook: under fully_shard the forward uses unsharded copies
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in named])
+        self._handles.append(GradientTaps(named, on_grad, model))
         _ATTACHED[model] = self
 
     def close(self) -> None:
@@ -524,6 +527,9 @@ class PerSampleStats(StatisticsSource):
         grad = grad.detach()
         call.output_grad[slot] = grad if previous is None else previous + grad
         self._gradient_arrived()
+
+    def _on_tapped_grad(self, names: list[str], index: int, grad: torch.Tensor) -> None:
+        self._on_param_grad(names[index], grad)
 
     def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
         self._gradient_arrived()

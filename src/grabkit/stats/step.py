@@ -36,8 +36,9 @@ class StepStatistics:
         batch_size: B.
         scale: the factors hold g_i / scale (B for a mean-reduced loss: autograd's output
             gradients carry its 1/B); reads multiply it back on their small results.
-        dtype / device: of the parameters (inputs are cast to it; statistics are returned in
-            at least float32).
+        dtype: of the parameters (inputs are cast to it; statistics are returned in at least
+            float32).
+        device: of the parameters.
         layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
     """
 
