@@ -57,3 +57,39 @@ def test_a_state_of_another_layout_is_refused_naming_the_keys():
         LongWalker().load_state_dict(Walker().state_dict())
     with pytest.raises(TypeError, match="should be a dict"):
         Walker().load_state_dict([1, 2])
+
+
+class Averager(Stateful):
+    config_key = None
+
+    def __init__(self, rate: float, window: str = "steps") -> None:
+        self.add_config("rate", rate)
+        self.add_config("window", window)
+        self.add_state("value", 0.0, load=float)
+        self.add_state("later", [], optional=True)  # a key states of an older layout lack
+
+
+def test_settings_sit_beside_the_state_and_another_setting_is_refused_before_any_change():
+    saved = Averager(0.1)
+    saved.value = 3.0
+    state = saved.state_dict()
+    assert state == {"rate": 0.1, "window": "steps", "value": 3.0, "later": []}
+    other = Averager(0.2, window="examples")
+    with pytest.raises(ValueError, match=r"rate: saved 0\.1, here 0\.2, window: saved .steps."):
+        other.load_state_dict(state)
+    assert other.value == 0.0  # nothing changed
+    older = {k: v for k, v in state.items() if k != "later"}
+    resumed = Averager(0.1)
+    resumed.later = [1]
+    resumed.load_state_dict(older)
+    assert (resumed.value, resumed.later) == (3.0, [])
+
+
+def test_settings_under_one_key():
+    class Nested(Averager):
+        config_key = "config"
+
+    state = Nested(0.1).state_dict()
+    assert state["config"] == {"rate": 0.1, "window": "steps"} and "rate" not in state
+    with pytest.raises(ValueError, match=r"rate: saved 0\.1, here 0\.3"):
+        Nested(0.3).load_state_dict(state)

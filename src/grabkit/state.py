@@ -9,11 +9,18 @@ A ``Stateful`` class declares, in its ``__init__``, which attributes make up its
                                                            # through its own declarations
     self.add_state("stepped", 0, attribute="_stepped")     # saved under another name
 
-and gets ``state_dict()`` (plain data for ``torch.save`` / ``torch.load(weights_only=True)``)
-and ``load_state_dict()`` (a state with unknown or missing keys is refused, naming them; then
+and, for the settings a saved state must have been written with::
+
+    self.add_config("window", window)                      # saved, and compared on load
+
+gets ``state_dict()`` (plain data for ``torch.save`` / ``torch.load(weights_only=True)``) and
+``load_state_dict()`` (a state with unknown or missing keys is refused, naming them; a state
+written with other settings is refused, naming each that differs, before anything changes; then
 each attribute is restored, and ``after_load()`` rebuilds whatever is derived from them). A
 subclass adds its own attributes in its own ``__init__``; the keys are the union, in declaration
-order. The declaration is the documentation of the checkpoint layout: nothing else lists keys.
+order. The settings sit beside the state, or under one key (``config_key = "config"``). A key
+added after states were saved is declared ``optional``: a state without it loads, with the
+default. The declaration is the documentation of the checkpoint layout: nothing else lists keys.
 """
 
 from __future__ import annotations
@@ -45,12 +52,18 @@ class _Field:
     attribute: str
     save: Callable[[Any], Any] | None
     load: Callable[[Any], Any] | None
+    optional: bool = False
+    default: Any = None
 
 
 class Stateful:
-    """An object whose saved state is declared with ``add_state`` (see the module docstring)."""
+    """An object whose saved state is declared with ``add_state`` and ``add_config`` (see the
+    module docstring)."""
 
     _state_fields: dict[str, _Field]
+    _declared_config: dict[str, Any]
+    #: None: the settings sit beside the state's keys; else the key they are saved under
+    config_key: str | None = None
 
     @property
     def state_owner(self) -> str:
@@ -65,6 +78,7 @@ class Stateful:
         attribute: str | None = None,
         save: Callable[[Any], Any] | None = None,
         load: Callable[[Any], Any] | None = None,
+        optional: bool = False,
     ) -> None:
         """Declare ``key`` part of the saved state, held in ``attribute`` (default: ``key``).
 
@@ -73,25 +87,64 @@ class Stateful:
             save: value -> plain data (default: the value itself, or its ``state_dict()``).
             load: plain data -> value (default: the data itself, or the current value's
                 ``load_state_dict``).
+            optional: a saved state may lack the key (it was added later); the attribute then
+                gets ``default`` again.
         """
         fields = self.__dict__.setdefault("_state_fields", {})
         name = key if attribute is None else attribute
         if default is not _KEEP:
             setattr(self, name, default)
-        fields[key] = _Field(name, save, load)
+        fields[key] = _Field(name, save, load, optional, None if default is _KEEP else default)
+
+    def add_config(self, key: str, value: Any) -> None:
+        """Declare a setting (plain data) that a loaded state must have been written with."""
+        self.__dict__.setdefault("_declared_config", {})[key] = value
+
+    def config(self) -> dict[str, Any]:
+        """The declared settings."""
+        return dict(self.__dict__.get("_declared_config", {}))
 
     def state_dict(self) -> dict[str, Any]:
-        """The declared state, key by key, as plain data."""
+        """The declared settings and state, key by key, as plain data."""
         fields = self.__dict__.get("_state_fields", {})
-        return {key: self._save(field) for key, field in fields.items()}
+        state = {key: self._save(field) for key, field in fields.items()}
+        config = self.config()
+        if self.config_key is not None:
+            return {self.config_key: config, **state}
+        return {**config, **state}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()`` of an object declared alike (else a ValueError)."""
         fields = self.__dict__.get("_state_fields", {})
-        check_state_keys(self.state_owner, state, set(fields))
+        config = self.config()
+        settings = {self.config_key} if self.config_key is not None else set(config)
+        optional = {key for key, field in fields.items() if field.optional}
+        present = set(state) if isinstance(state, Mapping) else set()
+        check_state_keys(self.state_owner, state, settings | set(fields) - (optional - present))
+        if self.config_key is not None:
+            self.check_config(state[self.config_key])
+        else:
+            self.check_config({key: state[key] for key in config})
         for key, field in fields.items():
-            self._load(field, state[key])
+            if key in state:
+                self._load(field, state[key])
+            else:
+                setattr(self, field.attribute, field.default)
         self.after_load()
+
+    def check_config(self, saved: Mapping[str, Any]) -> None:
+        """Refuse settings that differ from the declared ones, naming each difference."""
+        mine = self.config()
+        differing = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
+        if differing:
+            detail = ", ".join(
+                f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}" for k in differing
+            )
+            raise ValueError(
+                f"{self.state_owner}: the state was written with another configuration "
+                f"({detail}); build it with the saved options (the same blocks and settings) "
+                "to resume."
+            )
 
     def after_load(self) -> None:
         """Rebuild what derives from the state (caches); runs after every load."""
