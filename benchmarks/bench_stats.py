@@ -9,6 +9,11 @@ Two workloads, each timed side by side in one run (interleaved rounds, medians):
 * ``gpt``: random tokens, B = 16, T = 64, a nanoGPT-shaped LM (vocab 2000, d 128, 2 blocks,
   positions ``arange(T)``), untied and tied head: norms-only and norms + Gram reads over a plain
   step, and the MiB of tensors the engine holds for one step.
+* ``identity``: the run-time identity check's cost, check on against off (and the functional-use
+  watch off too), on the MLP's hook-mode GraB pair step and the tied small GPT's step reading
+  norms (or sketches), each in exact and sketch mode, as a fraction of a plain step; and the
+  thread CPU time spent inside the check's own code per step (its methods wrapped), against a
+  plain step timed between the steps.
 
 Contenders, each with its own copy of the model and its own SGD optimizer:
 
@@ -459,7 +464,8 @@ class SmallGpt(nn.Module):
 def _held_mib(stats: PerSampleStats) -> float:
     """MiB of distinct tensor storages the engine keeps for one step (inputs, output grads)."""
     seen: dict[int, int] = {}
-    pending = [(call.captured, call.output_grad) for layer in stats._layers for call in layer.calls]
+    calls = [call for layer in stats._layers for call in layer.calls]
+    pending = [(call.captured, list(call.grads.values())) for call in calls]
     while pending:
         item = pending.pop()
         if isinstance(item, torch.Tensor):
@@ -578,6 +584,137 @@ def run_lstm(args: argparse.Namespace) -> None:
         print(f"\nLSTM / feed-forward, {read} over plain (CPU): {ratio:.2f}x")
 
 
+# -- identity: the cost of the run-time identity check ---------------------------------------------
+def _gpt_reader(mode: str, options: dict | None, idx: torch.Tensor) -> Callable[[], None]:
+    """A small-GPT (tied head) training step reading norms (exact) or sketches, or a plain one."""
+    from grabkit.stats.sketch import SketchedStats
+
+    torch.manual_seed(0)
+    model = SmallGpt(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stats = None
+    if options is not None:
+        kind = PerSampleStats if mode == "exact" else SketchedStats
+        stats = kind(model, **options)
+    read = None
+    if stats is not None:
+        read = stats.norms_squared if mode == "exact" else stats.sketches
+
+    def step() -> None:
+        loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if read is not None:
+            read()
+        opt.step()
+
+    return step
+
+
+def _mlp_grab(fresh, data, mode: str, options: dict | None) -> Callable[[], None]:
+    """The MLP's hook-mode GraB pair step (exact or sketched, k = 1024), or a plain one."""
+    batches, n, _ = data
+    loop = Loop("plain", fresh(), n, batches)
+    if options is not None:
+        extra = {"statistics": "sketch", "sketch_dim": 1024} if mode == "sketch" else {}
+        loop.sampler = GraBSampler(
+            range(n), model=loop.model, balance_type="pair", stats_options=options, **extra
+        )
+        iter(loop.sampler)
+    return loop.step
+
+
+IDENTITY_OPTIONS = {
+    "check on": {},
+    "check off": {"check_identity": False},
+    "check off, no functional uses": {"check_identity": False, "functional_uses": False},
+}
+
+
+class _CheckClock:
+    """Thread CPU time spent inside the identity check's own code (its hooks' probes, the read,
+    the step's block moves, the precision scan), by wrapping those methods while it is used."""
+
+    def __init__(self) -> None:
+        from grabkit.stats import engine, identity
+
+        self.spent = 0.0
+        self._patched = [
+            (identity.IdentityCheck, "observe"),
+            (identity.IdentityCheck, "verify"),
+            (identity.IdentityCheck, "begin_step"),
+            (engine.PerSampleStats, "_low_precision"),
+        ]
+        self._originals = [getattr(owner, name) for owner, name in self._patched]
+
+    def __enter__(self) -> _CheckClock:
+        for (owner, name), original in zip(self._patched, self._originals, strict=True):
+            setattr(owner, name, self._timed(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for (owner, name), original in zip(self._patched, self._originals, strict=True):
+            setattr(owner, name, original)
+
+    def _timed(self, original: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent += time.thread_time() - start
+
+        return timed
+
+
+def _own_cost(step: Callable[[], None], plain: Callable[[], None], steps: int) -> tuple:
+    """(median CPU seconds of the check's own code per step, median plain step), alternating."""
+    own, plain_times = [], []
+    with _CheckClock() as clock:
+        for _ in range(steps):
+            before = clock.spent
+            step()
+            own.append(clock.spent - before)
+            start = time.thread_time()
+            plain()
+            plain_times.append(time.thread_time() - start)
+    return statistics.median(own), statistics.median(plain_times)
+
+
+def run_identity(args: argparse.Namespace) -> None:
+    """The identity check's cost: each workload's hook-mode step with the check on and off (and
+    without the functional-use watch), beside a plain step, interleaved (CPU medians)."""
+    rounds = args.rounds or (4 if args.quick else 30)
+    fresh, data = build("mlp", synthetic=args.quick, rounds=(rounds + WARMUP) * 3)
+    idx = torch.randint(0, GPT_VOCAB, (GPT_BATCH, GPT_LENGTH), generator=torch.Generator())
+    print(f"\n### identity: check on / off, {rounds} rounds (CPU time medians)\n")
+    print("| workload | mode | contender | CPU ms / step | x plain |")
+    print("|---|---|---|---:|---:|")
+    for workload in ("mlp", "gpt"):
+        inner = 3 if workload == "mlp" else 1
+        for mode in ("exact", "sketch"):
+            contenders: dict[str, Callable[[], None]] = {}
+            for label, options in {"plain": None, **IDENTITY_OPTIONS}.items():
+                if workload == "mlp":
+                    contenders[label] = _mlp_grab(fresh, data, mode, options)
+                else:
+                    contenders[label] = _gpt_reader(mode, options, idx)
+            _, cpu = timed_side_by_side(contenders, rounds=rounds, inner=inner)
+            for label in contenders:
+                print(
+                    f"| {workload} | {mode} | {label} | {cpu[label] * 1e3:.3f} | "
+                    f"{cpu[label] / cpu['plain']:.3f} |"
+                )
+            check = (cpu["check on"] - cpu["check off"]) / cpu["plain"]
+            watch = (cpu["check off"] - cpu["check off, no functional uses"]) / cpu["plain"]
+            own, plain = _own_cost(contenders["check on"], contenders["plain"], rounds * inner)
+            print(
+                f"| {workload} | {mode} | **check on - off: {check:+.2%} of plain; the check's "
+                f"own code: {own * 1e3:.3f} ms = {own / plain:.2%} of plain; functional-use "
+                f"watch: {watch:+.2%}** | | |"
+            )
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_stats", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds on random data")
@@ -586,7 +723,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated: mlp,lenet,lm,gpt,lstm (default all; --quick: mlp)",
+        help="comma-separated: mlp,lenet,lm,gpt,lstm,identity (default all; --quick: mlp)",
     )
     parser.add_argument(
         "--contenders",
@@ -610,9 +747,11 @@ def main(argv: list[str]) -> None:
         print(f"\nopacus not measured: {missing}")
     if wanted is not None:
         kinds = [k for k in kinds if k in wanted]
-    workloads = args.workloads or ("mlp" if args.quick else "mlp,lenet,lm,gpt,lstm")
+    workloads = args.workloads or ("mlp" if args.quick else "mlp,lenet,lm,gpt,lstm,identity")
     for workload in workloads.split(","):
-        if workload == "gpt":
+        if workload == "identity":
+            run_identity(args)
+        elif workload == "gpt":
             run_gpt(args)
         elif workload == "lstm":
             run_lstm(args)

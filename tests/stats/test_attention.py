@@ -37,6 +37,34 @@ class Attention(nn.Module):
         return self.head(out.sum(dim=1))
 
 
+class PositionHead(nn.Module):
+    """A Linear on every position of the attention output: with B == T that output (a
+    transposed view on the CPU) has the batch size in two dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.attn(x, x, x)
+        return self.head(out).mean(dim=1)
+
+
+class MaskedAttention(nn.Module):
+    """Attention with a per-example (B * heads, T, T) attention mask and a (B, T) key padding
+    mask, one Linear per position after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(WIDTH, 2, batch_first=True)
+        self.head = nn.Linear(WIDTH, CLASSES)
+
+    def forward(self, x, attn_mask, padding):
+        out, _ = self.attn(x, x, x, key_padding_mask=padding, attn_mask=attn_mask)
+        return self.head(out).mean(dim=1)
+
+
 def reference_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     rows = []
@@ -53,9 +81,10 @@ def reference_rows(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.
         lambda: Attention(need_weights=False),
         lambda: EncoderClassifier(causal=True),
         lambda: EncoderClassifier(causal=False),
+        PositionHead,
     ],
 )
-@pytest.mark.parametrize(("batch", "length"), [(3, 5), (4, 6)])
+@pytest.mark.parametrize(("batch", "length"), [(3, 5), (4, 6), (5, 5)])
 def test_attention_models_match_per_example_autograd(float64, reference_tools, make, batch, length):
     torch.manual_seed(0)
     model = make()
@@ -83,3 +112,29 @@ def test_attention_dropout_in_training_is_refused():
     model = nn.MultiheadAttention(WIDTH, 2, dropout=0.1, batch_first=True)
     with PerSampleStats(model), pytest.raises(ValueError, match="dropout"):
         model(*(torch.randn(3, 5, WIDTH),) * 3)
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+@pytest.mark.parametrize(("batch", "length"), [(3, 5), (5, 5)])
+def test_per_example_attention_masks_match_per_example_autograd(
+    float64, reference_tools, kind, batch, length
+):
+    torch.manual_seed(0)
+    model, heads = MaskedAttention(), 2
+    x, y = torch.randn(batch, length, WIDTH), torch.randint(0, CLASSES, (batch,))
+    if kind == "additive":
+        attn_mask = torch.randn(batch * heads, length, length)
+    else:  # True: not attended; every query keeps its own key
+        attn_mask = (torch.rand(batch * heads, length, length) > 0.6) & ~torch.eye(length).bool()
+    padding = torch.zeros(batch, length, dtype=torch.bool)
+    padding[:, -1] = torch.arange(batch) % 2 == 0  # some examples' last key is padding
+    params = list(model.parameters())
+    rows = []
+    for i in range(batch):
+        mask_i = attn_mask[i * heads : (i + 1) * heads]
+        loss = F.cross_entropy(model(x[i : i + 1], mask_i, padding[i : i + 1]), y[i : i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    reference = torch.stack(rows)
+    with PerSampleStats(model, "sum") as stats:
+        F.cross_entropy(model(x, attn_mask, padding), y, reduction="sum").backward()
+        reference_tools.assert_matches(stats, reference)

@@ -221,19 +221,38 @@ def test_tied_weights_across_layers_are_exact(float64, reference_tools):
         reference_tools.assert_matches(stats, torch.stack(rows))
 
 
+class Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return F.linear(x, self.proj.weight, self.proj.bias)
+
+
+def test_parameter_used_functionally_in_the_forward_is_computed(float64, reference_tools):
+    torch.manual_seed(0)
+    model, x = Functional(), torch.randn(4, 3)
+    rows = []
+    for i in range(4):
+        grads = torch.autograd.grad(model(x[i : i + 1]).square().sum(), list(model.parameters()))
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        reference_tools.assert_matches(stats, torch.stack(rows))
+
+
 def test_parameter_used_outside_its_layer_call_is_detected():
-    class Functional(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(3, 3)
-
-        def forward(self, x):
-            return F.linear(x, self.proj.weight, self.proj.bias)
-
     model = Functional()
-    with PerSampleStats(model) as stats:
+    with PerSampleStats(model, functional_uses=False) as stats:
         model(torch.randn(2, 3)).sum().backward()
         with pytest.raises(RuntimeError, match=r"'proj\.weight' received a gradient"):
+            stats.norms_squared()
+    outside = nn.Sequential(nn.Linear(3, 3))
+    with PerSampleStats(outside) as stats:  # a use outside the model's forward is not seen
+        (outside(torch.randn(2, 3)).sum() + F.linear(torch.randn(2, 3), outside[0].weight).sum()
+         ).backward()  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"'0\.weight'"):
             stats.norms_squared()
 
 

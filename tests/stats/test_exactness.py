@@ -195,7 +195,8 @@ def test_batchnorm_constant_statistics_match_their_definition(float64):
         h2 = model[1](h1)
         out = model[3](model[2](h2))
     loss = out.square().sum()
-    d1, d2, d3 = torch.autograd.grad(loss, (h1, h2, out))  # the engine's hooks see these too
+    d1, d2, d3 = torch.autograd.grad(loss, (h1, h2, out), retain_graph=True)
+    loss.backward()  # the engine's hooks see d1, d2, d3 (autograd.grad's own task is no step)
     xhat = (h1 - h1.mean(0)) / torch.sqrt(h1.var(0, unbiased=False) + model[1].eps)
     a3 = model[2](h2)
     rows = torch.cat(

@@ -69,3 +69,37 @@ def test_hook_mode_orders_equal_torch_func_orders(
     assert list(iter(hooked)) == list(iter(dense))
     assert orders[1] != orders[2] or orders[0] != orders[1]  # the orders did change
     hooked.stats.close()
+
+
+@pytest.mark.parametrize("statistics", ["exact", "sketch"])
+def test_an_input_gradient_forward_before_the_batch_is_not_balanced(statistics, reference_tools):
+    """FGSM-style adversarial training: a clean forward whose gradient goes to the input only
+    (``torch.autograd.grad``), then the real forward and backward. The loader fetched the whole
+    epoch ahead, so a sampler counting the clean pass as a micro-batch would not notice: it
+    would credit the clean statistics to this batch and this batch's to the next one."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    options = {"statistics": "sketch", "sketch_dim": 16} if statistics == "sketch" else {}
+    hooked = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH, **options)
+    given = GraBSampler(range(N), balance_type="pair")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(EPOCHS):
+        order = list(hooked)  # fetched ahead: every index of the epoch handed out
+        assert order == list(given)
+        for start in range(0, N, BATCH):
+            idx = torch.tensor(order[start : start + BATCH])
+            clean = x[idx].clone().requires_grad_()
+            (input_grad,) = torch.autograd.grad(F.cross_entropy(model(clean), y[idx]), clean)
+            adversarial = x[idx] + 0.1 * input_grad.sign()
+            opt.zero_grad()
+            per_example_loss(model(adversarial), y[idx]).mean().backward()
+            hooked.step()
+            reference = reference_tools.per_sample(model, per_example_loss, adversarial, y[idx])
+            if statistics == "sketch":
+                reference = hooked.stats.sketch.apply_dense(reference)
+            given.step(reference)
+            opt.step()
+    assert list(hooked) == list(given)
+    hooked.close()

@@ -170,19 +170,34 @@ def test_exact_reads_are_refused_without_batch_gradients():
             stats.engine.norms_squared()
 
 
+class Functional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.lin.weight, self.lin.bias)  # bypasses the layer's hooks
+
+
+def test_parameter_used_functionally_is_sketched():
+    torch.manual_seed(0)
+    model, x = Functional(), torch.randn(4, 3)
+    rows = []
+    for i in range(4):
+        grads = torch.autograd.grad(model(x[i : i + 1]).sum(), list(model.parameters()))
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    with SketchedStats(model, dim=16, loss_reduction="sum") as stats:
+        model(x).sum().backward()
+        expected = GradientSketch(shapes, 16, 0).apply_dense(torch.stack(rows))
+        torch.testing.assert_close(stats.sketches(), expected)
+
+
 def test_parameter_used_outside_its_layer_is_refused():
-    class Functional(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(3, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, self.lin.weight, self.lin.bias)  # bypasses the layer's hooks
-
     model = Functional()
-    with SketchedStats(model, dim=16) as stats:
+    with SketchedStats(model, dim=16, functional_uses=False) as stats:
         model(torch.randn(4, 3)).sum().backward()
-        with pytest.raises(RuntimeError, match="used functionally"):
+        with pytest.raises(RuntimeError, match="used outside its layer"):
             stats.sketches()
 
 
@@ -215,3 +230,14 @@ def test_sketches_are_cached_per_backward_and_renewed_by_the_next():
         assert stats.sketches() is first
         loss_per_example(model(x[:3]), y[:3]).mean().backward()
         assert stats.sketches().shape == (3, 16)
+
+
+def test_matrix_of_one_row_and_one_column_weights():
+    """A one-row weight's output side is one orthogonal column whose strides are not the
+    contiguous ones (``torch.kron`` refused it); ``matrix()`` applied to a vector is the map."""
+    shapes = {"row": torch.Size([1, 6]), "column": torch.Size([5, 1]), "bias": torch.Size([3])}
+    sketch = GradientSketch(shapes, dim=16, seed=0)
+    matrix = sketch.matrix()
+    assert matrix.shape == (16, 6 + 5 + 3)
+    grads = torch.randn(4, 14, dtype=torch.float64)
+    torch.testing.assert_close(sketch.apply_dense(grads), grads @ matrix.T)

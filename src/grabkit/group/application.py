@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from grabkit.stats.rows import grouped_run
+
 from .annotation import (
     BATCH,
     CONST,
@@ -149,13 +151,15 @@ def apply_module(
     new_lengths = _output_lengths(dc, out_sigs, derived)
     out_sigs = convert_keys(out_sigs, output_key_conv)
     outputs = []
-    for i, group in enumerate(dc.data_groups):
-        value = convert_keys(group.value, input_key_conv)
-        if hint is None:
-            out = module(value)
-        else:
-            out = module(value, dc.get_mask(i, key_conv=input_key_conv, mask_hint=hint))
-        out = convert_keys(out, output_key_conv)
-        check_output(dc, out, out_sigs, i, new_lengths, derived)
-        outputs.append(TensorData(out))
+    with grouped_run(len(dc)) as run:  # grabkit.stats learns which items each call holds
+        for i, group in enumerate(dc.data_groups):
+            value = convert_keys(group.value, input_key_conv)
+            with run.group(dc.partition[i]):
+                if hint is None:
+                    out = module(value)
+                else:
+                    out = module(value, dc.get_mask(i, key_conv=input_key_conv, mask_hint=hint))
+            out = convert_keys(out, output_key_conv)
+            check_output(dc, out, out_sigs, i, new_lengths, derived)
+            outputs.append(TensorData(out))
     return out_sigs, outputs, new_lengths

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from grabkit.stats.rows import grouped_run
+
 from .coupling import warn_if_batch_coupled
 from .distributed import data_parallel
 from .planning import GroupPlan, as_length_matrix, plan_groups
@@ -148,8 +150,10 @@ class GroupedBatch:
     ) -> Tensor:
         """``module`` on every group, outputs merged into the original order.
 
-        An empty batch has no groups: ``module`` then runs once on the empty padded batch (with
-        a ``(0, *L)`` mask), which is exactly the ungrouped result.
+        Each call is announced to ``grabkit.stats`` (the items its rows hold), so per-example
+        statistics and hook-mode GraB of a model called inside describe the batch's items in
+        its order. An empty batch has no groups: ``module`` then runs once on the empty padded
+        batch (with a ``(0, *L)`` mask), which is exactly the ungrouped result.
         """
         parallel = data_parallel(module)  # DDP / fully_shard: see group/distributed.py
         if parallel is not None:
@@ -161,10 +165,11 @@ class GroupedBatch:
         if isinstance(module, nn.Module):
             warn_if_batch_coupled(module, len(self.plan))
         masks = self.group_masks() if pass_mask else [None] * len(self.plan)
-        outputs = [
-            _call(module, x, m, args, kwargs)
-            for x, m in zip(self.group_inputs(), masks, strict=False)
-        ]
+        outputs = []
+        with grouped_run(len(self)) as run:
+            for g, (x, m) in enumerate(zip(self.group_inputs(), masks, strict=False)):
+                with run.group(self.plan.groups[g], self.plan.rows[g], (x, m)):
+                    outputs.append(_call(module, x, m, args, kwargs))
         return self.merge(outputs)
 
     def _map(self, fn: Callable[[Tensor], Tensor]) -> GroupedBatch:
@@ -361,6 +366,10 @@ def backward_by_group(
     ``items_g`` are the original item indices (to pick targets). The accumulated gradient is
     that of the whole batch's ``mean`` (or ``sum``) loss, which is returned detached.
 
+    The groups are announced to ``grabkit.stats`` as in ``GroupedBatch.run``: the statistics
+    read after the call (and a hook-mode GraB ``step()``) describe the whole batch's items in
+    its order, not the last group's.
+
     An empty batch with ``reduction="sum"`` returns a zero loss and touches no gradient; with
     ``"mean"`` it raises ``ValueError``, since a mean over no items is undefined (NaN).
     """
@@ -381,15 +390,24 @@ def backward_by_group(
     scale = 1.0 / len(batch) if reduction == "mean" else 1.0
     masks = batch.group_masks() if pass_mask else [None] * len(batch.plan)
     total: Tensor | None = None
-    for x, mask, items in zip(batch.group_inputs(), masks, batch.plan.groups, strict=False):
-        out = _call(module, x, mask, (), {})[: len(items)]
-        losses = loss_fn(out, items)
-        if losses.shape != (len(items),):
-            raise ValueError(
-                f"loss_fn should return per-item losses of shape ({len(items)},), but returned "
-                f"{tuple(losses.shape)}"
-            )
-        loss = losses.sum() * scale
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()  # no host sync
+    groups = zip(batch.group_inputs(), masks, batch.plan.groups, batch.plan.rows, strict=False)
+    with grouped_run(len(batch)) as run:
+        for x, mask, items, rows in groups:
+            with run.group(items, rows, (x, mask)):
+                out = _call(module, x, mask, (), {})[: len(items)]  # padding rows cut off
+                with run.group(items):  # what loss_fn computes holds the items' rows only
+                    loss = _group_loss(out, items, loss_fn) * scale
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()  # no host sync
     return total if total is not None else torch.zeros(())
+
+
+def _group_loss(out: Tensor, items: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """The summed per-item losses of one group's output ``out`` (its items' rows)."""
+    losses = loss_fn(out, items)
+    if losses.shape != (len(items),):
+        raise ValueError(
+            f"loss_fn should return per-item losses of shape ({len(items)},), but returned "
+            f"{tuple(losses.shape)}"
+        )
+    return losses.sum()

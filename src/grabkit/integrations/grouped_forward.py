@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from grabkit.group import GroupPlan, plan_groups
 from grabkit.group.plumbing import merge_groups
+from grabkit.stats.rows import grouped_run
 
 __all__ = ["GroupedForward", "check_padded_labels", "right_padded_lengths"]
 
@@ -151,10 +152,13 @@ class GroupedForward:
         if "use_cache" in self._signature.parameters:
             arguments["use_cache"] = False
         parts = []
-        for rows, sizes in zip(plan.groups, plan.lengths, strict=True):
-            length = min(int(sizes[0]), T)
-            group = {k: _slice(v, rows, length, n, T) for k, v in arguments.items()}
-            parts.append(original(**group))
+        with grouped_run(n) as run:  # grabkit.stats learns which rows each group holds
+            for rows, sizes in zip(plan.groups, plan.lengths, strict=True):
+                length = min(int(sizes[0]), T)
+                group = {k: _slice(v, rows, length, n, T) for k, v in arguments.items()}
+                tensors = [v for v in group.values() if isinstance(v, Tensor) and v.dim()]
+                with run.group(rows, len(rows), [t for t in tensors if t.shape[0] == len(rows)]):
+                    parts.append(original(**group))
         self.groups_run += len(parts)
         return _merge_outputs(parts, plan, n, T)
 

@@ -42,6 +42,17 @@ def ratio_interval(
     """
     z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
     z2 = z * z
+    # the quadratic's terms are squares of the inputs: put the inputs near 1 by a power of two
+    # (exact, so the interval is unchanged) lest those squares underflow or overflow
+    largest = max(abs(numerator), abs(denominator), math.sqrt(var_numerator + var_denominator))
+    if 0.0 < largest < math.inf:
+        shift = -math.frexp(largest)[1]
+        numerator, denominator = math.ldexp(numerator, shift), math.ldexp(denominator, shift)
+        var_numerator, var_denominator = (
+            math.ldexp(var_numerator, 2 * shift),
+            math.ldexp(var_denominator, 2 * shift),
+        )
+        covariance = math.ldexp(covariance, 2 * shift)
     a = denominator * denominator - z2 * var_denominator
     if denominator <= 0.0 or a <= 0.0:
         return (-math.inf, math.inf)

@@ -42,7 +42,7 @@ import torch
 
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.stats.transfer import to_device, to_host
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_bool, check_positive
 
 __all__ = [
@@ -269,7 +269,7 @@ def fetch_inner_products(
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
-    flat = to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one host sync
+    flat = batch.to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one host sync
     if not np.isfinite(flat).all():
         raise ValueError(NON_FINITE_HELP)
     offset = 0

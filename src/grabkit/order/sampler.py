@@ -36,6 +36,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -374,6 +375,8 @@ class GraBSampler(Sampler[int], Stateful):
             for piece in pieces:
                 self._balance(piece, position)
                 position += int(piece.size)
+        for piece in pieces:
+            piece.settle()  # a check no host transfer of the balancing settled (else nothing)
         self._stepped = start + B
         self._started = True
         if grads is None:
@@ -439,6 +442,7 @@ class GraBSampler(Sampler[int], Stateful):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
+        self.source.check_saved_config("GraBSampler", state, self._config)
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
@@ -498,5 +502,6 @@ def _check_finite(pieces: list[GradientBatch]) -> None:
     piece is checked by the balancing itself, at no extra cost)."""
     if len(pieces) > 1:
         for piece in pieces:
-            if not bool(torch.isfinite(piece.norms_squared()).all()):  # host sync
+            norms = piece.to_host(piece.norms_squared())  # a host sync (and the piece's check)
+            if not np.isfinite(norms).all():
                 raise ValueError(NON_FINITE_HELP)

@@ -5,10 +5,13 @@ norms, Gram matrix, dots and weighted sums of the per-example gradients exactly,
 without building a (B, d) tensor; ``SketchedStats`` reads a (B, k) random sketch of them instead
 (``grabkit.stats.sketch``). Both are ``StatisticsSource``s: a consumer subscribes and takes each
 backward's ``GradientBatch``, the interface orderings consume; ``DenseGradientBatch`` (a (B, d)
-matrix) and ``HookGradientBatch`` implement it.
+matrix) and ``HookGradientBatch`` implement it. Every read first checks that the per-example
+gradients add up to the gradient autograd delivered (``grabkit.stats.identity``;
+``IdentityCheckError`` when they do not).
 """
 
 from grabkit.stats import recurrent as _recurrent  # noqa: F401  (registers LSTM/GRU/RNN)
+from grabkit.stats import transformers_rules as _transformers  # noqa: F401  (by class name)
 from grabkit.stats.engine import PerSampleStats
 from grabkit.stats.gradient_batch import (
     DenseGradientBatch,
@@ -17,6 +20,7 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.identity import IdentityCheckError
 from grabkit.stats.rules import LayerRule, register_rule, registered_rules, rule_for
 from grabkit.stats.sketch import GradientSketch, SketchedStats
 from grabkit.stats.source import StatisticsSource, Subscription
@@ -27,6 +31,7 @@ __all__ = [
     "GradientBatch",
     "GradientSketch",
     "HookGradientBatch",
+    "IdentityCheckError",
     "LayerRule",
     "PerSampleStats",
     "SketchedStats",

@@ -4,13 +4,15 @@ Attach once to a model. During the forward pass a hook on each layer that owns t
 parameters keeps a reference to the layer's input (a tensor autograd keeps for the backward
 anyway) and puts a hook on the layer's output tensor (on each output its rule needs: a recurrent
 layer's output sequence and final states), which receives the gradient of that output during
-``loss.backward()``. A hook on each trainable parameter receives this backward's batch
-gradient before it is accumulated into ``.grad`` and copies it (``.grad`` may be changed in place
-later), into the previous step's copy when no statistics of that step are still held: one
-tensor the size of the trainable parameters lives between steps instead of a fresh one being
-allocated, and page-faulted in, at every backward. Nothing else runs during the step: norms,
-dots, Gram matrices and weighted sums are computed on read, layer by layer, from those factors
-(see ``grabkit.stats.rules``), never building a (B, d) tensor.
+``loss.backward()``. A hook on each trainable parameter's ``AccumulateGrad`` node receives the
+gradient a backward adds into ``.grad`` (local: before any DDP all-reduce) and copies it
+(``.grad`` may be changed in place later), into the previous step's copy when no statistics of
+that step are still held: one tensor the size of the trainable parameters lives between steps
+instead of a fresh one being allocated, and page-faulted in, at every backward. Nothing else
+runs during the step but the identity check's probe of that gradient (see
+``grabkit.stats.identity``): norms, dots, Gram matrices and weighted sums are computed on read,
+layer by layer, from those factors (see ``grabkit.stats.rules``), never building a (B, d)
+tensor.
 
 The first forward pass (with grad enabled) after a backward starts a new step and drops the
 previous step's references, so the statistics always describe the latest backward's batch
@@ -18,11 +20,29 @@ previous step's references, so the statistics always describe the latest backwar
 ``torch.no_grad()`` or inside ``torch.func`` transforms are ignored. Callables in
 ``step_listeners`` run just before that drop, so a consumer can keep each micro-batch's
 statistics (``grabkit.order`` does, to balance every micro-batch of an accumulated step).
+
+Seams with other autograd work in the same step, each defined:
+
+* **Only backwards that accumulate into ``.grad`` belong to the step** (``grabkit.stats.
+  backwards``): the output-gradient hooks of ``torch.autograd.grad(loss, x)`` (saliency, FGSM),
+  of a ``torch.autograd.grad(loss, params)`` look-ahead, are discarded, and the forward after
+  them does not start a new step.
+* **Double backward**: statistics of a step in which an ``autograd.grad(..., create_graph=True)``
+  ran over the step's layers (an input-gradient penalty: WGAN-GP, R1) are refused
+  (``NotImplementedError``): the per-example gradient of such a loss has second-order parts the
+  layer hooks do not see. A ``loss.backward(create_graph=True)`` is exact (its first-order
+  gradient is what the hooks see).
+* **A weight used functionally** inside the model's forward (``F.linear(h, wte.weight)``) is
+  recorded as one more call (``grabkit.stats.functional``); an unsupported use is refused.
+* **The trainable set** is read at every forward: parameters unfrozen later are attached and
+  frozen ones dropped, from norms, Gram matrices and totals alike (``param_shapes`` follows).
+* **A shared input's expanded output** can only meet the batch by a broadcast, checked at run
+  time (``grabkit.stats.shared_inputs``); a sequence-first copy of the model's input is refused.
+* **Loss terms that are not sums over examples** are declared with ``batch_term``.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -30,13 +50,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
-from grabkit.sharding import refuse_flat_parameters
+from grabkit.sharding import is_sharded, refuse_flat_parameters
+from grabkit.stats.backwards import Backwards, GradientsByTask
+from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
+from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
+from grabkit.stats.identity import IdentityCheck, PendingIdentityCheck, unit_roundoff
+from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
+from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.source import StatisticsSource
 from grabkit.stats.step import StepStatistics
 from grabkit.taps import GradientTaps
@@ -45,8 +72,71 @@ __all__ = ["PerSampleStats", "unwrap_data_parallel"]
 
 _LOSS_REDUCTIONS = ("mean", "sum")
 
-# module -> the PerSampleStats whose hooks are on it (one engine per module at a time)
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, PerSampleStats] = weakref.WeakKeyDictionary()
+# parameter dtype -> unit roundoff of the arithmetic its statistics use (at least float32's)
+_OWN_ROUNDOFF: dict[torch.dtype, float] = {}
+
+# module -> a weak reference to the PerSampleStats whose hooks are on it (one engine per module
+# at a time); weak, as the hooks' own references are, so that an engine dropped without close()
+# is collected and its finalizer removes the hooks
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, weakref.ref[PerSampleStats]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class _WeakHook:
+    """A hook calling ``method`` of an engine it holds weakly (``args`` first): the model's hooks
+    never keep an engine alive, and once it is collected they do nothing until its finalizer
+    removes them."""
+
+    __slots__ = ("_args", "_engine", "_function", "_method")
+
+    def __init__(
+        self, engine: Callable[[], PerSampleStats | None], method: str, *args: Any
+    ) -> None:
+        self._engine, self._method, self._args = engine, method, args
+        self._function = getattr(PerSampleStats, method)  # unbound: no bound method per call
+
+    def __call__(self, *hook_args: Any) -> Any:
+        engine = self._engine()
+        if engine is None:
+            return None
+        return self._function(engine, *self._args, *hook_args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
+        """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model
+        measured: its copies of the hooks do nothing."""
+        return _WeakHook(_no_engine, self._method)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with the model (``torch.save(model)``): unpickled, it does nothing."""
+        return (_WeakHook, (_no_engine, self._method))
+
+
+def _no_engine() -> None:
+    """The engine of a copied hook: none."""
+    return None
+
+
+def _attached(module: nn.Module) -> PerSampleStats | None:
+    """The live engine whose hooks are on ``module``, if any."""
+    engine = _ATTACHED.get(module)
+    return None if engine is None else engine()
+
+
+def _detach(
+    handle_lists: tuple[list[Any], ...],
+    nodes: list[Any],
+    engine: weakref.ref[PerSampleStats],
+) -> None:
+    """Remove an engine's hooks and registrations (by ``close()``, or when it is collected)."""
+    for handles in handle_lists:
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+    nodes.clear()
+    for module, ref in list(_ATTACHED.items()):
+        if ref is engine:
+            del _ATTACHED[module]
 
 
 def unwrap_data_parallel(model: nn.Module) -> nn.Module:
@@ -69,19 +159,29 @@ def _functorch_transform_active() -> bool:
 
 
 class _Call:
-    """One forward call of a tracked layer: what its rule kept, and its output's gradient.
+    """One forward call of a tracked layer: what its rule kept, and its outputs' gradients.
 
-    For a rule with ``multiple_outputs``, ``output_grad`` is a list with one slot per tracked
-    output (None until the first of them receives a gradient) and ``batch_size`` is the number
-    of examples the rule found in the call.
+    ``grads`` maps each autograd graph task that sent a gradient to the output to that gradient
+    (only the tasks that accumulate into the layer's parameters are read; see
+    ``grabkit.stats.backwards``). For a rule with ``multiple_outputs`` each entry is a list with
+    one slot per tracked output (None until that output receives a gradient) and
+    ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
+    gradient edges (node, output number) of the hooked output tensors, for
+    ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
+    layer's output alive). ``group``: the group of a grouped batch the call's rows hold
+    (``grabkit.stats.rows``), None for an ordinary batch.
     """
 
-    __slots__ = ("batch_size", "captured", "output_grad")
+    __slots__ = ("batch_size", "captured", "grads", "group", "outputs")
 
-    def __init__(self, captured: object, batch_size: int | None = None) -> None:
+    def __init__(
+        self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
+    ) -> None:
         self.captured = captured
-        self.output_grad: torch.Tensor | list[torch.Tensor | None] | None = None
+        self.grads: GradientsByTask = {}
         self.batch_size = batch_size
+        self.outputs: list[GradientEdge] = []
+        self.group = group
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -178,20 +278,70 @@ class _ModelBatch:
                 f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
                 f"before the layer)."
             )
+        if b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): Hugging Face's position ids
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is not the "
+                f"batch ({b} examples, dim 0 of the model's input {self.shape}) but which has "
+                f"the batch size in another dim: a sequence-first copy of the model's input "
+                f"(x.t().contiguous()), made without autograd, so PerSampleStats cannot tell it "
+                f"from an input shared by the batch. PerSampleStats needs the examples in dim 0 "
+                f"of every layer's input: use batch_first layouts (batch_first=True, or "
+                f"transpose the layer's output instead)."
+            )
         if x.dim() > 0 and x.shape[0] == 1 and output.dim() > 0 and output.shape[0] == 1:
             return x.expand(b, *x.shape[1:]), output.expand(b, *output.shape[1:])
         return x.unsqueeze(0).expand(b, *x.shape), output.unsqueeze(0).expand(b, *output.shape)
 
 
 class _TrackedLayer:
-    """A layer that owns trainable parameters: its rule and its parameters' full names."""
+    """A layer that owns trainable parameters (or a functional use of a tracked weight): its
+    rule and its parameters' full names."""
 
-    def __init__(self, name: str, module: nn.Module, rule: LayerRule, params: dict[str, str]):
+    def __init__(
+        self, name: str, module: nn.Module | FunctionalUse, rule: LayerRule, params: dict[str, str]
+    ) -> None:
         self.name = name
         self.module = module
         self.rule = rule
         self.params = params  # local name ("weight") -> full name ("encoder.0.weight")
+        self.locals = frozenset(params)
         self.calls: list[_Call] = []
+
+    def __deepcopy__(self, memo: dict) -> _TrackedLayer:
+        return self  # only a copied model's inert hooks hold it (see PerSampleStats.__deepcopy__)
+
+
+def _dtypes(value: Any, found: set[torch.dtype]) -> None:
+    """The floating dtypes of the tensors in ``value`` (tensors, tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            found.add(value.dtype)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _dtypes(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _dtypes(item, found)
+
+
+def _accumulate_grad_node(p: nn.Parameter) -> Any:
+    """The ``AccumulateGrad`` node of a leaf parameter: its pre-hooks see exactly what a
+    backward adds into ``.grad`` (not ``torch.autograd.grad``'s captures)."""
+    with torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _inert() -> PerSampleStats:
+    """An engine that records nothing (what a copied model's hooks call)."""
+    stats = PerSampleStats.__new__(PerSampleStats)
+    stats._inert = True
+    return stats
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+    return type(value).__name__
 
 
 class PerSampleStats(StatisticsSource):
@@ -199,8 +349,9 @@ class PerSampleStats(StatisticsSource):
 
     Here g_i is the gradient of example i's own loss term l_i, over the model's trainable
     parameters (frozen ones are skipped), where the batch loss is ``mean_i l_i``
-    (``loss_reduction="mean"``) or ``sum_i l_i`` (``"sum"``) and example i is row i of dim 0 of
-    every layer's input.
+    (``loss_reduction="mean"``) or ``sum_i l_i`` (``"sum"``), plus any terms declared with
+    ``batch_term`` (left out of every g_i), and example i is row i of dim 0 of every layer's
+    input.
 
     Args:
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
@@ -220,6 +371,21 @@ class PerSampleStats(StatisticsSource):
             the layer input A (for BatchNorm's affine parameters D_i * xhat_i), i.e. the batch
             statistics held as constants. These g_i sum to the batch gradient but differ from
             the gradient of example i's loss alone for BatchNorm and every layer before it.
+        check_identity: verify, per parameter and per backward, that sum_i g_i equals the
+            gradient autograd delivered (``grabkit.stats.identity``: random probes, a few small
+            tensor operations per parameter; cost in ``benchmarks/RESULTS.md``), and raise
+            ``IdentityCheckError`` instead of returning statistics when it does not. Turning
+            it off (False) is for a user who knows the difference is intended: the statistics
+            may then silently describe another loss (a penalty counted into some example, a
+            weight use the hooks did not see).
+        functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
+            weights outside their layers, made inside the model's forward (a tied head), as
+            extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call
+            per torch function in it, so ``"auto"`` (the default) watches the forwards of the
+            first step with a backward and keeps watching only if that step made such a use
+            (a use that first appears later is reported by the identity check, which names
+            this option); True watches every forward; False none (the identity check reports
+            such a use).
 
     Reads (after ``loss.backward()``): ``norms_squared()`` (B,), ``dot(vectors)`` (B,),
     ``gram()`` (B, B), ``weighted_sum(weights)`` {name: tensor}, ``total()`` {name: tensor},
@@ -234,12 +400,13 @@ class PerSampleStats(StatisticsSource):
     The examples are dim 0 of the model's first tensor input. A layer whose input is shared by
     the batch (no batch dim, such as ``wpe(torch.arange(T))``, or a leading dim of 1 such as
     Hugging Face's (1, T) position ids) gives every example the same activation: its output is
-    expanded to (B, ...) (so the model sees the broadcast it would have done anyway) and each
-    example gets its own share. Where dim 0 cannot be told apart from another dim, it raises.
-    A parameter shared by several layers (tied embedding and output head) gets the sum of its
-    uses, cross terms included. A layer called several times in one forward is handled exactly
-    (its per-example gradient is the sum over the calls). BatchNorm in training mode raises
-    unless ``batch_norm_constant_statistics=True``.
+    expanded to (B, ...) (a view that the model may only broadcast against the batch, checked
+    at run time by ``grabkit.stats.shared_inputs``) and each example gets its own share. Where
+    dim 0 cannot be told apart from another dim, it raises. A parameter shared by several
+    layers (tied embedding and output head) gets the sum of its uses, cross terms included. A
+    layer called several times in one forward is handled exactly (its per-example gradient is
+    the sum over the calls). BatchNorm in training mode raises unless
+    ``batch_norm_constant_statistics=True``.
     """
 
     def __init__(
@@ -250,6 +417,8 @@ class PerSampleStats(StatisticsSource):
         torch_func_fallback: bool = False,
         batch_norm_constant_statistics: bool = False,
         keep_batch_gradients: bool = True,
+        check_identity: bool = True,
+        functional_uses: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"PerSampleStats expects an nn.Module, but got {type(model).__name__}")
@@ -262,37 +431,47 @@ class PerSampleStats(StatisticsSource):
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
-
-        names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
-        if not names:
-            raise ValueError("the model has no parameters that require grad; nothing to measure")
-        first = next(p for p in model.parameters() if p.requires_grad)
-        self.dtype = first.dtype
-        self.device = first.device
-        self.param_shapes: dict[str, torch.Size] = {
-            name: p.shape for name, p in model.named_parameters() if p.requires_grad
-        }
-        self._layout = FlatLayout(self.param_shapes)
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self.keep_batch_gradients = bool(keep_batch_gradients)
+        self.check_identity = bool(check_identity)
+        if functional_uses not in (True, False, "auto"):
+            raise ValueError(
+                f"`functional_uses` should be True, False or 'auto', but got {functional_uses!r}"
+            )
+        self.functional_uses = functional_uses
+        # "auto": watching until the first step with a backward shows whether the model makes
+        # functional uses (then it keeps watching) or not (then it stops)
+        self._discovering = functional_uses == "auto"
+        self._functional_seen = False
         #: counts every change of the recorded statistics (a gradient arrived, a step began), so
         #: a reader can cache what it computed from them
         self.generation = 0
-        self._layers = self._find_layers(model, names, self.torch_func_fallback)
+        self._me = weakref.ref(self)  # what the hooks and the registry hold
+        self._model_handles: list[Any] = []
         self._handles: list[Any] = []
+        self._enter_handles: list[Any] = []
+        self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
+        self._layers: list[_TrackedLayer] = []
+        self._functional: dict[tuple, _TrackedLayer] = {}
+        self._watch: FunctionalUses | None = None
+        self._watching = 0  # model forwards running with the watch on
         #: called (no arguments) after a backward, before the next step's first forward drops
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
+        self._params = list(model.named_parameters())
+        self._param_list = [p for _, p in self._params]
+        self._trainable = [p.requires_grad for p in self._param_list]
+        self._attach_trainable()
         self._new_step()
-        self._attach(model)
+        self._attach_model()
 
     # -- attaching ---------------------------------------------------------------------------
     @staticmethod
     def _check_not_attached(model: nn.Module) -> None:
         for name, module in model.named_modules():
-            if module in _ATTACHED:
+            if _attached(module) is not None:
                 where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
                     f"a PerSampleStats is already attached to {where}; call close() on the "
@@ -335,33 +514,152 @@ class PerSampleStats(StatisticsSource):
             layers.append(_TrackedLayer(label, module, rule, params))
         return layers
 
-    def _attach(self, model: nn.Module) -> None:
-        self._handles.append(
-            model.register_forward_pre_hook(self._on_model_input, with_kwargs=True)
+    def _attach_trainable(self) -> None:
+        """Find the layers and hooks for the parameters that require grad now."""
+        names = {id(p): name for name, p in self._params if p.requires_grad}
+        if not names:
+            raise ValueError("the model has no parameters that require grad; nothing to measure")
+        first = next(p for _, p in self._params if p.requires_grad)
+        self.dtype = first.dtype
+        self.device = first.device
+        self.param_shapes: dict[str, torch.Size] = {
+            name: p.shape for name, p in self._params if p.requires_grad
+        }
+        self._layout = FlatLayout(self.param_shapes)
+        self._layers = self._find_layers(self.model, names, self.torch_func_fallback)
+        self._functional = {}
+        self._identity = (
+            IdentityCheck(self.param_shapes, shared_rows=self._shared_rows())
+            if self.check_identity
+            else None
         )
-        for layer in self._layers:
-            hook = functools.partial(self._on_forward, layer)
-            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-            _ATTACHED[layer.module] = self
-        # taps, not p.register_hook: under fully_shard the forward uses unsharded copies
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        on_grad = functools.partial(self._on_tapped_grad, [name for name, _ in named])
-        self._handles.append(GradientTaps(named, on_grad, model))
-        _ATTACHED[model] = self
+        self._attach_layers()
 
-    def close(self) -> None:
-        """Remove every hook and drop the kept references; the object can no longer record."""
+    def _shared_rows(self) -> dict[str, str]:
+        """vector parameter -> matrix parameter of the same layer whose row probe it shares (a
+        Linear's bias and weight read the same output gradients: one product serves both)."""
+        shared = {}
+        for layer in self._layers:
+            full = {local: self.param_shapes[name] for local, name in layer.params.items()}
+            for local, shape in full.items():
+                if len(shape) != 1:
+                    continue
+                for other, other_shape in full.items():
+                    if len(other_shape) >= 2 and other_shape[0] == shape[0]:
+                        shared[layer.params[local]] = layer.params[other]
+                        break
+        return shared
+
+    def _attach_layers(self) -> None:
+        me = self._me
+        for layer in self._layers:
+            hook = _WeakHook(me, "_on_forward", layer)
+            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            if self._watching_forwards:
+                handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
+                self._handles.append(handle)
+                self._enter_handles.append(handle)
+            _ATTACHED[layer.module] = me
+        sharded = []
+        for name, p in self._params:
+            if not p.requires_grad:
+                continue
+            if is_sharded(p):  # fully_shard: the forward differentiates an unsharded copy
+                sharded.append((name, p))
+                continue
+            node = _accumulate_grad_node(p)
+            self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
+            self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+        if sharded:  # taps on the unsharded copies (grabkit.taps)
+            on_grad = _WeakHook(me, "_on_tapped_grad", [name for name, _ in sharded])
+            self._handles.append(GradientTaps(sharded, on_grad, self.model))
+        self._watch = None
+        if self._watching_forwards:
+            self._watch = FunctionalUses(self._owners(), self._record_functional, self._refuse)
+
+    @property
+    def _watching_forwards(self) -> bool:
+        return self.functional_uses is True or self._discovering
+
+    def _end_discovery(self) -> None:
+        """``functional_uses="auto"``: after the first step with a backward, keep watching only
+        if it made a functional use (the watch and its layer pre-hooks go otherwise)."""
+        self._discovering = False
+        if self._functional_seen:
+            self.functional_uses = True
+            return
+        for handle in self._enter_handles:
+            handle.remove()
+        self._enter_handles.clear()
+        self._watch = None
+
+    def _owners(self) -> dict[int, tuple[str, nn.Parameter, frozenset[int]]]:
+        """id(parameter) -> (full name, parameter, ids of the tracked layers' modules owning it)."""
+        params = dict(self._params)
+        layers_of: dict[str, set[int]] = {}
+        for layer in self._layers:
+            for name in layer.params.values():
+                layers_of.setdefault(name, set()).add(id(layer.module))
+        return {
+            id(params[name]): (name, params[name], frozenset(ids))
+            for name, ids in layers_of.items()
+        }
+
+    def _attach_model(self) -> None:
+        model, me = self.model, self._me
+        enter = _WeakHook(me, "_on_model_input")
+        self._model_handles.append(  # first: the model's own layer hooks may follow
+            model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
+        )
+        leave = _WeakHook(me, "_on_model_output")
+        self._model_handles.append(model.register_forward_hook(leave, always_call=True))
+        _ATTACHED[model] = me
+        # run by close(), or when the engine is collected unclosed: the hooks go either way
+        self._detach = weakref.finalize(
+            self, _detach, (self._handles, self._model_handles), self._grad_nodes, me
+        )
+
+    def _detach_layers(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in [self.model, *(layer.module for layer in self._layers)]:
-            if _ATTACHED.get(module) is self:
-                del _ATTACHED[module]
+        self._enter_handles.clear()
+        self._grad_nodes.clear()
+        for layer in self._layers:
+            if _ATTACHED.get(layer.module) is self._me and layer.module is not self.model:
+                del _ATTACHED[layer.module]
+
+    def _follow_trainable_set(self) -> None:
+        """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
+        tell: one flag per parameter)."""
+        trainable = [p.requires_grad for p in self._param_list]
+        if trainable == self._trainable:
+            return
+        self._trainable = trainable
+        self._detach_layers()
+        self._attach_trainable()
+        self._new_step()
+
+    def close(self) -> None:
+        """Remove every hook and drop the kept references; the object can no longer record.
+
+        An engine dropped without ``close()`` is collected (the model's hooks hold it weakly),
+        and collection removes its hooks the same way."""
+        self._detach()
         self._new_step()
         self._spare_grads = {}
 
     def __enter__(self) -> PerSampleStats:
         return self
+
+    def __deepcopy__(self, memo: dict) -> PerSampleStats:
+        """A copy of a model (``copy.deepcopy``, pickling) carries this engine's forward hooks
+        along; they get an inert engine, which records nothing: attach a new
+        ``PerSampleStats`` to the copy to measure it."""
+        return _inert()
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -371,15 +669,25 @@ class PerSampleStats(StatisticsSource):
         if getattr(self, "_backward_seen", False):
             for listener in list(self.step_listeners):
                 listener()  # before the finished step's data is dropped
-        for layer in getattr(self, "_layers", []):
+            if self._discovering and self._watching == 0:
+                self._end_discovery()
+        for layer in [*self._layers, *self._functional.values()]:
             layer.calls = []
         copies = getattr(self, "_param_grads", {})
         readers = getattr(self, "_readers", [])
         self._param_grads: dict[str, torch.Tensor | None] = {}
-        self._backward_seen = False
-        self.generation = getattr(self, "generation", 0) + 1
+        self._backward_seen = False  # a backward accumulated into .grad: statistics to read
+        self._gradient_seen = False  # any hook received a gradient: the next forward is new
+        self._backwards = Backwards()
+        self._batch_terms: list[BatchTerm] = []
+        self._refused: list[tuple[str, str]] = []
+        if self._identity is not None:
+            self._identity.begin_step()
+        self.generation += 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        self._rows = StepRows()  # the grouped batch this step's calls came from, if any
+        self._group_batches: dict[int, _ModelBatch] = {}  # id(group) -> its input's batch
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
         self._readers: list[weakref.ref[StepStatistics]] = []
         if all(reader() is None for reader in readers):
@@ -388,24 +696,60 @@ class PerSampleStats(StatisticsSource):
             # a large layer costs more in page faults than the copy itself, on the CPU).
             self._spare_grads: dict[str, torch.Tensor] = copies
 
+    _inert = False  # a copy carried along with a copied model (see __deepcopy__)
+
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """Record the batch size from the model's first tensor input (dim 0): the examples.
 
         A 1-D floating input is one unbatched vector, not a batch: nothing is recorded and the
-        layers' rules report it.
+        layers' rules report it. The trainable set is read here (parameters frozen or unfrozen
+        since the last forward are followed), and the functional-use watch switched on.
         """
-        if not torch.is_grad_enabled() or _functorch_transform_active():
+        if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
             return
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
+        if self._step_finished():
+            self._new_step()
+        self._follow_trainable_set()
+        self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
-        if self._backward_seen:
-            self._new_step()
         self._batch = _ModelBatch(tensors)
+
+    def _step_finished(self) -> bool:
+        """Whether a forward now starts a new step: a hook received a gradient since this
+        step's first forward, and the forward is neither checkpointing's recomputation nor the
+        next group of the grouped batch being run (``backward_by_group``)."""
+        return self._gradient_seen and not _inside_backward() and not self._rows.continues()
+
+    def _watch_on(self) -> None:
+        if self._watch is None:
+            return
+        if self._watching == 0:
+            self._watch.reset()
+            self._watch.__enter__()
+        self._watching += 1
+
+    def _on_model_output(self, model: nn.Module, args: Any, output: Any) -> None:
+        """The model's forward ended (or raised): the functional-use watch goes off."""
+        if not self._inert and self._watching:
+            self._watching -= 1
+            if self._watching == 0 and self._watch is not None:
+                self._watch.__exit__(None, None, None)
+
+    def _on_layer_enter(self, module: nn.Module, args: Any) -> None:
+        if not self._inert and self._watching and self._watch is not None:
+            self._watch.running.append(id(module))
+
+    def _on_layer_exit(self, layer: _TrackedLayer) -> None:
+        if self._watching and self._watch is not None:
+            running = self._watch.running
+            if running and running[-1] == id(layer.module):
+                running.pop()
 
     def _on_forward(
         self,
@@ -415,28 +759,53 @@ class PerSampleStats(StatisticsSource):
         kwargs: dict[str, Any],
         output: Any,
     ) -> Any:
+        if self._inert:
+            return None
+        self._on_layer_exit(layer)
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
+        # The engine's own tensor work is not the model's: no functional-use watch, and it may
+        # read shapes of an expanded shared output that the model may not.
+        with torch._C.DisableTorchFunction():
+            return self._record_call(layer, module, args, kwargs, output)
+
+    def _record_call(
+        self,
+        layer: _TrackedLayer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> Any:
         if layer.rule.multiple_outputs:
             replaced = layer.rule.replace_output(module, output)
             output = output if replaced is None else replaced
             self._record_multiple_outputs(layer, module, (args, kwargs, output))
             return replaced
+        replaced = layer.rule.replace_output(module, output) if layer.rule.whole_call else None
+        if replaced is not None:  # the same values, laid out batch-first
+            output = replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
-            return None
+            return replaced
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
-        if self._backward_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
-        layer_input, expanded = self._layer_input(layer, args, kwargs, output)
-        call = _Call(layer.rule.capture(module, layer_input))
+        group = self._rows.tag()
+        layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
+        call = _Call(layer.rule.capture(module, layer_input), group=group)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
-        hooked.register_hook(functools.partial(self._on_output_grad, call))
-        return expanded
+        self._hook_output(call, hooked)
+        return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
+
+    def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
+        hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
+        if hooked.grad_fn is not None:
+            call.outputs.append(GradientEdge(hooked.grad_fn, hooked.output_nr))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -452,16 +821,34 @@ class PerSampleStats(StatisticsSource):
         ]
         if not hooked:
             return
-        if self._backward_seen and not _inside_backward():
+        if self._step_finished():
             self._new_step()
         self._check_training_mode(layer, module)
+        group = self._rows.tag()
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
-        if self._batch is not None:
-            self._batch.check_batch_dim(layer.name, size, x, dim)
-        call = _Call(layer.rule.capture(module, whole_call), batch_size=size)
+        batch = self._batch_for(group)
+        if batch is not None:
+            batch.check_batch_dim(layer.name, size, x, dim)
+        call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
         layer.calls.append(call)
         for slot, t in hooked:
-            t.register_hook(functools.partial(self._on_output_slot_grad, call, slot, len(tensors)))
+            t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
+
+    def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
+        """The batch a call's input is checked against: the model's input, or for a call in a
+        group of a grouped batch the group's own input as the runner announced it (the model
+        may run the grouped batch inside its forward); None where neither fits the call's rows
+        (the input is then taken as it is)."""
+        if group is None:
+            return self._batch
+        if group.inputs:
+            batch = self._group_batches.get(id(group))
+            if batch is None:
+                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs))
+            return batch
+        if self._batch is not None and self._batch.size == group.rows:
+            return self._batch
+        return None
 
     def _layer_input(
         self,
@@ -469,6 +856,7 @@ class PerSampleStats(StatisticsSource):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: torch.Tensor,
+        group: GroupRows | None = None,
     ) -> tuple[Any, torch.Tensor | None]:
         """(what the rule keeps from the call, the output expanded to (B, ...) or None).
 
@@ -477,9 +865,10 @@ class PerSampleStats(StatisticsSource):
         """
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
+        batch = self._batch_for(group)
         if isinstance(layer_input, torch.Tensor):
-            if self._batch is not None:
-                layer_input, expanded = self._batch.align(layer.name, layer_input, output)
+            if batch is not None:
+                layer_input, expanded = batch.align(layer.name, layer_input, output)
             if layer.rule.whole_call and expanded is not None:
                 raise NotImplementedError(
                     f"layer {layer.name!r} ({type(layer.module).__name__}) got an input shared "
@@ -509,30 +898,104 @@ class PerSampleStats(StatisticsSource):
             self._warned.add(module)
             warnings.warn(f"layer {layer.name!r}: {message}", stacklevel=3)
 
+    # -- functional uses of tracked weights (recorded by ``grabkit.stats.functional``) --------
+    def _record_functional(
+        self,
+        use: FunctionalUse,
+        weight_name: str,
+        bias_name: str | None,
+        layer_input: torch.Tensor,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """Record a functional use of a tracked weight as one more call; return the output."""
+        with torch._C.DisableTorchFunction():
+            if not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return output
+            if self._step_finished():
+                self._new_step()
+            self._functional_seen = True
+            layer = self._functional_layer(use, weight_name, bias_name)
+            group = self._rows.tag()
+            x, expanded, batch = layer_input, None, self._batch_for(group)
+            if batch is not None and isinstance(x, torch.Tensor):
+                x, expanded = batch.align(layer.name, x, output)
+            if expanded is not None:
+                raise NotImplementedError(
+                    f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "
+                    f"give it an explicit batch dim (expand it to (B, ...)) or call the layer."
+                )
+            call = _Call(layer.rule.capture(use, x.detach()), group=group)
+            layer.calls.append(call)
+            self._hook_output(call, output)
+        return output
+
+    def _functional_layer(
+        self, use: FunctionalUse, weight_name: str, bias_name: str | None
+    ) -> _TrackedLayer:
+        key = (use.kind, weight_name, bias_name, use.padding_idx)
+        layer = self._functional.get(key)
+        if layer is None:
+            params = {"weight": weight_name}
+            if bias_name is not None:
+                params["bias"] = bias_name
+            what = {"linear": "F.linear", "transposed-linear": "matmul", "embedding": "F.embedding"}
+            name = f"{weight_name!r} used by {what[use.kind]}"
+            layer = self._functional[key] = _TrackedLayer(name, use, use.rule, params)
+        layer.module = use  # the latest use's stand-in (same shapes and options)
+        return layer
+
+    def _refuse(self, parameter: str, operation: str) -> None:
+        self._functional_seen = True
+        self._refused.append((parameter, operation))
+
+    # -- gradients ---------------------------------------------------------------------------
     def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
+        task = self._backwards.output_gradient()
         grad = grad.detach()
-        call.output_grad = grad if call.output_grad is None else call.output_grad + grad
+        previous = call.grads.get(task)
+        call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
     def _gradient_arrived(self) -> None:
-        """A hook received a gradient: the step has a backward, and what was read is stale."""
-        self._backward_seen = True
+        """A hook received a gradient: what was read is stale, and the next forward (outside a
+        backward) starts a new step."""
+        self._gradient_seen = True
         self._statistics = None
         self.generation += 1
 
     def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
-        if call.output_grad is None:
-            call.output_grad = [None] * slots
-        previous = call.output_grad[slot]
+        task = self._backwards.output_gradient()
+        per_slot = call.grads.get(task)
+        if per_slot is None:
+            per_slot = call.grads[task] = [None] * slots
+        previous = per_slot[slot]
         grad = grad.detach()
-        call.output_grad[slot] = grad if previous is None else previous + grad
+        per_slot[slot] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
     def _on_tapped_grad(self, names: list[str], index: int, grad: torch.Tensor) -> None:
-        self._on_param_grad(names[index], grad)
+        """A tap on a ``fully_shard`` parameter's unsharded copy (its gradient, local, before
+        the reduce-scatter). Every backward reaching the copy counts as accumulating."""
+        self._on_param_grad(names[index], (grad,))
 
-    def _on_param_grad(self, name: str, grad: torch.Tensor) -> None:
-        self._gradient_arrived()
+    def _on_param_grad(self, name: str, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        """Pre-hook of the parameter's ``AccumulateGrad`` node: a backward adds this gradient
+        into ``.grad`` (so the backward belongs to the step)."""
+        grad = grad_outputs[0]
+        if grad is None:
+            return
+        accumulated = self._backwards.accumulated  # this backward accumulates into ``name``
+        task = torch._C._current_graph_task_id()
+        names = accumulated.get(task)
+        if names is None:
+            accumulated[task] = {name}
+        else:
+            names.add(name)
+        self._backward_seen = self._gradient_seen = True
+        self._statistics = None
+        self.generation += 1
+        if self._identity is not None:
+            self._identity.observe(name, grad)
         if not self.keep_batch_gradients:
             self._param_grads[name] = None  # noted: the gradient came (see the layer check)
             return
@@ -554,27 +1017,107 @@ class PerSampleStats(StatisticsSource):
         else:
             self._param_grads[name] = grad.clone()
 
+    # -- loss terms that are not sums over examples --------------------------------------------
+    def batch_term(self, term: torch.Tensor) -> torch.Tensor:
+        """Declare a loss term that is not a sum over examples; returns ``term`` to add to the loss.
+
+        ``loss = per_example_loss + stats.batch_term(penalty)``: an L2 penalty, an auxiliary
+        loss on shared parameters or on a batch statistic. Its gradient (taken here, once, by
+        ``torch.autograd.grad(term, ..., retain_graph=True)``, with respect to the trainable
+        parameters and to this step's layer outputs) is left out of every g_i and of
+        ``total()``, whatever multiplies the term in the backward (a GradScaler's scale, a
+        weight); the identity check then holds. Call it after the forward, before the backward.
+        See ``grabkit.stats.batch_terms``.
+        """
+        if not isinstance(term, torch.Tensor) or term.numel() != 1 or not term.requires_grad:
+            raise ValueError(
+                "batch_term() takes the loss term itself: a scalar tensor that requires grad "
+                f"(computed from the model), but got {_describe(term)}"
+            )
+        params = {name: p for name, p in self._params if name in self.param_shapes}
+        calls = [
+            (call, edge)
+            for layer in [*self._layers, *self._functional.values()]
+            for call in layer.calls
+            for edge in call.outputs
+        ]
+        inputs = [*params.values(), *(edge for _, edge in calls)]
+        grads = torch.autograd.grad(term, inputs, retain_graph=True, allow_unused=True)
+        record = BatchTerm()
+        for (name, _), grad in zip(params.items(), grads, strict=False):
+            if grad is not None:
+                record.param_grads[name] = grad.detach()
+                if self._identity is not None:
+                    record.gradient_sides[name] = self._identity.gradient_side(name, grad)
+        for (call, _), grad in zip(calls, grads[len(params) :], strict=True):
+            if grad is not None:
+                record.call_grads[id(call)] = (call, grad.detach())
+        self._batch_terms.append(record)
+        return gate(term, record)
+
     # -- reading -----------------------------------------------------------------------------
     @property
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
 
+    @property
+    def parameter_gradients_seen(self) -> bool:
+        """Whether a backward since this step's first forward reached the trainable parameters,
+        not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one)."""
+        return bool(self._param_grads)
+
     def statistics(self) -> StepStatistics:
-        """This step's statistics by parameter name (built on first read, then cached)."""
+        """This step's statistics by parameter name (built on first read, then cached), checked
+        by the identity check before they are returned."""
+        statistics = self._step_statistics()
+        statistics.settle_identity()
+        return statistics
+
+    def _step_statistics(self) -> StepStatistics:
+        """This step's statistics, their identity check possibly still pending (settled by the
+        first host transfer of a value read from them)."""
         if self._statistics is None:
             self._statistics = self._build()
             self._readers.append(weakref.ref(self._statistics))
         return self._statistics
 
-    def _batch_size(self) -> int:
-        sizes: dict[str, list[int]] = {}
-        for layer in self._layers:
+    def _all_layers(self) -> list[_TrackedLayer]:
+        return [*self._layers, *self._functional.values()]
+
+    def _kept_grads(self, layer: _TrackedLayer, call: _Call) -> list[tuple[frozenset[str], Any]]:
+        """The call's output gradients from the step's backwards, by set of local parameter
+        names they reached, less the gradient of declared batch terms."""
+        if not call.grads:
+            return []
+        groups = self._backwards.kept(layer.params, call.grads, layer.locals)
+        for term in self._batch_terms:
+            entry = term.call_grads.get(id(call))
+            if entry is None or entry[0] is not call or not groups:
+                continue
+            scaled = term.scaled(entry[1])
+            if scaled is not None:
+                wanted, grad = max(groups, key=lambda group: len(group[0]))
+                groups[groups.index((wanted, grad))] = (wanted, grad - scaled)
+        return groups
+
+    def _kept_calls(self) -> list[tuple[_TrackedLayer, _Call, list[tuple[frozenset[str], Any]]]]:
+        """(layer, call, its kept gradients) of every call that has some, once per read."""
+        kept = []
+        for layer in self._all_layers():
             for call in layer.calls:
-                if call.output_grad is not None:
-                    size = call.batch_size
-                    size = call.output_grad.shape[0] if size is None else size
-                    sizes.setdefault(layer.name, []).append(size)
+                groups = self._kept_grads(layer, call)
+                if groups:
+                    kept.append((layer, call, groups))
+        return kept
+
+    def _batch_size(self, kept: list) -> int:
+        sizes: dict[str, list[int]] = {}
+        for layer, call, groups in kept:
+            for _, grad in groups:
+                size = call.batch_size
+                size = grad.shape[0] if size is None else size
+                sizes.setdefault(layer.name, []).append(size)
         if not sizes:
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
@@ -589,21 +1132,45 @@ class PerSampleStats(StatisticsSource):
                 f"model's input has {self._batch.size if self._batch else '?'} examples); "
                 f"PerSampleStats needs the batch in dim 0 of every layer's input (use "
                 f"batch_first layouts) and, for a layer called several times, the same "
-                f"examples in every call."
+                f"examples in every call. {UNANNOUNCED_GROUPS_HELP}"
             )
         return distinct.pop()
 
-    def _check_gradients_came_through_layers(self) -> None:
+    def _check_step_is_defined(self) -> None:
+        """Refuse, with the reason, steps whose per-example gradients the hooks cannot give."""
+        if self._backwards.double_backward():
+            raise NotImplementedError(
+                "this step ran torch.autograd.grad(..., create_graph=True) over the model's "
+                "layers (an input-gradient penalty: WGAN-GP, R1, a gradient-norm regulariser) "
+                "beside its backward: the per-example gradient of such a loss has second-order "
+                "parts (through the input gradient's own graph) that layer hooks do not see, so "
+                "PerSampleStats refuses it rather than return the first-order part. Measure a "
+                "step without the penalty, or compute the penalty from a separate forward that "
+                "PerSampleStats does not watch (a copy of the model)."
+            )
+        if self._refused:
+            uses = ", ".join(f"{name!r} by {operation}" for name, operation in self._refused)
+            raise NotImplementedError(
+                f"tracked parameters were used outside their layers in the model's forward in "
+                f"a way PerSampleStats has no per-example factor for: {uses}. F.linear, "
+                f"F.embedding and matmul uses are computed; for another use, call the layer as "
+                f"a module, register a rule for the module that makes the use "
+                f"(grabkit.stats.register_rule), or freeze the parameter."
+            )
+
+    def _check_gradients_came_through_layers(self, kept: list) -> None:
+        reached = {name for layer, _, _ in kept for name in layer.params.values()}
         for layer in self._layers:
-            if any(call.output_grad is not None for call in layer.calls):
+            if any(name in reached for name in layer.params.values()):
                 continue
             for name in layer.params.values():
                 if name in self._param_grads:
                     raise RuntimeError(
                         f"parameter {name!r} received a gradient in this backward, but its "
                         f"layer {layer.name!r} never passed one through its forward hook (the "
-                        f"parameter was used functionally, e.g. F.linear(x, layer.weight) or "
-                        f"nn.MultiheadAttention's out_proj). Call the layer as a module, or "
+                        f"parameter was used outside its layer, e.g. F.linear(x, layer.weight) "
+                        f"or a weight read outside the model's forward). Call the layer as a "
+                        f"module, use it inside the model's forward (functional_uses=True), or "
                         f"freeze the parameter."
                     )
 
@@ -612,24 +1179,126 @@ class PerSampleStats(StatisticsSource):
 
         The factors hold g_i / scale (``scale`` is B for a mean-reduced loss); a parameter used
         by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
+        With ``check_identity`` they are verified against the delivered gradients first.
         """
-        self._check_gradients_came_through_layers()
-        batch_size = self._batch_size()
-        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
-        factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
-        for layer in self._layers:
-            wanted = set(layer.params)
-            for call in layer.calls:
-                if call.output_grad is None:
-                    continue
-                grad = call.output_grad
-                grad = tuple(grad) if isinstance(grad, list) else grad
-                made = layer.rule.factors(layer.module, call.captured, grad, wanted)
-                for local, factor in made.items():
-                    full = layer.params[local]
-                    previous = factors[full]
-                    factors[full] = factor if previous is None else combine(previous, factor)
+        factors, batch_size, scale, _ = self._checked_factors(defer=False)
         return factors, batch_size, scale
+
+    def _checked_factors(
+        self, *, defer: bool
+    ) -> tuple[dict[str, ParameterFactor | None], int, float, PendingIdentityCheck | None]:
+        """``step_factors()`` and, with ``defer``, the identity check left pending (its numbers
+        formed on the device, compared when they reach the host)."""
+        self._check_step_is_defined()
+        kept = self._kept_calls()
+        self._check_gradients_came_through_layers(kept)
+        low: dict[str, float] = {}
+        if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
+            calls = [
+                (
+                    layer.name,
+                    call.group,
+                    grad.shape[0] if call.batch_size is None else call.batch_size,
+                )
+                for layer, call, groups in kept
+                for _, grad in groups
+            ]
+            factors, batch_size = self._rows.factors(
+                calls, lambda group: self._merged_factors(kept, low, group)
+            )
+        else:
+            batch_size = self._batch_size(kept)
+            factors = self._merged_factors(kept, low)
+        scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        pending = None
+        if self._identity is not None:
+            pending = self._identity.verify(
+                factors, low, self._batch_term_gradient_sides(), defer=defer
+            )
+        return factors, batch_size, scale, pending
+
+    def _merged_factors(
+        self, kept: list, low: dict[str, float], group: GroupRows | None = None
+    ) -> dict[str, ParameterFactor | None]:
+        """name -> the combined factor of the ``kept`` calls (of one group of a grouped batch,
+        when ``group`` is given; None: no gradient); ``low`` gathers the coarser precisions
+        their operands were rounded to."""
+        factors: dict[str, ParameterFactor | None] = dict.fromkeys(self.param_shapes)
+        for layer, call, groups in kept:
+            if group is not None and call.group is not group:
+                continue
+            for wanted, grad in groups:
+                self._add_factors(factors, low, layer, call, wanted, grad)
+        return factors
+
+    def _add_factors(
+        self,
+        factors: dict[str, ParameterFactor | None],
+        low: dict[str, float],
+        layer: _TrackedLayer,
+        call: _Call,
+        wanted: frozenset[str],
+        grad: Any,
+    ) -> None:
+        grad = tuple(grad) if isinstance(grad, list) else grad
+        made = layer.rule.factors(layer.module, call.captured, grad, wanted)
+        rounding = self._low_precision(call, grad) if self._identity is not None else 0.0
+        for local, factor in made.items():
+            full = layer.params[local]
+            previous = factors[full]
+            factors[full] = factor if previous is None else combine(previous, factor)
+            if rounding:
+                low[full] = max(low.get(full, 0.0), rounding)
+
+    def _low_precision(self, call: _Call, grad: Any) -> float:
+        """The unit roundoff of a precision below the parameters' that the call's operands were
+        rounded to (bf16 / fp16 under autocast), or 0."""
+        captured = call.captured
+        if type(captured) is torch.Tensor and type(grad) is torch.Tensor:
+            if captured.dtype is self.dtype and grad.dtype is self.dtype:
+                return 0.0  # the usual case: nothing rounded below the parameters' precision
+            found = {captured.dtype, grad.dtype}
+        else:
+            found = set()
+            _dtypes(captured, found)
+            _dtypes(grad, found)
+        own = _OWN_ROUNDOFF.get(self.dtype)
+        if own is None:
+            own = _OWN_ROUNDOFF[self.dtype] = unit_roundoff(
+                torch.promote_types(self.dtype, torch.float32)
+            )
+        coarsest = max((unit_roundoff(d) for d in found), default=0.0)
+        return coarsest if coarsest > own else 0.0
+
+    def _batch_term_gradient_sides(self) -> dict[str, torch.Tensor]:
+        """name -> the identity probe of the declared batch terms' gradients, as scaled."""
+        out: dict[str, torch.Tensor] = {}
+        for term in self._batch_terms:
+            for name, value in term.gradient_sides.items():
+                scaled = term.scaled(value)
+                if scaled is not None:
+                    out[name] = scaled if name not in out else out[name] + scaled
+        return out
+
+    def _batch_gradients(self) -> dict[str, torch.Tensor]:
+        """name -> this step's gradient, less the declared batch terms' (zeros where none)."""
+        grads = self._param_grads
+        if not self._batch_terms and len(grads) == len(self.param_shapes):
+            return {name: as_dtype(grads[name], self.dtype) for name in self.param_shapes}
+        out = {}
+        for name, shape in self.param_shapes.items():
+            grad = self._param_grads.get(name)
+            if grad is None:
+                grad = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            else:
+                grad = as_dtype(grad, self.dtype)
+            for term in self._batch_terms:
+                part = term.param_grads.get(name)
+                scaled = None if part is None else term.scaled(part)
+                if scaled is not None:
+                    grad = grad - scaled.to(grad.dtype)
+            out[name] = grad
+        return out
 
     def _build(self) -> StepStatistics:
         if not self.keep_batch_gradients:
@@ -638,16 +1307,10 @@ class PerSampleStats(StatisticsSource):
                 "batch gradient and answers step_factors() only; build it with "
                 "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
             )
-        factors, batch_size, scale = self.step_factors()
-        batch_gradients = {
-            name: as_dtype(self._param_grads[name], self.dtype)
-            if name in self._param_grads
-            else torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for name, shape in self.param_shapes.items()
-        }
+        factors, batch_size, scale, pending = self._checked_factors(defer=True)
         return StepStatistics(
-            self.param_shapes, factors, batch_gradients, batch_size, self.dtype, self.device, scale,
-            layout=self._layout,
+            self.param_shapes, factors, self._batch_gradients(), batch_size, self.dtype,
+            self.device, scale, layout=self._layout, pending_check=pending,
         )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:
@@ -682,9 +1345,17 @@ class PerSampleStats(StatisticsSource):
         """{name: sum_i g_i}: the batch gradient autograd computed, rescaled to a sum."""
         return self.statistics().total_named()
 
-    def gradient_batch(self) -> HookGradientBatch:
-        """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``."""
-        return HookGradientBatch(self.statistics())
+    def gradient_batch(self, *, settle: bool = True) -> HookGradientBatch:
+        """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``.
+
+        ``settle=False`` leaves the identity check pending on the batch: its comparison then
+        rides on the batch's first ``to_host`` (the consumer's one host transfer of a step),
+        before any value reaches the host (see ``StatisticsSource.gradient_batch``).
+        """
+        statistics = self._step_statistics()
+        if settle:
+            statistics.settle_identity()
+        return HookGradientBatch(statistics)
 
     def _check_named(self, vectors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         if not isinstance(vectors, Mapping):

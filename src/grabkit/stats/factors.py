@@ -20,6 +20,7 @@ outputs per group, k vectors. Parameters are addressed through their own shape `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -33,6 +34,7 @@ __all__ = [
     "as_dtype",
     "combine",
     "compute_dtype",
+    "embedding_linear_cross",
 ]
 
 # The (N, N) equality and inner-product blocks the Embedding Gram matrix builds are processed in
@@ -99,6 +101,13 @@ class PerExampleFactor:
     ``output_of``: the weight factor of the same layer call when ``grads`` are exactly its output
     gradients (a Linear bias on plain vectors): the Gram matrix of both is then the same (B, B)
     matrix, computed once (``OuterProductFactor.output_gram``).
+
+    ``positions`` and ``terms``, for a rule whose rows are sums over positions (a bias over a
+    sequence, a normalisation layer): the number of positions summed per example, and a callable
+    returning the sum over all (example, position) terms of their 2-norms (or an upper bound).
+    The identity check's rounding tolerance (``grabkit.stats.identity``) is taken from the terms
+    a sum was formed of; without them each row counts as one term. ``terms`` is only called when
+    the check's cheap bound does not already settle it.
     """
 
     def __init__(
@@ -107,11 +116,15 @@ class PerExampleFactor:
         param_shape: torch.Size,
         *,
         output_of: OuterProductFactor | None = None,
+        positions: int = 1,
+        terms: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.batch_size = grads.shape[0]
         self.param_shape = torch.Size(param_shape)
         self.grads = as_dtype(grads.reshape(self.batch_size, -1), compute_dtype(grads.dtype))
         self._output_of = output_of
+        self.positions = positions
+        self.terms = terms
 
     def norms_squared(self) -> torch.Tensor:
         return (self.grads * self.grads).sum(dim=1)
@@ -147,7 +160,26 @@ class PerExampleFactor:
         merged.param_shape = self.param_shape
         merged.grads = self.grads + other.grads
         merged._output_of = None
+        merged.positions = self.positions + other.positions
+        merged.terms = _summed_terms(self, other)
         return merged
+
+
+def _summed_terms(
+    first: PerExampleFactor, second: PerExampleFactor
+) -> Callable[[], torch.Tensor] | None:
+    """The ``terms`` of two merged per-example factors (None where both count rows as terms)."""
+    if first.terms is None and second.terms is None:
+        return None
+
+    def terms() -> torch.Tensor:
+        parts = [
+            f.terms() if f.terms is not None else torch.linalg.vector_norm(f.grads, dim=1).sum()
+            for f in (first, second)
+        ]
+        return parts[0] + parts[1]
+
+    return terms
 
 
 class OuterProductFactor:
@@ -177,6 +209,8 @@ class OuterProductFactor:
         output_grads: torch.Tensor,
         param_shape: torch.Size,
         strategy: str = "auto",
+        *,
+        flat: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if strategy not in _STRATEGIES:
             raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
@@ -188,6 +222,10 @@ class OuterProductFactor:
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
         self._output_gram: torch.Tensor | None = None
+        # (N, p) and (N, q) views, kept once made (``flat``: the caller's own 2-D tensors)
+        self._flat_views = None
+        if flat is not None and flat[0].dtype == dtype and flat[1].dtype == dtype:
+            self._flat_views = flat
 
     # -- helpers ---------------------------------------------------------------------------------
     def _use_ghost(self, pairs: int) -> bool:
@@ -224,10 +262,12 @@ class OuterProductFactor:
         Plain matrix products on these run as single GEMMs, without the batched-matmul
         dispatch the grouped (G, N, f) layout needs.
         """
-        return (
-            self.inputs.reshape(-1, self.in_features),
-            self.output_grads.reshape(-1, self.out_features),
-        )
+        if self._flat_views is None:
+            self._flat_views = (
+                self.inputs.reshape(-1, self.in_features),
+                self.output_grads.reshape(-1, self.out_features),
+            )
+        return self._flat_views
 
     def _per_example(self, per_row: torch.Tensor) -> torch.Tensor:
         """(B T, k) values per (example, position) -> (B, k) sums over the positions."""
@@ -509,9 +549,9 @@ class SumFactor:
     def _cross(self, u: ParameterFactor, v: ParameterFactor) -> torch.Tensor:
         """(B, B) entries <g_i^u, g_j^v>."""
         if isinstance(u, EmbeddingFactor) and _is_plain_linear(v):
-            return _embedding_linear_cross(u, v)
+            return embedding_linear_cross(u, v)
         if isinstance(v, EmbeddingFactor) and _is_plain_linear(u):
-            return _embedding_linear_cross(v, u).T
+            return embedding_linear_cross(v, u).T
         identity = torch.eye(self.batch_size, dtype=torch.float64)
         dense_v = v.weighted_sum(identity.to(_dtype_of(v)))  # (B, *param_shape)
         return u.dot(dense_v)
@@ -556,8 +596,9 @@ def _is_plain_linear(factor: ParameterFactor) -> bool:
     return isinstance(factor, OuterProductFactor) and factor.groups == 1
 
 
-def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
-    """(B, B) <g_i^u, g_j^v> for a table used as embedding (u) and as output head (v), ghost-style.
+def embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
+    """(B_u, B_v) <g_i^u, g_j^v> for a table used as embedding (u) and as output head (v),
+    ghost-style (the two may hold other examples: two groups of a grouped batch).
 
     <sum_t onehot(idx_it) E_it^T, sum_s D_js A_js^T> = sum_{t, s} D_js[idx_it] (E_it . A_js):
     N_u x N_v pairs of d-dim dots, never the (B, V, d) per-example gradients.
@@ -569,11 +610,11 @@ def _embedding_linear_cross(u: EmbeddingFactor, v: OuterProductFactor) -> torch.
     a = v.inputs.reshape(-1, v.in_features).to(dtype)  # (N_v, d)
     d = v.output_grads.reshape(-1, v.out_features).to(dtype)  # (N_v, V)
     pairs = (e @ a.T) * d.index_select(1, idx).T  # (N_u, N_v)
-    return pairs.reshape(b, -1, b, v.positions).sum(dim=(1, 3))
+    return pairs.reshape(b, -1, v.batch_size, v.positions).sum(dim=(1, 3))
 
 
 def _embedding_linear_cross_diagonal(u: EmbeddingFactor, v: OuterProductFactor) -> torch.Tensor:
-    """(B,) <g_i^u, g_i^v>, the diagonal of ``_embedding_linear_cross``: per example,
+    """(B,) <g_i^u, g_i^v>, the diagonal of ``embedding_linear_cross``: per example,
     sum_{t, s} D_is[idx_it] (E_it . A_is) over T_u x T_v pairs only (no (B T)^2 products)."""
     dtype = torch.promote_types(u.output_grads.dtype, v.inputs.dtype)
     b = u.batch_size

@@ -70,11 +70,12 @@ class TorchFuncFallbackRule(LayerRule):
         b = output_grad.shape[0]
         names = [*range(len(args)), *kwargs]
         values = [*args, *kwargs.values()]
-        split = [
-            self._is_batched(module, name, v, b, first=k == 0)
+        views = [
+            self.batched_view(module, name, v, b, first=k == 0)
             for k, (name, v) in enumerate(zip(names, values, strict=True))
         ]
-        batched = [v for v, s in zip(values, split, strict=True) if s]
+        split = [view is not None for view in views]
+        batched = [view for view in views if view is not None]
         params = {
             name: p.detach()
             for name, p in module.named_parameters(recurse=self.covers_children)
@@ -83,7 +84,10 @@ class TorchFuncFallbackRule(LayerRule):
 
         def one_example(d: torch.Tensor, *rows: torch.Tensor) -> dict[str, torch.Tensor]:
             it = iter(rows)
-            full = [next(it).unsqueeze(0) if s else v for v, s in zip(values, split, strict=True)]
+            full = [
+                self.example_input(module, name, next(it)) if s else v
+                for name, v, s in zip(names, values, split, strict=True)
+            ]
             call_args = tuple(full[: len(args)])
             call_kwargs = dict(zip(kwargs, full[len(args) :], strict=True))
 
@@ -104,26 +108,78 @@ class TorchFuncFallbackRule(LayerRule):
             ) from error
         return {name: PerExampleFactor(g.detach(), params[name].shape) for name, g in grads.items()}
 
-    @staticmethod
-    def _is_batched(module: nn.Module, name: object, value: object, b: int, first: bool) -> bool:
+    def batched_view(
+        self, module: nn.Module, name: object, value: object, b: int, first: bool
+    ) -> torch.Tensor | None:
+        """The input ``name`` (a position or a keyword) as (B, ...) rows, one per example, to
+        split by example; None for an input passed whole to every example."""
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != b:
-            return False
+            return None
         if not first and b in value.shape[1:]:
             raise ValueError(
                 f"{type(module).__name__}: input {name!r} of shape {tuple(value.shape)} has the "
                 f"batch size {b} in dim 0 and in another dim, so whether it holds one entry per "
                 f"example cannot be told. Use a batch size that differs from its other dims."
             )
-        return True
+        return value
+
+    def example_input(self, module: nn.Module, name: object, row: torch.Tensor) -> torch.Tensor:
+        """One example's input ``name`` from its row of ``batched_view``: a batch of one."""
+        return row.unsqueeze(0)
 
 
 class AttentionRule(TorchFuncFallbackRule):
     """``nn.MultiheadAttention``: its projection weights are used functionally (no Linear call
     to hook), so its per-example gradients, out_proj's included, come from the replay: exact
-    with any masks, ``is_causal`` and ``need_weights``, for batch-first inputs."""
+    with any masks, ``is_causal`` and ``need_weights``, for batch-first inputs.
+
+    The layer's signature says where each input holds the examples, so no input is guessed:
+    query, key, value and ``key_padding_mask`` in dim 0 (whatever their other sizes), a 2-D
+    ``attn_mask`` is shared by the batch, and a 3-D one, (B * num_heads, T, S), holds example
+    i's heads in rows i * num_heads to (i + 1) * num_heads - 1.
+    """
+
+    _POSITIONS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+    _BATCH_FIRST = frozenset({"query", "key", "value", "key_padding_mask"})
 
     def __init__(self) -> None:
         super().__init__(covers_children=True)
+
+    def _argument(self, name: object) -> object:
+        if isinstance(name, int) and name < len(self._POSITIONS):
+            return self._POSITIONS[name]
+        return name
+
+    def batched_view(
+        self, module: nn.Module, name: object, value: object, b: int, first: bool
+    ) -> torch.Tensor | None:
+        argument = self._argument(name)
+        if not isinstance(value, torch.Tensor):
+            return None
+        if argument in self._BATCH_FIRST:
+            return value if value.dim() > 0 and value.shape[0] == b else None
+        if argument == "attn_mask" and value.dim() == 2:
+            return None  # (T, S): the same mask for every example
+        if argument == "attn_mask" and value.dim() == 3:  # (B * heads, T, S): the layer checked
+            return value.reshape(b, module.num_heads, *value.shape[1:])
+        return super().batched_view(module, name, value, b, first)
+
+    def example_input(self, module: nn.Module, name: object, row: torch.Tensor) -> torch.Tensor:
+        if self._argument(name) == "attn_mask":
+            return row  # (num_heads, T, S): the 3-D mask of a batch of one
+        return super().example_input(module, name, row)
+
+    def replace_output(self, module: nn.Module, output: Any) -> Any:
+        """A batch-first output that the kernel returned as a transposed view (the CPU's), with
+        B equal to another of its dims, becomes a contiguous copy: the layer knows dim 0 holds
+        the examples, the layers after it could not tell it from the equal dim."""
+        out = output[0] if isinstance(output, tuple) else output
+        if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.is_contiguous():
+            return None
+        if out.shape[0] not in out.shape[1:]:
+            return None  # unambiguous: later layers find the batch dim by its size
+        copy = out.contiguous()
+        return (copy, *output[1:]) if isinstance(output, tuple) else copy
 
     def check(self, module: nn.Module) -> None:
         if not module.batch_first:

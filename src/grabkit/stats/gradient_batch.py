@@ -20,7 +20,10 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
+import numpy as np
 import torch
+
+from grabkit.stats.transfer import to_host
 
 __all__ = [
     "DenseGradientBatch",
@@ -126,6 +129,16 @@ class GradientBatch(ABC):
         without recomputing anything; by default the whole batch, uncut."""
         return [self]
 
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor``, computed from this batch's reads, on the host: the
+        consumer's host transfer. A batch whose statistics carry a pending check (hook
+        statistics' identity check) compares it in the same transfer, before any value is
+        returned."""
+        return to_host(tensor)
+
+    def settle(self) -> None:  # noqa: B027 (nothing pending by default)
+        """Run a pending check of the statistics now (a host transfer where one is pending)."""
+
 
 class DenseGradientBatch(GradientBatch):
     """A ``GradientBatch`` backed by a dense (B, d) tensor.
@@ -190,6 +203,12 @@ class NormalizedBatch(GradientBatch):
         self.dtype, self.device = batch.dtype, batch.device
         norms = batch.norms_squared().sqrt()
         self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        return self.inner.to_host(tensor)
+
+    def settle(self) -> None:
+        self.inner.settle()
 
     def gram(self) -> torch.Tensor:
         return self.inner.gram() * self.scale[:, None] * self.scale[None, :]

@@ -7,6 +7,7 @@ factor reads them; weighted sums come back concatenated into (d,) / (k, d). So t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from grabkit.stats.gradient_batch import GradientBatch
@@ -34,6 +35,14 @@ class HookGradientBatch(GradientBatch):
 
     def gram(self) -> torch.Tensor:
         return self.statistics.gram()
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """Host values of ``tensor``, in one transfer with the statistics' pending identity
+        check, which is compared first (``StepStatistics.to_host``)."""
+        return self.statistics.to_host(tensor)
+
+    def settle(self) -> None:
+        self.statistics.settle_identity()
 
     def norms_squared(self) -> torch.Tensor:
         return self.statistics.norms_squared()

@@ -31,6 +31,7 @@ replayed).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
@@ -183,8 +184,12 @@ class RecurrentRule(LayerRule):
                 if name in wanted:
                     if id(delta) not in summed:
                         summed[id(delta)] = delta.sum(dim=1)
-                    per_example = summed[id(delta)]
-                    out[name] = PerExampleFactor(per_example, getattr(module, name).shape)
+                    out[name] = PerExampleFactor(
+                        summed[id(delta)],
+                        getattr(module, name).shape,
+                        positions=delta.shape[1],
+                        terms=functools.partial(_term_norms, delta),
+                    )
             if d.delta_hr is not None:
                 self._add(out, wanted, module, f"weight_hr{d.suffix}", d.m, d.delta_hr)
         return out
@@ -219,6 +224,11 @@ class RecurrentRule(LayerRule):
             elif not module.batch_first:
                 sequence = sequence.transpose(0, 1)
         return [sequence, *states]
+
+
+def _term_norms(delta: torch.Tensor) -> torch.Tensor:
+    """The sum over (example, step) of the 2-norms of a bias's per-step gradients (B, T, n)."""
+    return torch.linalg.vector_norm(delta, dim=2).sum()
 
 
 def _detached(x: PackedSequence) -> PackedSequence:

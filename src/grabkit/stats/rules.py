@@ -65,9 +65,9 @@ class LayerRule(ABC):
         return (output,)
 
     def replace_output(self, module: nn.Module, output: Any) -> Any:
-        """The call's output with the same values, or None to keep it (``multiple_outputs``
-        rules): say a batch-first copy of a transposed view, so that later layers can tell
-        the batch dim from an equal other dim."""
+        """The call's output with the same values, or None to keep it (``multiple_outputs`` and
+        ``whole_call`` rules): say a batch-first copy of a transposed view, so that later
+        layers can tell the batch dim from an equal other dim."""
         return None
 
     def call_batch(
@@ -193,26 +193,56 @@ class LinearRule(LayerRule):
         _require_batched(module, layer_input, 2)
         out: dict[str, ParameterFactor] = {}
         if "weight" in wanted:
+            flat = (layer_input, output_grad) if output_grad.dim() == 2 else None  # (B, f) already
             out["weight"] = OuterProductFactor(
                 _as_sequence(layer_input, module.in_features),
                 _as_sequence(output_grad, module.out_features),
                 module.weight.shape,
+                flat=flat,
             )
         if "bias" in wanted:
             weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
-            out["bias"] = PerExampleFactor(
-                _summed_over_positions(output_grad), module.bias.shape, output_of=weight
-            )
+            out["bias"] = _bias_factor(output_grad, module.bias.shape, output_of=weight)
         return out
 
 
-def _summed_over_positions(output_grad: torch.Tensor) -> torch.Tensor:
-    """(B, ..., f) -> (B, f): a bias's per-example gradient (a view, no copy, when there is one
-    position per example: a sum over one element would copy, for the same numbers)."""
+def _bias_factor(
+    output_grad: torch.Tensor, shape: torch.Size, output_of: OuterProductFactor | None = None
+) -> PerExampleFactor:
+    """A bias's per-example gradient from (B, ..., f) output gradients: their sum over the
+    positions (a view, no copy, when there is one position per example: a sum over one element
+    would copy, for the same numbers)."""
     if output_grad.dim() == 2:
-        return output_grad
+        return PerExampleFactor(output_grad, shape, output_of=output_of)
     positions = output_grad.reshape(output_grad.shape[0], -1, output_grad.shape[-1])
-    return positions[:, 0] if positions.shape[1] == 1 else positions.sum(dim=1)
+    if positions.shape[1] == 1:
+        return PerExampleFactor(positions[:, 0], shape, output_of=output_of)
+    return _summed_factor(positions, (1,), shape)
+
+
+def _summed_factor(
+    product: torch.Tensor,
+    dims: tuple[int, ...],
+    shape: torch.Size,
+    magnitude: Callable[[], torch.Tensor] | None = None,
+) -> PerExampleFactor:
+    """Per-example gradients ``product.sum(dims)`` (B, *shape) of a rule that sums over
+    positions, with the norms of those terms for the identity check's tolerance (computed only
+    if the check asks: the 2-norm over the parameter's dims of every term, summed; of
+    ``magnitude()`` instead of ``product`` where the terms' rounding is relative to more)."""
+    kept = tuple(d for d in range(1, product.dim()) if d not in dims)
+    count = 1
+    for d in dims:
+        count *= product.shape[d]
+
+    def terms() -> torch.Tensor:
+        bound = product if magnitude is None else magnitude()
+        return torch.linalg.vector_norm(bound, dim=kept).sum()
+
+    if not dims and magnitude is None:
+        return PerExampleFactor(product, shape)
+    per_example = product.sum(dim=dims) if dims else product
+    return PerExampleFactor(per_example, shape, positions=count, terms=terms)
 
 
 class TransposedLinearRule(LayerRule):
@@ -239,7 +269,7 @@ class TransposedLinearRule(LayerRule):
                 module.weight.shape,
             )
         if "bias" in wanted:
-            out["bias"] = PerExampleFactor(_summed_over_positions(output_grad), module.bias.shape)
+            out["bias"] = _bias_factor(output_grad, module.bias.shape)
         return out
 
 
@@ -271,8 +301,7 @@ class ConvRule(LayerRule):
             grads = output_grad.reshape(b, g, c_out // g, length).permute(0, 3, 1, 2)
             out["weight"] = OuterProductFactor(inputs, grads, module.weight.shape)
         if "bias" in wanted:
-            per_example = output_grad.reshape(b, c_out, -1).sum(dim=2)
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            out["bias"] = _summed_factor(output_grad.reshape(b, c_out, -1), (2,), module.bias.shape)
         return out
 
     def _patches(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -339,6 +368,12 @@ class _AffineNormRule(LayerRule):
     def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         """Dims of x summed away to reach the parameter's shape (after dim 0, the batch)."""
 
+    def rounding_scale(self, module: nn.Module, captured: Any, dtype: torch.Tensor) -> torch.Tensor:
+        """(|x| + |mean|) * rstd, shaped like x: what the rounding error of xhat is relative to
+        (a recomputed xhat differs from the backward's own by a few units of it; it exceeds
+        |xhat| where x - mean cancels, e.g. a row of equal values). For the identity check."""
+        return self.normalised(module, captured, dtype).abs()
+
     def factors(
         self,
         module: nn.Module,
@@ -353,12 +388,27 @@ class _AffineNormRule(LayerRule):
         grad = output_grad.to(compute_dtype(output_grad.dtype))
         if "weight" in wanted:
             xhat = self.normalised(module, layer_input, grad.dtype)
-            per_example = (grad * xhat).sum(dim=dims) if dims else grad * xhat
-            out["weight"] = PerExampleFactor(per_example, module.weight.shape)
+
+            def magnitude() -> torch.Tensor:
+                return grad * self.rounding_scale(module, layer_input, grad.dtype)
+
+            out["weight"] = _summed_factor(grad * xhat, dims, module.weight.shape, magnitude)
         if "bias" in wanted and getattr(module, "bias", None) is not None:
-            per_example = grad.sum(dim=dims) if dims else grad
-            out["bias"] = PerExampleFactor(per_example, module.bias.shape)
+            out["bias"] = _summed_factor(grad, dims, module.bias.shape)
         return out
+
+
+def _shifted_scale(
+    x: torch.Tensor, dims: tuple[int, ...], eps: float, stats: tuple | None = None
+) -> torch.Tensor:
+    """(|x| + |mean|) / sqrt(var + eps) with the mean and variance over ``dims`` (or ``stats``
+    = (mean, var) given, broadcastable to x)."""
+    if stats is None:
+        mean = x.mean(dim=dims, keepdim=True)
+        var = x.var(dim=dims, unbiased=False, keepdim=True)
+    else:
+        mean, var = stats
+    return (x.abs() + mean.abs()) * torch.rsqrt(var + eps)
 
 
 @rule_for(nn.LayerNorm)
@@ -366,6 +416,11 @@ class LayerNormRule(_AffineNormRule):
     def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.to(dtype)
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+
+    def rounding_scale(self, module: nn.Module, captured: Any, dtype: torch.Tensor) -> torch.Tensor:
+        x = captured.to(dtype)
+        dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
+        return _shifted_scale(x, dims, module.eps)
 
     def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(1, x.dim() - len(module.normalized_shape)))
@@ -386,6 +441,11 @@ class GroupNormRule(_AffineNormRule):
     def normalised(self, module: nn.Module, captured: Any, dtype: torch.dtype) -> torch.Tensor:
         x = captured.to(dtype)
         return F.group_norm(x, module.num_groups, None, None, module.eps)
+
+    def rounding_scale(self, module: nn.Module, captured: Any, dtype: torch.Tensor) -> torch.Tensor:
+        x = captured.to(dtype)
+        grouped = x.reshape(x.shape[0], module.num_groups, -1)
+        return _shifted_scale(grouped, (2,), module.eps).reshape(x.shape)
 
     def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(2, x.dim()))
@@ -430,6 +490,17 @@ class BatchNormRule(_AffineNormRule):
             training=use_batch_stats,
             eps=module.eps,
         )
+
+    def rounding_scale(self, module: nn.Module, captured: Any, dtype: torch.Tensor) -> torch.Tensor:
+        x = captured.x.to(dtype)
+        if captured.use_batch_stats:
+            return _shifted_scale(x, (0, *range(2, x.dim())), module.eps)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        stats = (
+            module.running_mean.to(dtype).view(shape),
+            module.running_var.to(dtype).view(shape),
+        )
+        return _shifted_scale(x, (), module.eps, stats)
 
     def reduce_dims(self, module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(range(2, x.dim()))

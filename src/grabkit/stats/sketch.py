@@ -24,9 +24,12 @@ into the same k coordinates, each computed from what the layer hooks hold
   parameter's own map applied to them densely; a parameter with several uses (a tied embedding
   and output head) gets the sum of its uses' sketches, since S_p is linear.
 
-Every map is drawn on the CPU in float32 from a generator seeded by (``seed``, parameter name)
-and then moved to the statistics' device and dtype: every rank and every resumed run draws the
-same maps, in any process.
+Every map is drawn on the CPU in float32 from a generator seeded by (``seed``, canonical
+parameter name: wrappers such as ``torch.compile``, DDP, FSDP and activation-checkpoint wrappers
+looked through, ``grabkit.stats.names``) and then moved to the statistics' device and dtype:
+every rank and every resumed run draws the same maps, in any process, compiled or wrapped or
+not. ``GradientSketch.fingerprint`` digests what the maps are drawn from; a sampler's state
+records it and a state of other maps is refused (``check_saved_maps``).
 
 Guarantee (Johnson-Lindenstrauss style). Unbiased: E[<S g_i, S g_j>] = <g_i, g_j> for every
 pair. For a dense Gaussian map of width k the error of one inner product has standard deviation
@@ -51,6 +54,7 @@ Shapes: B examples, T positions, G groups, k = ``dim`` sketch coordinates.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +72,8 @@ from grabkit.stats.factors import (
     compute_dtype,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch
+from grabkit.stats.names import canonical_parameter_names
+from grabkit.stats.rows import ItemLayout, RowsFactor
 from grabkit.stats.source import StatisticsSource
 
 __all__ = [
@@ -75,8 +81,10 @@ __all__ = [
     "GradientSketch",
     "KroneckerMap",
     "SketchedStats",
+    "check_saved_maps",
     "kronecker_factors",
     "kronecker_split",
+    "maps_fingerprint",
 ]
 
 
@@ -122,7 +130,8 @@ def kronecker_split(rows: int, cols: int, dim: int) -> tuple[int, int]:
 
 
 def _seed_of(seed: int, name: str) -> int:
-    """A 63-bit generator seed from (seed, parameter name), the same in every process."""
+    """A 63-bit generator seed from (seed, canonical parameter name), the same in every
+    process."""
     digest = hashlib.sha256(f"grabkit.sketch/{seed}/{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
@@ -250,8 +259,11 @@ class KroneckerMap:
 
     def matrix(self) -> torch.Tensor:
         """The (k, rows * cols) matrix of the map in float64 (for checks: k times the parameter's
-        size)."""
-        return torch.kron(self.p_out.double(), self.p_in.double()) * self.scale
+        size). Built by broadcasting, not ``torch.kron``, which fails on a side of one column
+        whose strides are not the contiguous ones (a one-row weight's orthogonal side)."""
+        p_out, p_in = self.p_out.double(), self.p_in.double()
+        product = p_out[:, None, :, None] * p_in[None, :, None, :]  # (k_out, k_in, rows, cols)
+        return product.reshape(self.k_out * self.k_in, self.rows * self.cols) * self.scale
 
 
 class CountSketchMap:
@@ -287,6 +299,42 @@ class CountSketchMap:
 
 _Map = KroneckerMap | CountSketchMap
 
+
+def maps_fingerprint(shapes: Mapping[str, torch.Size], dim: int, seed: int) -> str:
+    """A short digest of what the maps are drawn from: the parameters' canonical names and
+    shapes (in name order), k, the seed and the maps' version. Equal fingerprints, equal maps."""
+    described = [_MAPS_VERSION, dim, seed, sorted((n, list(s)) for n, s in shapes.items())]
+    return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def check_saved_maps(where: str, state: Any, config: Mapping[str, Any]) -> None:
+    """Raise unless a saved sampler ``state`` balanced sketches drawn from the maps this
+    sampler's ``config`` describes. Only the maps' identity is checked here, where the rest of
+    the configuration agrees (the sampler's own check names any other difference: a seed or
+    sketch_dim of its own); nothing to check for a sampler without sketches."""
+    ours = config.get("sketch_fingerprint")
+    saved = state.get("config") if isinstance(state, Mapping) else None
+    if ours is None or not isinstance(saved, Mapping):
+        return
+    theirs = saved.get("sketch_fingerprint")
+    others = {k for k in set(saved) | set(config) if k != "sketch_fingerprint"}
+    if theirs == ours or any(saved.get(k) != config.get(k) for k in others):
+        return
+    why = (
+        "records no fingerprint of its maps (saved by an older grabkit)"
+        if theirs is None
+        else f"was balanced on sketches from other random maps (fingerprint {theirs!r}, this "
+        f"sampler's {ours!r})"
+    )
+    raise ValueError(
+        f"{where}.load_state_dict: the state {why}; continuing would mix sketches of two maps. "
+        f"The maps are a function of the trainable parameters' names and shapes, the seed and "
+        f"sketch_dim: build the sampler on the same model with the same trainable parameters, "
+        f"seed and sketch_dim (torch.compile, DDP, FSDP and activation-checkpoint wrappers are "
+        f"looked through, so they need not match)."
+    )
+
+
 #: changes whenever the maps drawn for a (seed, name, shape, dim) change: saved states record it
 _MAPS_VERSION = 1
 
@@ -297,31 +345,52 @@ class GradientSketch:
     Args:
         param_shapes: name -> shape of every trainable parameter (``PerSampleStats.param_shapes``).
         dim: k, the sketch width (``kronecker_factors`` splits it for matrix parameters).
-        seed: with each parameter's name, seeds its map.
+        seed: with each parameter's canonical name, seeds its map.
+        canonical_names: name -> the parameter's name with wrappers looked through
+            (``grabkit.stats.names.canonical_parameter_names``; default: the names as given),
+            so that a compiled, DDP-, FSDP- or checkpoint-wrapped model draws the plain model's
+            maps.
 
-    ``config`` is the plain description a saved state records; ``map_for(name)`` the map of one
+    ``config`` is the plain description a saved state records, with ``fingerprint`` (of the
+    canonical names, shapes, seed and k: the maps' identity); ``map_for(name)`` the map of one
     parameter (drawn on first use, on the CPU in float32).
     """
 
-    def __init__(self, param_shapes: Mapping[str, torch.Size], dim: int, seed: int) -> None:
+    def __init__(
+        self,
+        param_shapes: Mapping[str, torch.Size],
+        dim: int,
+        seed: int,
+        *,
+        canonical_names: Mapping[str, str] | None = None,
+    ) -> None:
         kronecker_factors(dim)  # validates dim
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
         self.dim, self.seed = dim, seed
         self.param_shapes = {name: torch.Size(s) for name, s in param_shapes.items()}
+        given = canonical_names or {}
+        self.canonical_names = {name: given.get(name, name) for name in self.param_shapes}
+        self.fingerprint = maps_fingerprint(
+            {self.canonical_names[n]: s for n, s in self.param_shapes.items()}, dim, seed
+        )
         self._cpu: dict[str, _Map] = {}
         self._moved: dict[tuple[str, torch.device, torch.dtype], _Map] = {}
         self._concatenated: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def config(self) -> dict[str, Any]:
-        return {"sketch_dim": self.dim, "sketch_maps": _MAPS_VERSION}
+        return {
+            "sketch_dim": self.dim,
+            "sketch_maps": _MAPS_VERSION,
+            "sketch_fingerprint": self.fingerprint,
+        }
 
     def map_for(self, name: str) -> _Map:
         """The map of parameter ``name``, on the CPU in float32."""
         if name not in self._cpu:
             shape = self.param_shapes[name]
-            seed = _seed_of(self.seed, name)
+            seed = _seed_of(self.seed, self.canonical_names[name])
             if len(shape) >= 2:
                 rows = int(shape[0])
                 cols = shape.numel() // rows
@@ -377,8 +446,12 @@ class GradientSketch:
         outer products with one fused op (no (B, k) temporary per layer), and the per-example
         gradients of every CountSketched parameter (biases) go through one concatenated
         scatter-add, so a step costs a few small ops per layer (what dominates small models,
-        whose projections are cheap).
+        whose projections are cheap). A grouped batch's factors (``RowsFactor``) are sketched
+        group by group, each group's rows put at its items.
         """
+        layout = next((f.layout for f in factors.values() if isinstance(f, RowsFactor)), None)
+        if layout is not None:
+            return self._apply_by_group(factors, layout, scale, device=device, dtype=dtype)
         out = torch.empty(batch_size, self.dim, device=device, dtype=dtype)
         written = False  # whether ``out`` holds a sum yet (else its contents are undefined)
         counted: list[tuple[str, torch.Tensor]] = []  # CountSketched (name, (B, n) grads)
@@ -394,6 +467,31 @@ class GradientSketch:
             out.zero_()
         if counted:
             self._add_counted(out, counted, scale)
+        return out
+
+    def _apply_by_group(
+        self,
+        factors: Mapping[str, ParameterFactor | None],
+        layout: ItemLayout,
+        scale: float,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """(n, k) sketches of a grouped batch: each group's factors sketched as one batch of its
+        rows, the rows of its items added in the batch's item order (a whole-batch segment adds
+        to every item; no item's row: dropped)."""
+        out = torch.zeros(layout.size, self.dim, device=device, dtype=dtype)
+        for s, group in enumerate(layout.groups):
+            parts = {
+                name: f.parts[s] if isinstance(f, RowsFactor) else None
+                for name, f in factors.items()
+            }
+            if all(part is None for part in parts.values()):
+                continue
+            rows = self.apply(parts, group.rows, scale, device=device, dtype=dtype)
+            index = layout.index(s, device)
+            out.index_add_(0, index, rows[: len(index)])  # S is linear: segments add
         return out
 
     def _direct_map(
@@ -510,8 +608,10 @@ class SketchedStats(StatisticsSource):
     ``gradient_batch()`` is a ``DenseGradientBatch`` of the (B, k) sketches, so anything that
     balances dense batches balances it. It is a ``StatisticsSource`` whose listeners, generation
     and ``backward_seen`` are the engine's, so gradient accumulation works as with exact
-    statistics. The engine keeps no
-    batch gradient copy (``keep_batch_gradients=False``).
+    statistics. The engine keeps no batch gradient copy (``keep_batch_gradients=False``); the
+    identity check runs all the same (its probes of the delivered gradients are taken in the
+    hooks). Parameters frozen or unfrozen later are followed: their maps drop out or join (each
+    is a function of the seed and the parameter's name, so the others' do not change).
 
     Example::
 
@@ -529,10 +629,12 @@ class SketchedStats(StatisticsSource):
         loss_reduction: str = "mean",
         **options: Any,
     ) -> None:
-        self.engine = PerSampleStats(
-            unwrap_data_parallel(model), loss_reduction, keep_batch_gradients=False, **options
+        hooked = unwrap_data_parallel(model)
+        self.engine = PerSampleStats(hooked, loss_reduction, keep_batch_gradients=False, **options)
+        self._canonical = canonical_parameter_names(hooked)  # every parameter, trainable or not
+        self.sketch = GradientSketch(
+            self.engine.param_shapes, dim, seed, canonical_names=self._canonical
         )
-        self.sketch = GradientSketch(self.engine.param_shapes, dim, seed)
         self.dim = dim
         self.step_listeners = self.engine.step_listeners
         self._cached: tuple[int, torch.Tensor] | None = None
@@ -555,6 +657,11 @@ class SketchedStats(StatisticsSource):
         generation = self.engine.generation
         if self._cached is None or self._cached[0] != generation:
             factors, batch_size, scale = self.engine.step_factors()
+            if self.sketch.param_shapes != self.engine.param_shapes:  # the trainable set changed
+                self.sketch = GradientSketch(
+                    self.engine.param_shapes, self.dim, self.sketch.seed,
+                    canonical_names=self._canonical,
+                )  # fmt: skip
             dtype = torch.promote_types(self.engine.dtype, torch.float32)
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
@@ -562,8 +669,9 @@ class SketchedStats(StatisticsSource):
             self._cached = (generation, matrix)
         return self._cached[1]
 
-    def gradient_batch(self) -> DenseGradientBatch:
-        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers)."""
+    def gradient_batch(self, *, settle: bool = True) -> DenseGradientBatch:
+        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers); the identity check has
+        run whatever ``settle`` says."""
         return DenseGradientBatch(self.sketches())
 
     def close(self) -> None:

@@ -53,8 +53,14 @@ class StatisticsSource(ABC):
         return True
 
     @abstractmethod
-    def gradient_batch(self) -> GradientBatch:
-        """The latest backward's statistics as a ``GradientBatch``."""
+    def gradient_batch(self, *, settle: bool = True) -> GradientBatch:
+        """The latest backward's statistics as a ``GradientBatch``.
+
+        ``settle=False``: a check of the statistics (``PerSampleStats``' identity check) may be
+        left pending on the batch, compared by its ``to_host`` in the same transfer as the first
+        values the consumer reads, before they are returned; a consumer that asks for it moves
+        every value it reads to the host through ``batch.to_host`` (or calls ``batch.settle()``).
+        """
 
     @abstractmethod
     def close(self) -> None:
@@ -76,17 +82,17 @@ class Subscription:
         if listener is not None:
             source.step_listeners.append(listener)
 
-    def take(self) -> GradientBatch | None:
+    def take(self, *, settle: bool = True) -> GradientBatch | None:
         """The latest backward's batch, the first time it is asked for; else None. A backward
         that reached no parameter (an input gradient alone) gives nothing: it is not a
-        micro-batch of the step."""
+        micro-batch of the step. ``settle``: as for ``StatisticsSource.gradient_batch``."""
         source = self.source
         if not (source.backward_seen and source.parameter_gradients_seen):
             return None
         if self._taken == source.generation:
             return None
         self._taken = self.source.generation
-        return self.source.gradient_batch()
+        return self.source.gradient_batch(settle=settle)
 
     def close(self) -> None:
         """Stop listening (the source itself stays open)."""

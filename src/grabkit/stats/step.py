@@ -9,6 +9,7 @@ starts a new step; ``HookGradientBatch`` reads it in the flat layout.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,7 +18,12 @@ from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.transfer import host_values, to_device, to_host
 
+if TYPE_CHECKING:
+    from grabkit.stats.identity import PendingIdentityCheck
+
 __all__ = ["StepStatistics"]
+
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 
 # Weights with at least this many entries take signed sums from the batch gradient. On one CPU
 # thread (B = 64) that saves about a third of the GEMM per layer (20 us at 128 x 128, 150 us at
@@ -40,6 +46,9 @@ class StepStatistics:
             float32).
         device: of the parameters.
         layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
+        pending_check: the identity check of these statistics when it is not settled yet
+            (``grabkit.stats.identity.PendingIdentityCheck``): ``to_host`` settles it in the
+            same transfer as the first values read, ``settle_identity`` on its own.
     """
 
     def __init__(
@@ -53,7 +62,9 @@ class StepStatistics:
         scale: float = 1.0,
         *,
         layout: FlatLayout | None = None,
+        pending_check: PendingIdentityCheck | None = None,
     ) -> None:
+        self.pending_check = pending_check
         self.param_shapes = dict(param_shapes)
         #: the flat layout of ``param_shapes`` (an engine passes its own, shared by every step)
         self.layout = FlatLayout(self.param_shapes) if layout is None else layout
@@ -76,6 +87,32 @@ class StepStatistics:
         }
         # the factors of the parameters that got a gradient, walked by every read
         self._present = [(name, f) for name, f in self.factors.items() if f is not None]
+
+    def settle_identity(self) -> None:
+        """Settle a pending identity check now (a host transfer; ``IdentityCheckError`` on a
+        mismatch, again at every call until the step ends)."""
+        if self.pending_check is not None:
+            self.pending_check.settle()
+            self.pending_check = None
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor`` (read from these statistics) on the host, in one transfer
+        with the pending identity check's numbers, which are compared first
+        (``IdentityCheckError``: no value is returned)."""
+        pending = self.pending_check
+        if pending is None:
+            return to_host(tensor)
+        if not tensor.is_floating_point():
+            self.settle_identity()
+            return to_host(tensor)
+        count = pending.numbers.numel()
+        parts = [pending.numbers.reshape(-1), tensor.reshape(-1)]
+        flat = to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one transfer
+        pending.settle(flat[:count])
+        self.pending_check = None
+        values = flat[count:].reshape(tuple(tensor.shape))
+        wanted = _NUMPY_DTYPES.get(tensor.dtype, np.float64)  # bfloat16: none in numpy
+        return values if values.dtype == wanted else values.astype(wanted)  # exact: widened
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)

@@ -10,7 +10,6 @@ import torch
 from grabkit.order.balance import NON_FINITE_HELP
 from grabkit.order.orderings.base import Ordering, int_list, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.stats.transfer import to_host
 
 __all__ = ["OrderByNorm"]
 
@@ -37,7 +36,7 @@ class OrderByNorm(Ordering):
         self.indices, self.norms_squared, self._where = [], [], {}
 
     def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
-        squared = to_host(batch.norms_squared().to(torch.float64))  # the one host sync
+        squared = batch.to_host(batch.norms_squared().to(torch.float64))  # the one host sync
         if not np.isfinite(squared).all():
             raise ValueError(NON_FINITE_HELP)
         for index, value in zip(indices.tolist(), squared.tolist(), strict=True):

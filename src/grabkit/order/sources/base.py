@@ -91,6 +91,13 @@ class GradientSource(ABC):
         gradient length, and whatever else changes the orders."""
         return {"dim": self.dim}
 
+    def check_saved_config(  # noqa: B027 (nothing to refuse by default)
+        self, where: str, state: Mapping[str, Any], config: Mapping[str, Any]
+    ) -> None:
+        """Refuse a saved sampler ``state`` this source cannot continue, with a reason more
+        precise than the configuration's difference (called by ``load_state_dict`` before the
+        sampler's own check; ``config`` is the sampler's). Nothing by default."""
+
 
 def dense_batch(grads: Gradients) -> GradientBatch:
     """The per-example gradients given to ``step()`` as one ``GradientBatch``."""

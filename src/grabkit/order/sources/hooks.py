@@ -77,8 +77,10 @@ class HookGradients(GradientSource):
             self.subscription = self._stats.subscribe(self.capture)
 
     def capture(self) -> None:
-        """Keep the statistics of the backward that just ran, once."""
-        batch = self.subscription.take()
+        """Keep the statistics of the backward that just ran, once. Their identity check stays
+        pending until the ordering moves the batch's products to the host (``batch.to_host``:
+        one transfer for both); ``GraBSampler.step`` settles any check no transfer read."""
+        batch = self.subscription.take(settle=False)
         if batch is not None:
             self.pending.append(batch)
 

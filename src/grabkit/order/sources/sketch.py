@@ -14,7 +14,7 @@ from grabkit.order.sources.hooks import HookGradients
 from grabkit.order.topology import Setting
 from grabkit.order.transforms import Chain, Project
 from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.stats.sketch import SketchedStats, kronecker_factors
+from grabkit.stats.sketch import SketchedStats, check_saved_maps, kronecker_factors
 
 __all__ = ["DEFAULT_SKETCH_DIM", "SketchHooks"]
 
@@ -85,7 +85,16 @@ class SketchHooks(HookGradients):
         return super().batches(None)
 
     def config(self) -> dict[str, Any]:
+        """The gradient length, and the maps' description (``GradientSketch.config``: k, the
+        maps' version and their fingerprint)."""
         return {"dim": self.gradient_dim, "statistics": "sketch", **self._stats.sketch.config}
+
+    def check_saved_config(
+        self, where: str, state: Mapping[str, Any], config: Mapping[str, Any]
+    ) -> None:
+        """A state balanced on sketches of other maps (another fingerprint, all else equal) is
+        refused with the reason (``grabkit.stats.sketch.check_saved_maps``)."""
+        check_saved_maps(where, state, config)
 
     def close(self) -> None:
         super().close()

@@ -1,0 +1,151 @@
+"""A guard on the one place the engine changes a tensor the model sees: a shared input's output.
+
+A layer whose input is shared by the batch (positions ``torch.arange(T)``, Hugging Face's (1, T)
+position ids) gives every example the same activation, and the per-example gradients of its
+parameters only exist where the model broadcasts its output against the batch
+(``tok_emb + pos_emb``). So the engine hands the model that output expanded to (B, ...) (a view,
+no copy), whose gradient carries one slice per example. That is exact, and changes nothing the
+model computes, only if the model does with the expanded tensor what it would have done with
+the original one. ``BatchExpanded`` (the view's class) makes that certain at run time: each
+torch function that receives it is checked against the shape the model would have had, with
+no extra computation (shapes only):
+
+* an elementwise op (``+``, ``-``, ``*``, ``/``) whose result has the shape the original operands
+  broadcast to: the broadcast the model did anyway, which ends the guard;
+* an elementwise op, a unary pointwise function, ``F.linear`` or a normalisation over the last
+  dims whose result is the batch of the original's result: the guard continues on the result;
+* ``unsqueeze(0)`` (the model adds the batch dim itself), conversions (``to``, ``float``,
+  ``contiguous``), ``detach``, and reads of dtype, device or autograd state: allowed;
+* anything else (a reduction, a reshape, indexing, a read of the shape, dropout, a matmul
+  against it): ``ValueError``, naming the layer and the operation; the model would compute
+  something else.
+
+Shape reads are refused too: the model would see the expanded shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["BatchExpanded", "expand_for_batch"]
+
+_ELEMENTWISE = frozenset(
+    f"{prefix}{op}{suffix}"
+    for op in ("add", "sub", "mul", "div", "true_divide")
+    for prefix, suffix in (("", ""), ("__", "__"), ("__r", "__"), ("__i", "__"))
+) | {"__truediv__", "__rtruediv__", "__itruediv__"}
+_UNARY = frozenset(
+    {"tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square"}
+)
+_ROW_WISE = frozenset({"linear", "layer_norm", "rms_norm"})
+_SAME = frozenset(
+    {"to", "contiguous", "float", "double", "half", "bfloat16", "type_as", "clone", "detach"}
+)
+_HARMLESS = frozenset(
+    {
+        "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "is_cuda", "layout",
+        "is_floating_point", "data_ptr", "__repr__", "__format__", "_version",
+    }
+)  # fmt: skip
+
+
+def _name(func: Any) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: Tensor.shape.__get__
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", name)
+    return name
+
+
+def _batched(shape: torch.Size, batch: int) -> tuple[int, ...]:
+    """The (B, ...) shape the engine hands the model for a tensor the model has as ``shape``:
+    a leading dim of 1 becomes B, otherwise B is put in front."""
+    if len(shape) and shape[0] == 1:
+        return (batch, *shape[1:])
+    return (batch, *shape)
+
+
+def _model_shape(value: Any) -> torch.Size:
+    if isinstance(value, BatchExpanded):
+        return value.grabkit_model_shape
+    if isinstance(value, torch.Tensor):
+        return value.shape
+    return torch.Size()
+
+
+class BatchExpanded(torch.Tensor):
+    """An output expanded to (B, ...) for a layer whose input the batch shares (see module).
+
+    ``grabkit_model_shape`` is the shape the model would have had, ``grabkit_layer`` the layer's
+    name, ``grabkit_batch`` B.
+    """
+
+    grabkit_model_shape: torch.Size
+    grabkit_layer: str
+    grabkit_batch: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if name in _HARMLESS:
+            return out
+        guarded = next(a for a in (*args, *kwargs.values()) if isinstance(a, BatchExpanded))
+        return guarded._checked(name, args, kwargs, out)
+
+    def _checked(self, name: str, args: tuple, kwargs: dict, out: Any) -> Any:
+        batch = self.grabkit_batch
+        if name in _SAME and args and args[0] is self and isinstance(out, torch.Tensor):
+            return _wrap(out, self.grabkit_model_shape, self.grabkit_layer, batch)
+        if name == "unsqueeze" and len(args) > 1 and int(args[1]) == 0 and args[0] is self:
+            unsqueezed = torch.Size((1, *self.grabkit_model_shape))
+            return _wrap(self, unsqueezed, self.grabkit_layer, batch)
+        if isinstance(out, torch.Tensor):
+            model = self._model_result(name, args, kwargs, out)
+            if model is not None and tuple(out.shape) == tuple(model):
+                return out  # met the batch as the model's own broadcast would
+            if model is not None and tuple(out.shape) == _batched(model, batch):
+                return _wrap(out, model, self.grabkit_layer, batch)
+        raise ValueError(
+            f"layer {self.grabkit_layer!r} got an input shared by the batch, so PerSampleStats "
+            f"hands the model its output expanded to shape "
+            f"{_batched(self.grabkit_model_shape, batch)} instead of "
+            f"{tuple(self.grabkit_model_shape)}, which is exact only where the model broadcasts "
+            f"it against the batch (an elementwise op with a (B, ...) tensor). Here the model "
+            f"passes it to {name!r}, where the expansion would change what it computes. Give "
+            f"that layer's input an explicit batch dim (e.g. pos.unsqueeze(0).expand(B, -1)), or "
+            f"combine its output with the batch first."
+        )
+
+    def _model_result(self, name: str, args: tuple, kwargs: dict, out: torch.Tensor):
+        """The shape the model's own result would have, for the ops whose result shape follows
+        from their operands' (None for any other op)."""
+        if name in _ELEMENTWISE:
+            shapes = [_model_shape(a) for a in (*args, *kwargs.values())]
+            try:
+                return torch.broadcast_shapes(*shapes)
+            except RuntimeError:  # the model's own operands would not even broadcast
+                return None
+        if name in _UNARY and args and args[0] is self:
+            return self.grabkit_model_shape
+        if name in _ROW_WISE and args and args[0] is self:
+            return torch.Size((*self.grabkit_model_shape[:-1], out.shape[-1]))
+        return None
+
+
+def _wrap(t: torch.Tensor, model_shape: torch.Size, layer: str, batch: int) -> BatchExpanded:
+    with torch._C.DisableTorchFunctionSubclass():
+        view = t.as_subclass(BatchExpanded)
+    view.grabkit_model_shape = torch.Size(model_shape)
+    view.grabkit_layer = layer
+    view.grabkit_batch = batch
+    return view
+
+
+def expand_for_batch(output: torch.Tensor, expanded: torch.Tensor, layer: str) -> BatchExpanded:
+    """What the model sees instead of ``output`` (its (B, ...) expansion ``expanded``)."""
+    return _wrap(expanded, output.shape, layer, expanded.shape[0])

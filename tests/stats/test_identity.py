@@ -1,0 +1,229 @@
+"""The run-time identity check: sum_i g_i from the rules against the gradient autograd delivered,
+per parameter and per backward; declared batch terms; the opt-out; what it cannot see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit.order import GraBSampler
+from grabkit.stats import IdentityCheckError, LayerRule, PerSampleStats, register_rule
+from grabkit.stats.factors import PerExampleFactor
+from grabkit.stats.sketch import SketchedStats
+
+B = 6
+
+
+def mlp(width: int = 7) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def data(b: int = B, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 4, generator=gen), torch.randint(0, 3, (b,), generator=gen)
+
+
+def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def l2(model: nn.Module) -> torch.Tensor:
+    return sum(p.square().sum() for p in model.parameters())
+
+
+def reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, d): gradient of each example's own loss, one ``torch.autograd.grad`` each."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(len(x)):
+        loss = per_example_loss(model(x[i : i + 1]), y[i : i + 1]).sum()
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+def test_a_penalty_in_the_loss_is_refused_naming_parameters_causes_and_fixes():
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "mean") as stats:
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
+        with pytest.raises(IdentityCheckError) as raised:
+            stats.norms_squared()
+    message = str(raised.value)
+    for expected in ("'0.weight'", "'2.bias'", "batch_term", "F.linear", "check_identity=False"):
+        assert expected in message
+    assert isinstance(raised.value, RuntimeError)
+
+
+def test_the_check_runs_in_sketch_mode():
+    model = mlp()
+    x, y = data()
+    with SketchedStats(model, dim=16) as stats:
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            stats.sketches()
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 8.0])
+def test_a_declared_batch_term_is_left_out_of_every_example(float64, reference_tools, multiplier):
+    model = mlp()
+    x, y = data()
+    expected = reference(model, x, y) * multiplier
+    with PerSampleStats(model, "sum") as stats:
+        loss = per_example_loss(model(x), y).sum() + stats.batch_term(1e-2 * l2(model))
+        (multiplier * loss).backward()  # a GradScaler-style scale reaches the term too
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_a_batch_term_through_activations_is_left_out(float64, reference_tools):
+    """An auxiliary loss on hidden activations that couples the batch (a load-balancing term)."""
+
+    class WithAux(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+            self.hidden: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.hidden = torch.tanh(self.body(x))
+            return self.head(self.hidden)
+
+    torch.manual_seed(0)
+    model = WithAux()
+    x, y = data()
+    expected = reference(model, x, y)
+    with PerSampleStats(model, "sum") as stats:
+        out = model(x)
+        aux = model.hidden.mean(dim=0).square().sum()  # not a sum over examples
+        (per_example_loss(out, y).sum() + stats.batch_term(aux)).backward()
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_batch_term_needs_a_scalar_with_a_graph():
+    model = mlp()
+    with PerSampleStats(model) as stats, pytest.raises(ValueError, match="scalar"):
+        stats.batch_term(torch.ones(3, requires_grad=True))
+
+
+def test_the_opt_out_returns_statistics_and_the_sampler_passes_it_on():
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, check_identity=False) as stats:
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
+        assert stats.norms_squared().shape == (B,)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    sampler = GraBSampler(dataset, model=model, stats_options={"check_identity": False})
+    assert sampler.stats.check_identity is False
+    sampler.close()
+
+
+def test_each_backward_of_an_accumulated_step_is_checked_on_its_own():
+    model = mlp()
+    x, y = data(12)
+    dataset = torch.utils.data.TensorDataset(x, y)
+    sampler = GraBSampler(dataset, model=model, batch_size=6)
+    order = list(iter(sampler))
+    for part, penalty in ((order[:3], 0.0), (order[3:6], 0.0)):
+        (per_example_loss(model(x[part]), y[part]).mean() + penalty).backward()
+    sampler.step()  # two clean micro-batches
+    first, second = order[6:9], order[9:]
+    per_example_loss(model(x[first]), y[first]).mean().backward()
+    (per_example_loss(model(x[second]), y[second]).mean() + 1e-2 * l2(model)).backward()
+    with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+        sampler.step()
+    sampler.close()
+
+
+def test_grad_scaler_and_checkpointing_pass(reference_tools):
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.inner, self.last = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(lambda z: torch.tanh(self.inner(z)), self.first(x), use_reentrant=True)
+            return self.last(h)
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    x, y = data()
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    with PerSampleStats(model, "sum") as stats:
+        scaler.scale(per_example_loss(model(x), y).sum()).backward()
+        stats.norms_squared()  # checked: the scale reaches both sides alike
+
+
+def test_reading_statistics_leaves_training_bitwise_unchanged():
+    def train(read: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        stats = PerSampleStats(model) if read else None
+        for seed in range(4):
+            x, y = data(seed=seed)
+            opt.zero_grad()
+            per_example_loss(model(x), y).mean().backward()
+            if stats is not None:
+                stats.norms_squared()
+                stats.gram()
+            opt.step()
+        if stats is not None:
+            stats.close()
+        return [p.detach().clone() for p in model.parameters()] + [torch.rand(3)]
+
+    for plain, measured in zip(train(False), train(True), strict=True):
+        assert torch.equal(plain, measured)
+
+
+def test_float64_sees_mismatches_float32_cannot(float64):
+    """The tolerance follows the unit roundoff: in float64 a penalty far below float32's
+    resolution is still a mismatch."""
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum") as stats:
+        (per_example_loss(model(x), y).sum() + 1e-9 * l2(model)).backward()
+        with pytest.raises(IdentityCheckError):
+            stats.norms_squared()
+
+
+def test_large_weights_are_probed_on_a_moving_block_and_still_checked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Tanh(), nn.Linear(200, 3))  # 60,000 entries
+    x, y = torch.randn(4, 300), torch.randint(0, 3, (4,))
+    with PerSampleStats(model) as stats:
+        for _ in range(3):
+            model.zero_grad()
+            per_example_loss(model(x), y).mean().backward()
+            stats.norms_squared()
+        model.zero_grad()
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            stats.norms_squared()
+
+
+def test_the_check_cannot_see_which_row_is_which_example():
+    """Its documented limit: a sum over examples is blind to a misattribution of rows."""
+
+    class Gain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.gain
+
+    class RolledRule(LayerRule):  # credits example i's gradient to example i + 1
+        def factors(self, module, layer_input, output_grad, wanted):
+            rows = (layer_input * output_grad).roll(1, dims=0)
+            return {"gain": PerExampleFactor(rows, module.gain.shape)}
+
+    register_rule(Gain, RolledRule())
+    model = Gain()
+    x = torch.randn(4, 3)
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        stats.norms_squared()  # passes: the sum is right, the attribution is not

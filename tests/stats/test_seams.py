@@ -1,0 +1,375 @@
+"""Where the hook engine meets other autograd work in the same step: each seam is defined, and
+checked against per-example ``torch.autograd.grad`` in float64 (one backward per example).
+
+1. a tracked weight also used functionally (a tied head ``F.linear(h, wte.weight)``);
+2. ``torch.autograd.grad`` before ``loss.backward()`` (input saliency, FGSM);
+3. double backward (``create_graph=True`` input-gradient penalties);
+4. the trainable set changing after attaching (unfreezing, freezing);
+5. a sequence-first layer input made from the model input without autograd, and any expansion
+   of a shared input that would change what the model computes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit.noise import PerExampleNoiseScale
+from grabkit.order import GraBSampler
+from grabkit.stats import IdentityCheckError, PerSampleStats
+from grabkit.stats.sketch import GradientSketch, SketchedStats
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+B, T, VOCAB, WIDTH = 5, 4, 9, 6
+
+
+def per_example_rows(model: nn.Module, loss_of_example, count: int) -> torch.Tensor:
+    """(count, d): gradient of ``loss_of_example(i)`` over the trainable parameters, one
+    ``torch.autograd.grad`` per example, in ``named_parameters`` order."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(count):
+        grads = torch.autograd.grad(loss_of_example(i), params, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    (torch.zeros_like(p) if g is None else g).reshape(-1)
+                    for p, g in zip(params, grads, strict=True)
+                ]
+            )
+        )
+    return torch.stack(rows)
+
+
+# -- 1. a tracked weight used functionally ---------------------------------------------------------
+class FunctionalHead(nn.Module):
+    """Token embedding also used as the output head, functionally (``how`` says how)."""
+
+    def __init__(self, how: str = "linear") -> None:
+        super().__init__()
+        self.how = how
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.wte(idx)))
+        if self.how == "linear":
+            return F.linear(h, self.wte.weight)
+        if self.how == "matmul-t":
+            return h @ self.wte.weight.t()
+        if self.how == "matmul-T":
+            return torch.matmul(h, self.wte.weight.T)
+        raise AssertionError(self.how)
+
+
+def sequence_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B,) cross-entropy per example, summed over positions."""
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").sum(dim=1)
+
+
+@pytest.mark.parametrize("how", ["linear", "matmul-t", "matmul-T"])
+def test_weight_used_functionally_too_is_computed(reference_tools, how):
+    torch.manual_seed(0)
+    model = FunctionalHead(how)
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    reference = per_example_rows(
+        model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        reference_tools.assert_matches(stats, reference)
+
+
+def test_weight_used_functionally_is_refused_by_the_identity_check_when_not_followed():
+    torch.manual_seed(0)
+    model = FunctionalHead("linear")
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    with PerSampleStats(model, "sum", functional_uses=False) as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        with pytest.raises(IdentityCheckError, match=r"(?s)'wte\.weight'.*F\.linear"):
+            stats.norms_squared()
+
+
+class SometimesTied(nn.Module):
+    """Adds a tied-head term only when ``tie`` is set (a use that may first appear later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.mix = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.tie = False
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.wte(idx))
+        out = self.mix(h)
+        return out + F.linear(h, self.wte.weight) if self.tie else out
+
+
+def test_auto_keeps_watching_a_model_that_uses_weights_functionally(reference_tools):
+    torch.manual_seed(0)
+    model = SometimesTied()
+    model.tie = True
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    expected = per_example_rows(
+        model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        for _ in range(2):  # the second step is watched too: the first made a use
+            model.zero_grad()
+            sequence_loss(model(idx), y).sum().backward()
+        assert stats.functional_uses is True
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_auto_stops_watching_and_the_check_reports_a_use_that_appears_later():
+    torch.manual_seed(0)
+    model = SometimesTied()
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    with PerSampleStats(model, "sum") as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        stats.norms_squared()
+        model.tie = True
+        model.zero_grad()
+        sequence_loss(model(idx), y).sum().backward()
+        assert stats._watch is None  # no cost after the first step
+        with pytest.raises(IdentityCheckError, match="functional_uses=True"):
+            stats.norms_squared()
+    with pytest.raises(ValueError, match="`functional_uses` should be"):
+        PerSampleStats(model, functional_uses="sometimes")
+
+
+def test_unsupported_functional_use_of_a_tracked_weight_is_refused():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * self.lin.weight.sum()  # no per-example factor for this use
+
+    model = Scaled()
+    with PerSampleStats(model, "sum") as stats:
+        model(torch.randn(4, 3)).sum().backward()
+        with pytest.raises(NotImplementedError, match=r"(?s)'lin\.weight'.*sum"):
+            stats.norms_squared()
+
+
+# -- 2. torch.autograd.grad before loss.backward() -------------------------------------------------
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def classification_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def test_input_gradient_before_backward_is_not_counted(reference_tools):
+    model = mlp()
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    reference = per_example_rows(
+        model, lambda i: classification_loss(model(x[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "mean") as stats:
+        xg = x.clone().requires_grad_(True)
+        loss = classification_loss(model(xg), y).mean()
+        (saliency,) = torch.autograd.grad(loss, xg, retain_graph=True)
+        loss.backward()
+        reference_tools.assert_matches(stats, reference)  # g_i of each l_i (mean: scale B)
+        estimate = PerExampleNoiseScale(update_rate=1.0).observe_stats(stats)
+    truth = PerExampleNoiseScale(update_rate=1.0).observe(
+        reference.square().sum(1), reference.mean(0).square().sum()
+    )
+    assert saliency.shape == x.shape
+    torch.testing.assert_close(estimate.b_simple, truth.b_simple)
+
+
+def fgsm(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x moved by 0.1 along the sign of the input gradient of the clean loss."""
+    xg = x.clone().requires_grad_(True)
+    (direction,) = torch.autograd.grad(classification_loss(model(xg), y).sum(), xg)
+    return (x + 0.1 * direction.sign()).detach()
+
+
+def test_fgsm_step_measures_the_adversarial_batch(reference_tools):
+    model = mlp()
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    adversarial = fgsm(model, x, y)
+    reference = per_example_rows(
+        model, lambda i: classification_loss(model(adversarial[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        attacked = fgsm(model, x, y)  # a clean forward and an input gradient, then the real step
+        classification_loss(model(attacked), y).sum().backward()
+        reference_tools.assert_matches(stats, reference)
+
+
+def test_functional_parameter_gradients_do_not_enter_the_step(reference_tools):
+    """``torch.autograd.grad(loss, params)`` (a look-ahead, a diagnostic) fires the parameters'
+    tensor hooks but accumulates nothing into ``.grad``: not part of the step."""
+    model = mlp()
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    reference = per_example_rows(
+        model, lambda i: classification_loss(model(x[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        loss = classification_loss(model(x), y).sum()
+        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        loss.backward()
+        reference_tools.assert_matches(stats, reference)
+
+
+# -- 3. double backward ----------------------------------------------------------------------------
+def test_input_gradient_penalty_is_refused_with_the_reason():
+    model = mlp()
+    x, y = torch.randn(B, 4, requires_grad=True), torch.randint(0, 3, (B,))
+    with PerSampleStats(model, "sum") as stats:
+        out = model(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (classification_loss(out, y).sum() + (gx.norm(dim=1) - 1).square().sum()).backward()
+        with pytest.raises(NotImplementedError, match="create_graph"):
+            stats.norms_squared()
+
+
+def test_first_order_backward_with_create_graph_is_exact(reference_tools):
+    """``loss.backward(create_graph=True)`` (Hessian-vector products come later) accumulates the
+    first-order gradient, which the hooks see as they are."""
+    model = mlp()
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    reference = per_example_rows(
+        model, lambda i: classification_loss(model(x[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        classification_loss(model(x), y).sum().backward(create_graph=True)
+        reference_tools.assert_matches(stats, reference)
+    for p in model.parameters():
+        p.grad = None  # break the reference cycle create_graph leaves
+
+
+# -- 4. the trainable set changes after attaching ---------------------------------------------
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    classification_loss(model(x), y).sum().backward()
+
+
+def reference_for(model, x, y):
+    return per_example_rows(
+        model, lambda i: classification_loss(model(x[i : i + 1]), y[i : i + 1]).sum(), len(x)
+    )
+
+
+def test_parameters_unfrozen_later_are_included(reference_tools):
+    model = mlp()
+    model[0].requires_grad_(False)
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        assert list(stats.param_shapes) == ["2.weight", "2.bias"]
+        model[0].requires_grad_(True)  # gradual unfreezing
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        assert list(stats.param_shapes) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_parameters_frozen_later_are_dropped_everywhere(reference_tools):
+    model = mlp()
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        model[2].weight.requires_grad_(False)
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        assert list(stats.param_shapes) == ["0.weight", "0.bias", "2.bias"]
+        reference_tools.assert_matches(stats, expected)
+        assert set(stats.total()) == {"0.weight", "0.bias", "2.bias"}
+
+
+def test_sketches_follow_the_trainable_set():
+    model = mlp()
+    model[2].requires_grad_(False)
+    x, y = torch.randn(B, 4), torch.randint(0, 3, (B,))
+    with SketchedStats(model, dim=16, seed=3, loss_reduction="sum") as stats:
+        step(model, x, y)
+        stats.sketches()
+        model[2].requires_grad_(True)
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        expected = GradientSketch(shapes, 16, 3).apply_dense(reference_for(model, x, y))
+        step(model, x, y)
+        torch.testing.assert_close(stats.sketches(), expected)
+
+
+def test_exact_sampler_names_a_trainable_set_change():
+    model = mlp()
+    data = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    sampler = GraBSampler(data, model=model, batch_size=6)
+    order = list(iter(sampler))
+    xs, ys = data.tensors
+    step(model, xs[order[:6]], ys[order[:6]])
+    sampler.step()
+    model[0].requires_grad_(False)
+    step(model, xs[order[6:]], ys[order[6:]])
+    with pytest.raises(ValueError, match="trainable parameters changed"):
+        sampler.step()
+    sampler.close()
+
+
+# -- 5. a sequence-first copy of the input, and expansions that change the model --------------
+class SequenceFirstCopy(nn.Module):
+    """Reads a sequence-first copy of its (B, T) input: not an input shared by the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x.t().contiguous().unsqueeze(-1))  # (T, B, 1)
+        return h.transpose(0, 1)  # (B, T, 1)
+
+
+def test_sequence_first_copy_of_the_input_is_refused_and_never_reshaped():
+    model = SequenceFirstCopy()
+    x = torch.randn(5, 7)
+    assert model(x).shape == (5, 7, 1)
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="sequence-first"):
+        model(x)
+
+
+class PositionsReduced(nn.Module):
+    """Positions shared by the batch, used through a reduction before meeting the batch."""
+
+    def __init__(self, reduce: str) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(T, WIDTH)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = self.positions(torch.arange(idx.shape[1]))  # (T, WIDTH), shared by the batch
+        if self.reduce == "mean":
+            pos = pos.mean(dim=0)  # (WIDTH,)
+        elif self.reduce == "shape":
+            pos = pos.reshape(pos.shape[0], 2, -1).flatten(1)
+        return self.tokens(idx) + pos
+
+
+@pytest.mark.parametrize("reduce", ["mean", "shape"])
+def test_an_expansion_the_model_would_see_is_refused(reduce):
+    model = PositionsReduced(reduce)
+    idx = torch.randint(0, VOCAB, (B, T))
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="shared by the batch"):
+        model(idx)
+
+
+def test_shared_positions_met_by_a_broadcast_stay_exact(reference_tools):
+    torch.manual_seed(0)
+    model = PositionsReduced("none")
+    idx = torch.randint(0, VOCAB, (B, T))
+    plain = model(idx)
+    reference = per_example_rows(model, lambda i: model(idx[i : i + 1]).square().sum(), B)
+    with PerSampleStats(model, "sum") as stats:
+        out = model(idx)
+        assert torch.equal(out, plain)
+        out.square().sum().backward()
+        reference_tools.assert_matches(stats, reference)
