@@ -631,7 +631,13 @@ def _outer_product(
     rows and columns."""
     row, col = probe.row, probe.col
     groups, q, p = f.groups, f.out_features, f.in_features
-    if groups == 1:
+    if groups == 1 and not _flat_inputs(f):  # a convolution's patches, positions innermost
+        d = row.narrow(f.output_grads.reshape(-1, q), 1)
+        x = col.narrow(f.inputs.reshape(f.batch_size, -1, p).transpose(1, 2), 1)  # (B, p, T)
+        x_b = torch.matmul(col.cut(x), x).reshape(-1)  # b . A_n, read along the positions
+        products = _cached_mv(cache, d, row.cut(d)).mul(x_b)
+        x = x.transpose(1, 2)  # (B, T, p) for the magnitude
+    elif groups == 1:
         x, d = f._flat()
         d, x = row.narrow(d, 1), col.narrow(x, 1)
         products = _cached_mv(cache, d, row.cut(d)).mul(torch.mv(x, col.cut(x)))
@@ -646,7 +652,19 @@ def _outer_product(
 
 
 def _outer_magnitude(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return (_row_norms(d) * _row_norms(x)).sum()
+    return (_row_norms(d) * _row_norms(x).reshape(-1)).sum()
+
+
+def _flat_inputs(f: OuterProductFactor) -> bool:
+    """Whether the factor's inputs read as (B T, p) rows without a copy (a Linear's do; a
+    convolution's patches, positions innermost, do not)."""
+    if f._flat_views is not None:
+        return True
+    try:
+        f.inputs.view(-1, f.in_features)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _embedding(index: int, probe: _Probe, f: EmbeddingFactor) -> _Segment:
