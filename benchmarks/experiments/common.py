@@ -19,6 +19,9 @@ import torch
 from benchmarks.experiments.data import DataMissing
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: where --quick and --synthetic runs write unless --out says otherwise (git-ignored), so that a
+#: smoke run never overwrites the committed results
+SCRATCH = Path(__file__).resolve().parents[1] / "out"
 
 
 def parse_args(
@@ -32,11 +35,20 @@ def parse_args(
     parser.add_argument(
         "--synthetic", action="store_true", help="tiny random data instead of ../shared/data"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .md and .png")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for the .md and .png (default: results/, or benchmarks/out/experiments-quick "
+        "for --quick and --synthetic runs)",
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per contender")
     for name, kwargs in (extra or {}).items():
         parser.add_argument(name, **kwargs)
-    return parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.out is None:
+        args.out = SCRATCH / "experiments-quick" if args.quick or args.synthetic else RESULTS
+    return args
 
 
 def command_line(module: str, args: argparse.Namespace, keys: Sequence[str] = ()) -> str:

@@ -104,8 +104,8 @@ def run_demo(options: DemoOptions, stdout: TextIO | None = None) -> list[EpochRe
     rows = summarize(results)
     out = Path(options.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_plot(rows, out)
-    _print_report(data, options, rows, out, stdout)
+    write_plot(rows, out, results=results)
+    _print_report(data, options, rows, results, out, stdout)
     return results
 
 
@@ -128,7 +128,12 @@ def _train_all(data: DigitsSplit, options: DemoOptions, tqdm) -> list[EpochResul
 
 
 def _print_report(
-    data: DigitsSplit, options: DemoOptions, rows: list[SummaryRow], out: Path, stdout: TextIO
+    data: DigitsSplit,
+    options: DemoOptions,
+    rows: list[SummaryRow],
+    results: list[EpochResult],
+    out: Path,
+    stdout: TextIO,
 ) -> None:
     n_train, n_test = len(data.train_set), len(data.test_targets)
     models = "; ".join(f"{name}: {MODELS[name][0]}" for name in options.models)
@@ -158,9 +163,10 @@ def _print_report(
     comparison = format_final_comparison(rows)
     if comparison:
         print(f"\n{comparison}", file=stdout)
-    print(f"\n{format_summary_line(rows)}", file=stdout)
+    print(f"\n{format_summary_line(rows, results=results)}", file=stdout)
     print(
-        f"plot written to {out}: per model, train loss relative to rr, test accuracy and herding "
-        "bound per epoch (lines: mean over seeds; bands: min-max over seeds)",
+        f"plot written to {out}: per model, train loss relative to rr, train loss against "
+        "training seconds (per seed and their band), test accuracy and herding bound per epoch "
+        "(lines: mean over seeds; bands: min-max over seeds)",
         file=stdout,
     )
