@@ -104,3 +104,23 @@ def test_an_exact_hook_step_synchronises_with_the_gpu_once(kind, monkeypatch):
                         torch.cuda.set_sync_debug_mode("default")
                 syncs = [w for w in caught if "synchroniz" in str(w.message)]
                 assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+@pytest.mark.parametrize("kind", ["mean", "pair"])
+def test_a_loss_scale_divided_out_adds_no_host_read(kind, monkeypatch):
+    # step(grad_scale=...) scales the weights on the device and their host copy on the host:
+    # the signed-sum shortcut keeps reading the host decision
+    monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
+    model, x, y = _setup()
+    with GraBSampler(range(48), model=model, balance_type=kind, batch_size=8) as sampler:
+        for epoch in range(2):
+            order = list(sampler)
+            for start in range(0, 48, 8):
+                idx = order[start : start + 8]
+                model.zero_grad()
+                (F.cross_entropy(model(x[idx]), y[idx]) * 1024.0).backward()
+                reads = HostReads(monkeypatch)
+                sampler.step(grad_scale=1024.0)
+                monkeypatch.undo()
+                monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
+                assert reads.calls == ["numpy"], (kind, epoch, start, reads.calls)

@@ -39,13 +39,37 @@ def test_attaching_twice_is_refused_until_closed():
     stats = PerSampleStats(model)
     with pytest.raises(RuntimeError, match="already attached"):
         PerSampleStats(model)
-    with pytest.raises(RuntimeError, match="already attached to this model;"):
+    with pytest.raises(RuntimeError, match=r"already attached to this model \(directly"):
         PerSampleStats(model[0])
     outer = nn.Sequential(model)
     with pytest.raises(RuntimeError, match="already attached to this model's submodule '0'"):
         PerSampleStats(outer)
     stats.close()
     PerSampleStats(model).close()
+
+
+def test_a_second_hook_mode_sampler_on_one_model_is_told_what_holds_the_first():
+    from grabkit.order import GraBSampler
+
+    model = mlp()
+    sampler = GraBSampler(list(range(8)), model=model, batch_size=4)
+    with pytest.raises(RuntimeError, match=r"GraBSampler\(model=...\).*sampler\.stats"):
+        GraBSampler(list(range(8)), model=model, batch_size=4)
+    sampler.close()
+
+
+def test_a_first_argument_that_is_not_the_batch_is_named_in_the_error():
+    class Weighted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(5, 1)
+
+        def forward(self, weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x * weights)
+
+    model = Weighted()
+    with PerSampleStats(model), pytest.raises(ValueError, match="model's first tensor argument"):
+        model(torch.rand(3, 1), torch.randn(4, 3, 5))
 
 
 def test_close_removes_hooks():

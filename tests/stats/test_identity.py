@@ -227,3 +227,17 @@ def test_the_check_cannot_see_which_row_is_which_example():
     with PerSampleStats(model, "sum") as stats:
         model(x).square().sum().backward()
         stats.norms_squared()  # passes: the sum is right, the attribution is not
+
+
+def test_a_delivered_gradient_that_overflowed_passes_through_not_as_a_mismatch():
+    """fp16 autocast under a loss scale: the weight gradient's GEMM overflows (a GradScaler
+    overflow step, which the scaler skips) while each example's factors stay finite. The check
+    cannot compare against inf; the statistics pass through (NaN / Inf rows, if any, are the
+    consumers' to reject) instead of an IdentityCheckError blaming the model."""
+    model = nn.Linear(4, 2)
+    with PerSampleStats(model, loss_reduction="sum") as stats:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.ones(64, 4))
+        (out.float().sum() * 2000).backward()
+        assert not torch.isfinite(model.weight.grad).any()
+        assert torch.isfinite(stats.norms_squared()).all()

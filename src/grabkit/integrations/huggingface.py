@@ -63,6 +63,7 @@ from grabkit.integrations.accelerate import grab_sampler_of, shard_by_sampler
 from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
 from grabkit.integrations.grouped_forward import GroupedForward, check_padded_labels
 from grabkit.integrations.resume import adopt_rank, replay_state
+from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.trainer_noise import TrainerNoiseScale
 from grabkit.order import GraBSampler
 
@@ -435,7 +436,8 @@ class GrabkitTrainer(Trainer):
             wrapper.default_count = count  # the weight of the step() Trainer calls next
         loss = super().training_step(model, inputs, num_items_in_batch)
         if self.grab_sampler is not None:
-            self.grab_sampler.step()  # this microbatch's examples, with their own gradients
+            # this microbatch's examples, with their own gradients (fp16: the scale divided out)
+            step_sampler(self.grab_sampler, getattr(self.accelerator, "scaler", None))
         if self.noise_scale is not None:
             items = None if num_items_in_batch is None else float(num_items_in_batch)
             last = self.accelerator.sync_gradients  # the window's last microbatch: before clipping

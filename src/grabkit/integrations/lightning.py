@@ -43,6 +43,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
 from grabkit.integrations.grouped_forward import GroupedForward
 from grabkit.integrations.resume import adopt_rank, rewound_state
+from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBBatchSampler, GraBSampler
@@ -217,7 +218,8 @@ class GraBCallback(Callback):
             raise ValueError(message)
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        self.sampler.step()  # this microbatch's examples, with their own gradients
+        # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
+        step_sampler(self.sampler, getattr(trainer.precision_plugin, "scaler", None))
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:

@@ -11,7 +11,7 @@ from torch.utils.data import Sampler
 
 from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
-from grabkit.order.sources import Gradients, GradientSource
+from grabkit.order.sources import Gradients, GradientSource, LossScaler
 
 __all__ = ["GraBBatchSampler"]
 
@@ -58,9 +58,13 @@ class GraBBatchSampler(Sampler[list[int]]):
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def step(
-        self, grads: Gradients | None = None, *, indices: torch.Tensor | Iterable[int] | None = None
+        self,
+        grads: Gradients | None = None,
+        *,
+        indices: torch.Tensor | Iterable[int] | None = None,
+        grad_scale: float | LossScaler = 1.0,
     ) -> None:
-        self.sampler.step(grads, indices=indices)
+        self.sampler.step(grads, indices=indices, grad_scale=grad_scale)
 
     def skip(self, count: int | None = None) -> None:
         """Skip the current batch (or ``count`` examples): no decision for them this epoch."""

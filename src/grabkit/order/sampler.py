@@ -6,8 +6,9 @@ a gradient source (``grabkit.order.sources``: the per-example gradients given to
 tensor ever built) and a chain of transforms (``grabkit.order.transforms``). A step's data goes
 source -> transforms -> ordering, each stage a method of the next part:
 
-    GraBSampler.step(grads)
-      source.batches(grads)          GradientBatch pieces, one per backward (wrapped once)
+    GraBSampler.step(grads, grad_scale=...)
+      source.batches(grads)          GradientBatch pieces, one per backward (wrapped once),
+                                     divided by a loss scale (``GradientBatch.divided``)
       first_position(...)            where they sit in the epoch (checked before anything moves)
       transforms(Rows(piece, ...))   Cast / Project / GatherAcrossRanks / Normalize, as built
       ordering.observe(batch, idx)   the decisions (grabkit.order.balance: one host transfer)
@@ -52,7 +53,9 @@ from grabkit.order.sources import (
     DenseGradients,
     Gradients,
     GradientSource,
+    LossScaler,
     StatisticsReader,
+    loss_scale,
 )
 from grabkit.order.state import plain_config, read_state
 from grabkit.order.topology import Setting, Topology, dataset_size
@@ -342,7 +345,11 @@ class GraBSampler(Sampler[int], Stateful):
 
     # -- stepping ----------------------------------------------------------------------------
     def step(
-        self, grads: Gradients | None = None, *, indices: torch.Tensor | Iterable[int] | None = None
+        self,
+        grads: Gradients | None = None,
+        *,
+        indices: torch.Tensor | Iterable[int] | None = None,
+        grad_scale: float | LossScaler = 1.0,
     ) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
@@ -355,6 +362,12 @@ class GraBSampler(Sampler[int], Stateful):
                 ``idx`` column of the batch). Optional; with it, examples yielded before them
                 and not stepped (a skipped batch) are passed over instead of receiving these
                 gradients. Without it the gradients go to the next B unstepped examples.
+            grad_scale: the factor the loss was multiplied by before its backward(s): with a
+                ``torch.amp.GradScaler``, ``scaler.get_scale()`` or the scaler itself, read
+                before ``scaler.update()``. The gradients are divided by it: a scale that
+                changes between steps (growth, back-off) would otherwise weigh the steps
+                differently in the balancing. An overflowing step's gradients are not finite
+                and raise: ``skip()`` that batch, as the scaler skips its update.
         Raises:
             ValueError: more gradients than the epoch has examples left, indices that are not
                 yielded examples in visit order, a gradient length that differs from
@@ -362,7 +375,8 @@ class GraBSampler(Sampler[int], Stateful):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        pieces = self.source.batches(grads)
+        factor = loss_scale(grad_scale)  # checked before anything is taken from the source
+        pieces = [piece.divided(factor) for piece in self.source.batches(grads)]
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,

@@ -39,6 +39,12 @@ Seams with other autograd work in the same step, each defined:
 * **A shared input's expanded output** can only meet the batch by a broadcast, checked at run
   time (``grabkit.stats.shared_inputs``); a sequence-first copy of the model's input is refused.
 * **Loss terms that are not sums over examples** are declared with ``batch_term``.
+* **A layer's output changed after the call** (in place, even where the output is a view; by a
+  forward hook of the user's; by a gradient hook on it): the engine's forward hook runs first
+  and reads the layer's own output, and its gradient is taken by a pre-hook on the node that
+  made it, after the tensor's own hooks (``PerSampleStats._hook_output``).
+* **A layer on a parameter or buffer** of the model is shared by the batch, even where its dim
+  0 has the batch size (``_ModelBatch._is_model_state``).
 """
 
 from __future__ import annotations
@@ -166,7 +172,7 @@ class _Call:
     ``grabkit.stats.backwards``). For a rule with ``multiple_outputs`` each entry is a list with
     one slot per tracked output (None until that output receives a gradient) and
     ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
-    gradient edges (node, output number) of the hooked output tensors, for
+    gradient edges (node, output number) of the hooked output tensors and their shapes, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
     layer's output alive). ``group``: the group of a grouped batch the call's rows hold
     (``grabkit.stats.rows``), None for an ordinary batch.
@@ -180,7 +186,7 @@ class _Call:
         self.captured = captured
         self.grads: GradientsByTask = {}
         self.batch_size = batch_size
-        self.outputs: list[GradientEdge] = []
+        self.outputs: list[tuple[GradientEdge, torch.Size]] = []
         self.group = group
 
 
@@ -191,6 +197,78 @@ def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple
         return value.detach() if isinstance(value, torch.Tensor) else value
 
     return tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()}
+
+
+def _gradient_source(output: torch.Tensor) -> torch.Tensor:
+    """The tensor whose gradient hook gives ``output``'s gradient: ``output`` itself, or, for an
+    output that is a view of a tensor of the same size and layout made inside the layer (a
+    Linear on a 3-D input computes a matmul and returns a view of it), that tensor. An in-place
+    op on such a view (``h.relu_()``, ``F.relu(h, inplace=True)``, ``h[:, 0] *= 2``) rebuilds the
+    view's graph and the hooks on the view never fire; hooks on the tensor it views receive the
+    gradient of the values the layer returned (as hooks on a tensor that is not a view do)."""
+    base = output._base
+    if (
+        base is None
+        or base.grad_fn is None
+        or base.numel() != output.numel()
+        or not base.is_contiguous()
+        or not output.is_contiguous()
+    ):
+        return output
+    return base
+
+
+_FIRST_INPUT_HELP = (
+    "(The examples are dim 0 of the model's first tensor argument: if that argument is not the "
+    "batch, such as a mask, a weight or a table passed before the inputs, pass the batch first.)"
+)
+
+
+# nodes that keep the rows of their input, in order (a reshape, a copy): looked through
+_ROW_KEEPING_NODES = frozenset(
+    {
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+    }
+)
+
+
+def _row_selection(x: torch.Tensor, batch: int) -> tuple[int, ...] | None:
+    """The shape of the tensor ``x``'s rows were picked from by indexing, where they are not one
+    per example (a mixture-of-experts' routed tokens, a head on masked positions); else None.
+
+    Looks at the node that made ``x`` (through reshapes and copies): an advanced index or an
+    ``index_select`` along dim 0 whose source's dim 0 is not the batch (tokens of a flattened
+    (B * T, d) tensor), a boolean mask over more than the batch dim, or a second index
+    tensor (positions) with a first one that is not every example once (``h[arange(B), last]``
+    is). A few attribute reads per layer call; only a multi-index selection reads values.
+    """
+    node = x.grad_fn
+    for _ in range(3):
+        if node is None or node.name() not in _ROW_KEEPING_NODES:
+            break
+        node = node.next_functions[0][0]
+    if node is None:
+        return None
+    name = node.name()
+    if name == "IndexSelectBackward0":
+        source = tuple(node._saved_self_sym_sizes)
+        return source if node._saved_dim == 0 and source[0] != batch else None
+    if name != "IndexBackward0":
+        return None
+    source, indices = tuple(node._saved_self_sym_sizes), node._saved_indices
+    first = indices[0] if indices else None
+    if first is None or source[0] != batch:
+        return source
+    if first.dtype == torch.bool:
+        return source if first.dim() > 1 else None
+    if sum(index is not None for index in indices) == 1:
+        return None  # whole examples, reordered or repeated: rows follow their losses
+    once = first.dim() == 1 and torch.bincount(first.reshape(-1), minlength=batch).eq(1).all()
+    return None if bool(once) else source
 
 
 def _outer_dim_is_not_first(x: torch.Tensor) -> bool:
@@ -210,14 +288,27 @@ class _ModelBatch:
     example's own output gradient reaches the hook.
     """
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], model: nn.Module) -> None:
         self.size = tensors[0].shape[0]
         self.shape = tuple(tensors[0].shape)
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
+        self._model = model
+        self._state_storages: set[int] | None = None  # read on first need, once per step
 
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+
+    def _is_model_state(self, x: torch.Tensor) -> bool:
+        """A tensor made outside autograd that is (a view of) one of the model's parameters or
+        buffers (learned latent queries, a slice of a position table): shared by the batch
+        whatever the size of its dim 0, which may equal the batch size by chance."""
+        if not self._is_shared(x):
+            return False
+        if self._state_storages is None:
+            state = [*self._model.parameters(), *self._model.buffers()]
+            self._state_storages = {t.untyped_storage().data_ptr() for t in state}
+        return x.untyped_storage().data_ptr() in self._state_storages
 
     def check_batch_dim(self, name: str, size: int, x: torch.Tensor | None, dim: int) -> None:
         """Refuse a layer call that holds ``size`` examples (in dim ``dim`` of its input ``x``)
@@ -229,7 +320,7 @@ class _ModelBatch:
                 f"layer {name!r} holds {size} examples in {where}, but the model's input has "
                 f"{self.size} (dim 0 of {self.shape}). PerSampleStats needs the examples in dim "
                 f"0 of the model's input and in the batch dim of every layer (check the layer's "
-                f"batch_first, and that the model's input is batch-first)."
+                f"batch_first, and that the model's input is batch-first). {_FIRST_INPUT_HELP}"
             )
         if x is None or size == 1:
             return
@@ -250,7 +341,8 @@ class _ModelBatch:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
-        if x.dim() > 0 and x.shape[0] == b:
+        model_state = x.dim() > 0 and x.shape[0] == b and self._is_model_state(x)
+        if x.dim() > 0 and x.shape[0] == b and not model_state:
             if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
@@ -260,6 +352,17 @@ class _ModelBatch:
                     f"T == B). Give that input an explicit batch dim (e.g. "
                     f"pos.unsqueeze(0).expand(B, -1)) or use a batch size that differs from "
                     f"the other dims."
+                )
+            selected_from = _row_selection(x, b) if x.grad_fn is not None else None
+            if selected_from is not None:
+                raise ValueError(
+                    f"layer {name!r} got an input of shape {tuple(x.shape)} whose rows were "
+                    f"selected by indexing from a tensor of shape {selected_from} (the tokens "
+                    f"routed to a mixture-of-experts' expert, a head on masked positions): its "
+                    f"dim 0 has the batch size {b} by chance, but its rows are not the batch's "
+                    f"examples, so per-example gradients cannot be read from it. Apply the "
+                    f"layer to every position in a (B, T, ...) layout and select after it (mask "
+                    f"the loss instead), or freeze the layer's parameters."
                 )
             if b in x.shape[1:] and _outer_dim_is_not_first(x):
                 raise ValueError(
@@ -276,9 +379,9 @@ class _ModelBatch:
                 f"model's input, but its dim 0 is not the batch ({b} examples, dim 0 of the "
                 f"model's input {self.shape}). PerSampleStats needs the examples in dim 0 of "
                 f"every layer's input: use batch_first layouts (batch_first=True, or transpose "
-                f"before the layer)."
+                f"before the layer). {_FIRST_INPUT_HELP}"
             )
-        if b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): Hugging Face's position ids
+        if not model_state and b > 1 and b in x.shape and x.shape[0] != 1:  # (1, T): HF's ids
             raise ValueError(
                 f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is not the "
                 f"batch ({b} examples, dim 0 of the model's input {self.shape}) but which has "
@@ -286,7 +389,7 @@ class _ModelBatch:
                 f"(x.t().contiguous()), made without autograd, so PerSampleStats cannot tell it "
                 f"from an input shared by the batch. PerSampleStats needs the examples in dim 0 "
                 f"of every layer's input: use batch_first layouts (batch_first=True, or "
-                f"transpose the layer's output instead)."
+                f"transpose the layer's output instead). {_FIRST_INPUT_HELP}"
             )
         if x.dim() > 0 and x.shape[0] == 1 and output.dim() > 0 and output.shape[0] == 1:
             return x.expand(b, *x.shape[1:]), output.expand(b, *output.shape[1:])
@@ -474,9 +577,12 @@ class PerSampleStats(StatisticsSource):
             if _attached(module) is not None:
                 where = f"this model's submodule {name!r}" if name else "this model"
                 raise RuntimeError(
-                    f"a PerSampleStats is already attached to {where}; call close() on the "
-                    f"existing one (or leave its `with` block) before attaching "
-                    f"another."
+                    f"a PerSampleStats is already attached to {where} (directly, or held by "
+                    f"a SketchedStats, a hook-mode GraBSampler(model=...) or an integration's "
+                    f"callback); one model carries one at a time. Call close() on the existing "
+                    f"one (or leave its `with` block) before attaching another; to read "
+                    f"statistics beside a hook-mode sampler, read them from the sampler's own "
+                    f"(sampler.stats)."
                 )
 
     @staticmethod
@@ -554,7 +660,10 @@ class PerSampleStats(StatisticsSource):
         me = self._me
         for layer in self._layers:
             hook = _WeakHook(me, "_on_forward", layer)
-            self._handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+            # first: the engine reads the layer's own output, before a forward hook of the
+            # user's replaces it (its change is then part of the model, after the layer)
+            handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+            self._handles.append(handle)
             if self._watching_forwards:
                 handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
                 self._handles.append(handle)
@@ -718,7 +827,7 @@ class PerSampleStats(StatisticsSource):
         self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
-        self._batch = _ModelBatch(tensors)
+        self._batch = _ModelBatch(tensors, self.model)
 
     def _step_finished(self) -> bool:
         """Whether a forward now starts a new step: a hook received a gradient since this
@@ -803,9 +912,17 @@ class PerSampleStats(StatisticsSource):
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
     def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
-        hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
-        if hooked.grad_fn is not None:
-            call.outputs.append(GradientEdge(hooked.grad_fn, hooked.output_nr))
+        """Receive the gradient of ``hooked`` (the call's output) in the backward: by a pre-hook
+        on the node that made it (or the tensor it is a view of, ``_gradient_source``), which
+        runs after the tensor's own hooks, so a gradient hook of the user's on the output
+        (``h.register_hook``) is part of what the layer's parameters receive, as in autograd."""
+        source = _gradient_source(hooked)
+        if source.grad_fn is None:  # a leaf (no node to hook)
+            hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
+            return
+        hook = _WeakHook(self._me, "_on_node_grad", call, source.output_nr, hooked.shape)
+        source.grad_fn.register_prehook(hook)
+        call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -844,7 +961,7 @@ class PerSampleStats(StatisticsSource):
         if group.inputs:
             batch = self._group_batches.get(id(group))
             if batch is None:
-                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs))
+                batch = self._group_batches[id(group)] = _ModelBatch(list(group.inputs), self.model)
             return batch
         if self._batch is not None and self._batch.size == group.rows:
             return self._batch
@@ -956,6 +1073,24 @@ class PerSampleStats(StatisticsSource):
         call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
 
+    def _on_node_grad(
+        self,
+        call: _Call,
+        output_nr: int,
+        shape: torch.Size,
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """Pre-hook of the node that made a call's output: its gradient (``output_nr``), in the
+        output's shape (the node may make the tensor the output is a view of)."""
+        grad = grad_outputs[output_nr]
+        if grad is None:
+            return
+        task = self._backwards.output_gradient()
+        grad = (grad if grad.shape == shape else grad.reshape(shape)).detach()
+        previous = call.grads.get(task)
+        call.grads[task] = grad if previous is None else previous + grad
+        self._gradient_arrived()
+
     def _gradient_arrived(self) -> None:
         """A hook received a gradient: what was read is stale, and the next forward (outside a
         backward) starts a new step."""
@@ -1036,12 +1171,12 @@ class PerSampleStats(StatisticsSource):
             )
         params = {name: p for name, p in self._params if name in self.param_shapes}
         calls = [
-            (call, edge)
+            (call, output)
             for layer in [*self._layers, *self._functional.values()]
             for call in layer.calls
-            for edge in call.outputs
+            for output in call.outputs
         ]
-        inputs = [*params.values(), *(edge for _, edge in calls)]
+        inputs = [*params.values(), *(edge for _, (edge, _) in calls)]
         grads = torch.autograd.grad(term, inputs, retain_graph=True, allow_unused=True)
         record = BatchTerm()
         for (name, _), grad in zip(params.items(), grads, strict=False):
@@ -1049,9 +1184,9 @@ class PerSampleStats(StatisticsSource):
                 record.param_grads[name] = grad.detach()
                 if self._identity is not None:
                     record.gradient_sides[name] = self._identity.gradient_side(name, grad)
-        for (call, _), grad in zip(calls, grads[len(params) :], strict=True):
-            if grad is not None:
-                record.call_grads[id(call)] = (call, grad.detach())
+        for (call, (_, shape)), grad in zip(calls, grads[len(params) :], strict=True):
+            if grad is not None:  # in the output's shape (the edge may be a view's base)
+                record.call_grads[id(call)] = (call, grad.detach().view(shape))
         self._batch_terms.append(record)
         return gate(term, record)
 
@@ -1169,9 +1304,11 @@ class PerSampleStats(StatisticsSource):
                         f"parameter {name!r} received a gradient in this backward, but its "
                         f"layer {layer.name!r} never passed one through its forward hook (the "
                         f"parameter was used outside its layer, e.g. F.linear(x, layer.weight) "
-                        f"or a weight read outside the model's forward). Call the layer as a "
-                        f"module, use it inside the model's forward (functional_uses=True), or "
-                        f"freeze the parameter."
+                        f"or a weight read outside the model's forward; or the layer ran inside "
+                        f"a torch.func transform such as torch.vmap, whose calls are not "
+                        f"watched). Call the layer as a module outside such transforms, use it "
+                        f"inside the model's forward (functional_uses=True), or freeze the "
+                        f"parameter."
                     )
 
     def step_factors(self) -> tuple[dict[str, ParameterFactor | None], int, float]:

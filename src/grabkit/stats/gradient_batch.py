@@ -31,6 +31,7 @@ __all__ = [
     "ForeignBatch",
     "GradientBatch",
     "NormalizedBatch",
+    "ScaledBatch",
     "as_gradient_batch",
     "flat_to_named",
     "named_to_flat",
@@ -124,6 +125,12 @@ class GradientBatch(ABC):
         """The batch of g_i / ||g_i|| (zero rows stay zero)."""
         return NormalizedBatch(self)
 
+    def divided(self, factor: float) -> GradientBatch:
+        """The batch of g_i / ``factor`` (a positive finite number): the gradients of a loss
+        that was multiplied by ``factor`` before its backward (a GradScaler's loss scale),
+        brought back to the loss's own units. ``factor == 1`` is the batch itself."""
+        return self if factor == 1.0 else ScaledBatch(self, 1.0 / factor)
+
     def split(self, rows: int) -> list[GradientBatch]:
         """Consecutive pieces of at most ``rows`` examples, in order, where the batch can be cut
         without recomputing anything; by default the whole batch, uncut."""
@@ -184,6 +191,9 @@ class DenseGradientBatch(GradientBatch):
         norms = torch.linalg.vector_norm(self.matrix, dim=1, keepdim=True)  # (B, 1)
         return DenseGradientBatch(self.matrix / torch.where(norms > 0, norms, 1.0))
 
+    def divided(self, factor: float) -> DenseGradientBatch:
+        return self if factor == 1.0 else DenseGradientBatch(self.matrix / factor)
+
     def split(self, rows: int) -> list[GradientBatch]:
         if self.size <= rows:
             return [self]
@@ -226,6 +236,64 @@ class NormalizedBatch(GradientBatch):
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         s = self.scale if weights.ndim == 1 else self.scale[:, None]
         return self.inner.weighted_sum(weights * s.to(weights.dtype))
+
+
+class ScaledBatch(GradientBatch):
+    """A ``GradientBatch`` of c g_i for a constant c known on the host (a Python float), read
+    lazily from ``inner``: every read is the inner batch's times c (c^2 for the quadratic ones).
+
+    The constant never goes to the device and back: the weights of a weighted sum are scaled
+    on the device and their host copy on the host, so the inner batch's signed-sum shortcut and
+    its pending check keep their single host transfer per step.
+    """
+
+    def __init__(self, batch: GradientBatch, factor: float) -> None:
+        self.inner = batch
+        self.factor = float(factor)
+        self.size, self.dim = batch.size, batch.dim
+        self.dtype, self.device = batch.dtype, batch.device
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        return self.inner.to_host(tensor)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram() * (self.factor * self.factor)
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared() * (self.factor * self.factor)
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return self.inner.dot(vectors) * self.factor
+
+    def total(self) -> torch.Tensor:
+        return self.inner.total() * self.factor
+
+    def add_total_to(self, target: torch.Tensor) -> None:
+        target.add_(self.inner.total(), alpha=self.factor)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.weighted_sum(weights * self.factor)
+
+    def add_weighted_sum_to(
+        self, target: torch.Tensor, weights: torch.Tensor, *, host: torch.Tensor | None = None
+    ) -> None:
+        self.inner.add_weighted_sum_to(
+            target, weights * self.factor, host=None if host is None else host * self.factor
+        )
+
+    def row(self, index: int) -> torch.Tensor:
+        return self.inner.row(index) * self.factor
+
+    def coordinates(self) -> torch.Tensor | None:
+        matrix = self.inner.coordinates()
+        return None if matrix is None else matrix * self.factor
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        pieces = self.inner.split(rows)
+        return [self] if len(pieces) == 1 else [ScaledBatch(p, self.factor) for p in pieces]
 
 
 class ForeignBatch(GradientBatch):

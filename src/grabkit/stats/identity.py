@@ -67,6 +67,11 @@ a moving block's norm taken at its bound sqrt(block), so the constants do not mo
 the probe products it formed anyway. Passing it passes the bound; only a parameter
 that fails it has R computed, and raises if it fails the bound too.
 
+**A delivered gradient that is not finite** (the weight gradient's GEMM overflowed under fp16
+autocast: a GradScaler overflow step, which the scaler skips; a NaN loss) cannot be compared:
+that parameter passes, and the statistics pass through as computed (each example's factors may
+well be finite), for their consumers to reject or use.
+
 **The check's limit.** A sum cannot see which row belongs to which example: gradients credited to
 the wrong examples (a misattribution) still add up to G and pass. So do per-example gradients of
 a loss that couples the examples (a batch-level statistic inside the loss), for the same reason.
@@ -481,10 +486,12 @@ class _Comparison:
         """The parameters whose sides differ by more than the bound (fast path first), from
         ``numbers()`` read on the host; the comparison in double precision."""
         factor_side, tolerance, gradient_side = (list(map(float, row)) for row in numbers)
+        # a delivered gradient that is not finite (a GradScaler overflow, a NaN loss) cannot be
+        # compared: the statistics pass through as computed, for their consumers to reject or use
         failing = [
             k
             for k, (f, g, t) in enumerate(zip(factor_side, gradient_side, tolerance, strict=True))
-            if abs(f - g) > t
+            if abs(f - g) > t and math.isfinite(g)
         ]
         if not failing:
             return []

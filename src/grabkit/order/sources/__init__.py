@@ -14,9 +14,11 @@ from __future__ import annotations
 from grabkit.order.sources.base import (
     Gradients,
     GradientSource,
+    LossScaler,
     StatisticsReader,
     check_dim,
     dense_batch,
+    loss_scale,
 )
 from grabkit.order.sources.dense import DenseGradients, param_dim
 from grabkit.order.sources.hooks import HOOK_SAMPLER_NOT_PICKLABLE, ExactHooks, HookGradients
@@ -30,9 +32,11 @@ __all__ = [
     "GradientSource",
     "Gradients",
     "HookGradients",
+    "LossScaler",
     "SketchHooks",
     "StatisticsReader",
     "check_dim",
     "dense_batch",
+    "loss_scale",
     "param_dim",
 ]

@@ -10,6 +10,7 @@ built and, once, how they combine with the sampler's ordering, transforms and ra
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
@@ -26,8 +27,17 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.source import StatisticsSource
+from grabkit.validation import ArgumentTypeError
 
-__all__ = ["GradientSource", "Gradients", "StatisticsReader", "check_dim", "dense_batch"]
+__all__ = [
+    "GradientSource",
+    "Gradients",
+    "LossScaler",
+    "StatisticsReader",
+    "check_dim",
+    "dense_batch",
+    "loss_scale",
+]
 
 #: what ``step(grads)`` accepts: a dict of (B, ...) per-example gradients (what
 #: ``torch.func.vmap(torch.func.grad(f))`` returns), a (B, d) tensor, or a ``GradientBatch``
@@ -43,6 +53,31 @@ class GradientBatchReader(Protocol):
 
 #: what hook mode reads: a ``StatisticsSource`` (every backward kept) or a simple reader
 StatisticsReader: TypeAlias = StatisticsSource | GradientBatchReader
+
+
+@runtime_checkable
+class LossScaler(Protocol):
+    """What ``step(grad_scale=...)`` reads of a ``torch.amp.GradScaler``: its current scale."""
+
+    def get_scale(self) -> float: ...
+
+
+def loss_scale(grad_scale: float | LossScaler) -> float:
+    """The factor a loss was multiplied by before its backward: ``grad_scale`` itself, a
+    positive finite number, or the scale of a ``torch.amp.GradScaler`` (``get_scale()``)."""
+    get_scale = getattr(grad_scale, "get_scale", None)
+    value = get_scale() if callable(get_scale) else grad_scale
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(
+            f"`grad_scale` should be the factor the loss was multiplied by (a number, or a "
+            f"GradScaler, whose get_scale() is read), but got {value!r}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"`grad_scale` should be the positive finite factor the loss was multiplied by "
+            f"(a GradScaler's get_scale(), or the GradScaler itself), but got {value!r}"
+        )
+    return float(value)
 
 
 class GradientSource(ABC):

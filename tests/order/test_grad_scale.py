@@ -1,0 +1,76 @@
+"""Hook-mode GraB under a loss scale (``torch.amp.GradScaler``): the hooks see the gradients of
+the scaled loss, whose scale changes between steps (growth, back-off after an overflow).
+``step(grad_scale=...)`` divides it out, so the orders equal those of the unscaled run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit import GraBSampler
+
+N, BATCH = 16, 4
+SCALES = [1024.0, 1024.0, 2048.0, 512.0, 4096.0]
+
+
+def orders(scales: list[float], pass_scale, balance: str, **options) -> list[list[int]]:
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    sampler = GraBSampler(
+        list(range(N)), model=model, batch_size=BATCH, balance_type=balance, **options
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen, step = [], 0
+    for _ in range(4):
+        order = list(sampler)
+        seen.append(order)
+        for start in range(0, N, BATCH):
+            rows = torch.tensor(order[start : start + BATCH])
+            scale = scales[step % len(scales)]
+            step += 1
+            (F.cross_entropy(model(x[rows]), y[rows]) * scale).backward()
+            if pass_scale is None:
+                sampler.step()
+            else:
+                sampler.step(grad_scale=pass_scale(scale))
+            for p in model.parameters():
+                p.grad /= scale
+            opt.step()
+            opt.zero_grad()
+    sampler.close()
+    return seen
+
+
+class ScalerLike:
+    """What ``torch.amp.GradScaler`` offers the sampler: ``get_scale()``."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def get_scale(self) -> float:
+        return self.scale
+
+
+@pytest.mark.parametrize("balance", ["mean", "pair"])
+@pytest.mark.parametrize("statistics", ["exact", "sketch"])
+@pytest.mark.parametrize("given", [float, ScalerLike], ids=["float", "scaler"])
+def test_a_changing_loss_scale_divided_out_gives_the_unscaled_orders(
+    balance: str, statistics: str, given
+) -> None:
+    options = {"statistics": statistics} | ({"sketch_dim": 16} if statistics == "sketch" else {})
+    plain = orders([1.0], None, balance, **options)
+    assert orders(SCALES, given, balance, **options) == plain
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
+def test_a_loss_scale_that_is_not_a_positive_number_is_refused(bad: float) -> None:
+    model = nn.Linear(5, 3)
+    sampler = GraBSampler(list(range(8)), model=model, batch_size=4)
+    list(sampler)
+    F.cross_entropy(model(torch.randn(4, 5)), torch.randint(0, 3, (4,))).backward()
+    with pytest.raises(ValueError, match="grad_scale"):
+        sampler.step(grad_scale=bad)
+    sampler.close()
