@@ -178,12 +178,6 @@ def test_a_one_process_sampler_is_refused_under_ddp(tmp_path):
         GraBCallback(sampler).setup(ddp, module, "fit")
 
 
-def test_noise_scale_is_refused_under_ddp(tmp_path):
-    ddp = trainer(tmp_path, devices=2, strategy="ddp")
-    with pytest.raises(NotImplementedError, match=r"world_size=2.*no_sync"):
-        NoiseScaleCallback().setup(ddp, Module(), "fit")
-
-
 # -- adaptive accumulation ------------------------------------------------------------------------
 def gnts(optimizer):
     return OptimizerWrapperGNTS(optimizer, max_batch_draws=4, norm_threshold=0.1)

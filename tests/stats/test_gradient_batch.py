@@ -85,3 +85,27 @@ def test_an_object_with_the_reads_is_wrapped_once_and_anything_else_refused():
     torch.testing.assert_close(wrapped.row(1), X[1])
     with pytest.raises(TypeError, match=r"without \['gram'"):
         as_gradient_batch(object())
+
+
+def test_divided_equals_the_divided_rows_on_every_read():
+    X, factor = _rows(), 3.0
+    expected = X / factor
+    weights = torch.randn(X.shape[0], 2, dtype=X.dtype)
+    for batch in (DenseGradientBatch(X), ReadsOnly(X)):
+        assert batch.divided(1.0) is batch
+        divided = batch.divided(factor)
+        torch.testing.assert_close(divided.gram(), expected @ expected.T)
+        torch.testing.assert_close(divided.norms_squared(), (expected * expected).sum(1))
+        vectors = torch.randn(2, X.shape[1], dtype=X.dtype)
+        torch.testing.assert_close(divided.dot(vectors), expected @ vectors.T)
+        torch.testing.assert_close(divided.total(), expected.sum(0))
+        torch.testing.assert_close(divided.weighted_sum(weights), weights.T @ expected)
+        torch.testing.assert_close(divided.row(1), expected[1])
+        target = torch.ones(X.shape[1], dtype=X.dtype)
+        divided.add_total_to(target)
+        torch.testing.assert_close(target, expected.sum(0) + 1)
+        running = torch.ones(2, X.shape[1], dtype=X.dtype)
+        divided.add_weighted_sum_to(running, weights, host=weights.clone())
+        torch.testing.assert_close(running, weights.T @ expected + 1)
+        unit = expected / expected.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        torch.testing.assert_close(divided.normalized().gram(), unit @ unit.T)

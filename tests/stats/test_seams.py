@@ -373,3 +373,42 @@ def test_shared_positions_met_by_a_broadcast_stay_exact(reference_tools):
         assert torch.equal(out, plain)
         out.square().sum().backward()
         reference_tools.assert_matches(stats, reference)
+
+
+class PositionsPermuted(nn.Module):
+    """Shared positions permuted before meeting the batch: (T, W) -> (W, T) -> (T, W), or a
+    (1, T) lookup (Hugging Face's position ids) whose leading 1 the model moves away."""
+
+    def __init__(self, lookup: str) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(T, WIDTH)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.lookup == "flat":
+            pos = self.positions(torch.arange(idx.shape[1])).permute(1, 0).permute([1, 0])
+        else:  # (1, T, W) -> (T, 1, W) -> (1, T, W)
+            pos = self.positions(torch.arange(idx.shape[1])[None]).permute(1, 0, 2)
+            pos = torch.permute(pos, dims=(1, 0, 2))
+        return self.tokens(idx) + pos
+
+
+def test_shared_positions_permuted_stay_exact(reference_tools):
+    torch.manual_seed(0)
+    model = PositionsPermuted("flat")
+    idx = torch.randint(0, VOCAB, (B, T))
+    plain = model(idx)
+    reference = per_example_rows(model, lambda i: model(idx[i : i + 1]).square().sum(), B)
+    with PerSampleStats(model, "sum") as stats:
+        out = model(idx)
+        assert torch.equal(out, plain)
+        out.square().sum().backward()
+        reference_tools.assert_matches(stats, reference)
+
+
+def test_a_permute_that_would_move_the_batch_is_refused():
+    model = PositionsPermuted("leading_one")
+    idx = torch.randint(0, VOCAB, (B, T))
+    model(idx)  # fine without hooks
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="'permute'"):
+        model(idx)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grabkit.stats import PerSampleStats
+from grabkit.stats import PerSampleStats, SketchedStats
 from grabkit.stats.transformers_rules import TRANSFORMERS_RULES, ScaledEmbeddingRule
 
 transformers = pytest.importorskip("transformers")
@@ -128,15 +128,62 @@ def test_tiny_models_match_per_example_autograd(name, reference_tools):
         if type(module).__name__.endswith("RMSNorm"):
             with torch.no_grad():
                 module.weight.normal_()
-    if name == "t5":
-        # Frozen, as not this test's subject: T5's relative position bias, an Embedding looked up
-        # with (T, S) buckets shared by the batch, whose output T5 permutes as 3-D.
-        for module in model.modules():
-            if type(module).__name__ == "T5Attention" and module.has_relative_attention_bias:
-                module.relative_attention_bias.weight.requires_grad_(False)
     loss_of = t5_losses if name == "t5" else causal_lm_losses
     idx = torch.randint(1, VOCAB, (3, 5))
     reference = reference_rows(model, loss_of, idx)
     with PerSampleStats(model, "sum") as stats:
         loss_of(model, idx).sum().backward()
         reference_tools.assert_matches(stats, reference)
+
+
+def t5_masked_losses(model, idx, mask):
+    logits = model(input_ids=idx, attention_mask=mask, decoder_input_ids=idx).logits
+    per_token = F.cross_entropy(logits.flatten(0, 1), idx.flatten(), reduction="none")
+    return (per_token.view(idx.shape) * mask).sum(dim=1)
+
+
+def tiny_t5(attention: str) -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=8, d_kv=4, d_ff=12, num_layers=2, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, attn_implementation=attention,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(config).double()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_t5_relative_position_bias_is_exact_and_the_model_unchanged(attention, padded):
+    """T5 looks its relative position bias up with (T, S) buckets shared by the batch and
+    permutes the (T, S, H) result; the engine's batch expansion must not change what it
+    computes, and every parameter (the bias included) gets exact per-example gradients."""
+    model = tiny_t5(attention)
+    idx = torch.randint(1, VOCAB, (3, 5))
+    mask = torch.ones(3, 5, dtype=torch.float64)
+    if padded:
+        mask[0, 3:] = 0
+        mask[2, 4:] = 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(3):
+        loss = t5_masked_losses(model, idx[i : i + 1], mask[i : i + 1]).sum()
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    reference = torch.stack(rows)
+    biases = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
+    assert len(biases) == 2  # encoder and decoder
+    with torch.no_grad():
+        plain = model(input_ids=idx, attention_mask=mask, decoder_input_ids=idx).logits
+    with PerSampleStats(model, "sum") as stats:
+        logits = model(input_ids=idx, attention_mask=mask, decoder_input_ids=idx).logits
+        assert logits.shape == plain.shape
+        torch.testing.assert_close(logits.detach(), plain, rtol=1e-12, atol=0)
+        model.zero_grad()
+        t5_masked_losses(model, idx, mask).sum().backward()
+        expected = reference.square().sum(1)
+        torch.testing.assert_close(stats.norms_squared(), expected, rtol=1e-10, atol=0)
+        torch.testing.assert_close(stats.gram(), reference @ reference.T, rtol=1e-10, atol=1e-12)
+    model.zero_grad()
+    with SketchedStats(model, dim=32, seed=1, loss_reduction="sum") as sketched:
+        t5_masked_losses(model, idx, mask).sum().backward()
+        expected = sketched.sketch.apply_dense(reference)
+        torch.testing.assert_close(sketched.sketches(), expected, rtol=1e-10, atol=1e-12)

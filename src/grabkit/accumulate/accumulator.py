@@ -24,19 +24,25 @@ import torch
 
 from grabkit.sharding import dtensor_like, local
 
-__all__ = ["GradientAccumulator", "squared_norm"]
+__all__ = ["GradientAccumulator", "parameter_squares", "squared_norm"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Sum of squares of all entries of ``tensors`` as a 0-dim float64 tensor (no host sync)."""
+def parameter_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """(n,) float64: the sum of squares of each tensor's entries (one fused pass, no host sync;
+    on the first tensor's device)."""
     if not tensors:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros(0, dtype=torch.float64)
     norms = torch._foreach_norm(tensors)
     if len({n.device for n in norms}) > 1:
         norms = [n.to(norms[0].device) for n in norms]
-    return torch.stack(norms).to(torch.float64).square().sum()
+    return torch.stack(norms).to(torch.float64).square()
+
+
+def squared_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of squares of all entries of ``tensors`` as a 0-dim float64 tensor (no host sync)."""
+    return parameter_squares(tensors).sum()
 
 
 def _sum_dtype(grad: torch.Tensor) -> torch.dtype:

@@ -22,6 +22,10 @@ Decisions cost one device-to-host transfer per microbatch (the decision flag; un
 also the overflow flag, as GradScaler itself does). Under torch.distributed every statistic is
 all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with
 ``fully_shard`` (FSDP2) parameters the gradients are shards and norms are summed over ranks.
+Replicated gradients that differ across ranks (DDP's ``no_sync()``, accelerate's
+``accumulate()``) were not reduced: the wrapper averages them over the ranks before folding
+(and warns once that ``no_sync()`` saves nothing here), so the run is that of the global
+microbatches.
 
 Window observers (``register_window_observer``; :class:`~grabkit.noise.AccumulationNoiseScale`
 with ``optimizer=`` is one) hear of every microbatch folded or dropped, every window discarded and
@@ -38,10 +42,17 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from grabkit.accumulate.accumulator import GradientAccumulator, squared_norm
+from grabkit.accumulate.accumulator import GradientAccumulator, parameter_squares, squared_norm
 from grabkit.accumulate.controllers import Controller, Observation
 from grabkit.accumulate.counters import AccumulationCounters
-from grabkit.accumulate.distributed import GradientLayout, StatisticsReducer
+from grabkit.accumulate.distributed import (
+    GradientLayout,
+    StatisticsReducer,
+    average_over_ranks,
+    held_by_fully_shard,
+    replica_fingerprint,
+    replicas_differ,
+)
 from grabkit.integrations.wiring import check_wiring
 from grabkit.sharding import gradient_layout_of, local
 from grabkit.validation import check_count, check_positive, check_positive_int
@@ -74,6 +85,8 @@ class _Microbatch(NamedTuple):
     count: torch.Tensor  # c_k summed over ranks (float64, 0-dim)
     metric: torch.Tensor | None  # count-weighted mean metric over ranks
     norm_sq: torch.Tensor | None  # local |g_k|^2 in true units, when the controller reads it
+    averaged: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # the gradients to fold
+    # instead of ``.grad`` when the ranks' gradients were not reduced (their mean over ranks)
 
 
 def _shared_with_inner(name: str) -> property:
@@ -283,6 +296,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         microbatch = self._agree_on_microbatch(pending, count, self._metric(metric), device)
         if isinstance(microbatch, str):
             return self._drop_microbatch(params, microbatch)
+        if microbatch.averaged is not None:
+            pending = microbatch.averaged
         obs = self._fold(pending, microbatch, device)
         for observer in list(self._observers.values()):
             observer.microbatch_closed(True, count, microbatch.count)
@@ -309,17 +324,23 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             metric.detach() if isinstance(metric, torch.Tensor) else metric, dtype=torch.float64
         ).reshape(())
 
-    def _microbatch_norm_sq(
+    def _microbatch_squares(
         self, pending: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
     ) -> torch.Tensor | None:
-        """|g_k|^2 of this rank's microbatch in true units, when the controller reads it."""
-        if not self.controller.needs_microbatch_norm:
+        """(n,) |g_p|^2 of this rank's microbatch gradients in true units, float64, when the
+        controller reads the microbatch norm or the ranks must compare their gradients."""
+        if not pending or not (self.controller.needs_microbatch_norm or self._compares_replicas()):
             return None
-        norm_sq = squared_norm([local(g) for _, g in pending]).to(device)
+        squares = parameter_squares([local(g) for _, g in pending]).to(device)
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
         if grad_scale is not None:
-            norm_sq = norm_sq * grad_scale.double().reciprocal().to(device).square()
-        return norm_sq
+            squares = squares * grad_scale.double().reciprocal().to(device).square()
+        return squares
+
+    def _compares_replicas(self) -> bool:
+        """Whether every microbatch's gradient is checked to be the same on every rank: several
+        ranks holding whole (replicated) gradients."""
+        return self._reducer.world_size > 1 and self._reducer.gradient_layout == "replicated"
 
     def _agree_on_microbatch(
         self,
@@ -331,22 +352,31 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """The microbatch as all ranks see it, or the reason to drop it.
 
         Single process, no GradScaler, a plain-number count: no tensor is even created and
-        nothing is read by the host. Otherwise one small vector (count, count * metric and the
-        overflow, invalid-count and no-gradient flags) is summed over ranks and its flags read
-        once, so every rank drops, raises or folds alike.
+        nothing is read by the host. Otherwise one small vector (count, count * metric, the
+        overflow, invalid-count and no-gradient flags, and with replicated gradients a
+        fingerprint of the gradient) is summed over ranks and read once, so every rank drops,
+        raises or folds alike. Replicated gradients that differ across ranks were not reduced
+        (DDP's ``no_sync()``, accelerate's ``accumulate()``, no DDP at all): the wrapper then
+        averages them over the ranks itself, so that what it folds and decides on is the
+        microbatch of all ranks, as DDP would have reduced it.
         """
         found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step for this call
         grad_scale = getattr(self, "grad_scale", None)
-        norm_sq = self._microbatch_norm_sq(pending, device)
+        squares = self._microbatch_squares(pending, device)
+        norm_sq = squares.sum() if self.controller.needs_microbatch_norm and pending else None
         world = self._reducer.world_size
+        held = not pending and self._reducer.gradient_layout == "sharded"
+        held = held and held_by_fully_shard(self._params())
         if world == 1 and found_inf is None and not isinstance(count, torch.Tensor):
+            if held:
+                _refuse_unreduced_shards(1, 1)
             if not pending:
                 return "no_gradient"
             global_count = torch.tensor(count, dtype=torch.float64, device=device)
             return _Microbatch(
                 count, global_count, None if metric is None else metric.to(device), norm_sq
             )
-        head = torch.zeros(5, dtype=torch.float64, device=device)
+        head = torch.zeros(7, dtype=torch.float64, device=device)
         head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
         if metric is not None:
             head[1] = head[0] * metric.to(device)
@@ -355,13 +385,48 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if isinstance(count, torch.Tensor):
             head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
         head[4] = float(not pending)
+        if squares is not None and self._compares_replicas():
+            head[5:] = replica_fingerprint(squares, self._indices_of(pending, device))
+        head[5] += float(held)  # sharded: the ranks whose gradient fully_shard holds back
         self._reducer.sum(head)
-        overflow, invalid, empty = head[2:].tolist()  # the host reads the agreed flags
+        overflow, invalid, empty, fingerprint, fingerprint_sq = head[2:].tolist()  # host reads
+        if self._reducer.gradient_layout == "sharded" and fingerprint > 0:
+            _refuse_unreduced_shards(int(fingerprint), world)
         reason = self._drop_reason(count, overflow, invalid, empty)
         if reason is not None:
             return reason
-        weight = head[0] if grad_scale is None else head[0] * grad_scale.double().reciprocal()
-        return _Microbatch(weight, head[0], None if metric is None else head[1] / head[0], norm_sq)
+        inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal()
+        weight = head[0] if inverse_scale is None else head[0] * inverse_scale
+        metric = None if metric is None else head[1] / head[0]
+        if not (self._compares_replicas() and replicas_differ(fingerprint, fingerprint_sq, world)):
+            return _Microbatch(weight, head[0], metric, norm_sq)
+        self._warn_unreduced()
+        averaged = average_over_ranks(self._reducer, self._params(), dict(pending), inverse_scale)
+        if norm_sq is not None:  # the averaged microbatch's, the same on every rank
+            norm_sq = squared_norm([g for _, g in averaged]).to(device)
+        return _Microbatch(head[0], head[0], metric, norm_sq, averaged)
+
+    def _indices_of(
+        self, pending: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+    ) -> torch.Tensor:
+        position = {p: i for i, p in enumerate(self._params())}
+        return torch.tensor([position[p] for p, _ in pending], device=device)
+
+    def _warn_unreduced(self) -> None:
+        if getattr(self, "_warned_unreduced", False):
+            return
+        self._warned_unreduced = True
+        warnings.warn(
+            "the microbatch gradients differ across ranks: they were not all-reduced "
+            "(DistributedDataParallel.no_sync(), accelerate's accumulate() or no_sync(), or a "
+            "model without DDP), so the wrapper averages them over the ranks itself, one "
+            "all-reduce per such microbatch: decisions and updates are those of the global "
+            "microbatches. no_sync() saves nothing here (the wrapper decides after every "
+            "microbatch, so each one is reduced): leave it out and let DDP overlap the "
+            "all-reduce with the backward",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _drop_reason(
         self, count: float | torch.Tensor, overflow: float, invalid: float, empty: float
@@ -644,6 +709,17 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 f"the checkpoint's configuration differs from this wrapper's ({detail}); build "
                 "the wrapper with the checkpoint's options to resume"
             )
+
+
+def _refuse_unreduced_shards(ranks: int, world: int) -> None:
+    where = f" on {ranks} of {world} ranks" if world > 1 else ""
+    raise ValueError(
+        f"fully_shard holds this microbatch's gradient unreduced{where} "
+        "(set_requires_gradient_sync(False)), so .grad is empty now and the next synchronised "
+        "backward would bring several microbatches' gradients as one: the adaptive wrapper "
+        "cannot weigh or decide on them. Keep gradient sync on (the default) and step the "
+        "wrapper after every microbatch: it accumulates and decides itself"
+    )
 
 
 def _check_layout(

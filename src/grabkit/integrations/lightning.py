@@ -20,9 +20,11 @@
   wrapper (which clips the averaged gradient), lets step-interval LR schedulers advance only
   on real updates, and applies the window still open at train end. Keep
   ``accumulate_grad_batches=1``: the wrapper decides the window.
-* ``NoiseScaleCallback``: ``AccumulationNoiseScale`` with Lightning's ``accumulate_grad_batches``
-  windows, closed in ``on_before_optimizer_step`` (before Lightning clips) and logged with
-  ``pl_module.log`` as ``noise_scale/*``. One process only (raises under DDP).
+* ``NoiseScaleCallback``: the gradient noise scale of Lightning's optimizer steps, closed in
+  ``on_before_optimizer_step`` (before Lightning clips) and logged with ``pl_module.log`` as
+  ``noise_scale/*``: one process, ``AccumulationNoiseScale`` over the
+  ``accumulate_grad_batches`` windows; under DDP (``strategy="ddp"`` / ``"ddp_spawn"``),
+  ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one.
 * ``GroupingCallback``: the transformers models of the LightningModule run each right-padded
   batch by length groups (``GroupedForward``), with the padded run's loss and gradients.
 * ``ExampleGradientNormsCallback``: quantiles (and a TensorBoard histogram) of the per-example
@@ -45,6 +47,7 @@ from grabkit.integrations.grouped_forward import GroupedForward
 from grabkit.integrations.resume import adopt_rank, rewound_state
 from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.schedule import RealUpdateSchedule
+from grabkit.integrations.trainer_noise import TrainerNoiseScale
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.order import GraBBatchSampler, GraBSampler
 
@@ -71,14 +74,6 @@ def batch_count(batch: Any) -> float:
         f"cannot count the examples of a {type(batch).__name__} batch; pass count_fn= to the "
         "callback (batch -> number of examples or tokens)."
     )
-
-
-def _single_process(trainer: Any, what: str, why: str) -> None:
-    if trainer.world_size > 1:
-        raise NotImplementedError(
-            f"{what} runs in one process only, but this Trainer has world_size="
-            f"{trainer.world_size}: {why} Train with devices=1."
-        )
 
 
 def _as_grab_sampler(sampler: Any) -> GraBSampler:
@@ -306,39 +301,56 @@ class AdaptiveAccumulationCallback(Callback):
 
 
 class NoiseScaleCallback(Callback):
-    """Log the gradient noise scale of Lightning's ``accumulate_grad_batches`` windows.
+    """Log the gradient noise scale of Lightning's optimizer steps.
 
     Each microbatch's loss must be its mean (Lightning divides it by ``accumulate_grad_batches``,
-    so the accumulated gradient is the window's mean). Needs ``accumulate_grad_batches >= 2``.
+    so the accumulated gradient is the window's mean).
+
+    * One process: ``AccumulationNoiseScale``, the window's microbatch gradients against their
+      mean; needs ``accumulate_grad_batches >= 2``.
+    * DDP (``strategy="ddp"`` / ``"ddp_spawn"``, any ``accumulate_grad_batches``):
+      ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one, read in
+      DDP's communication hook (so DDP's hook slot must be free), counted in each rank's local
+      examples; a window whose microbatches differ in size (its local gradient is then not the
+      mean over its examples) is left out on every rank. The estimate logged at a step includes
+      the steps before it (each step's few scalars are all-reduced while the next one trains);
+      ``result`` after training includes the last. FSDP and DeepSpeed strategies raise.
+
+    Measuring never changes training (the hook all-reduces as DDP's own does).
 
     Args:
         count_fn: batch -> examples; default :func:`batch_count`.
         per_block: also log ``noise_scale/b_simple/<parameter>`` for every parameter tensor
             (one ``log`` entry each, which Lightning makes costly on small models).
-        **options: ``AccumulationNoiseScale`` keywords (``update_rate``, ``window``, ...).
+        **options: ``AccumulationNoiseScale`` / ``DDPNoiseScale`` keywords (``update_rate``,
+            ``window``, ...).
     """
 
     def __init__(
         self, count_fn: Any = batch_count, per_block: bool = False, **options: Any
     ) -> None:
         self.count_fn, self.per_block, self.options = count_fn, per_block, options
-        self.estimator: AccumulationNoiseScale | None = None
+        self.estimator: AccumulationNoiseScale | None = None  # one process
+        self.distributed: TrainerNoiseScale | None = None  # DDP
         self.result = None
         self._count = 0.0
+        self._held: float | None = None  # DDP: the count of the last backward, not yet closed
         self._pending_state: dict | None = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        _single_process(
-            trainer, "NoiseScaleCallback",
-            "under DDP the last microbatch of a window is all-reduced and the others are not "
-            "(no_sync), so the microbatch gradients it compares would mix local and global ones.",
-        )  # fmt: skip
+        if trainer.world_size > 1:
+            if self.distributed is None:
+                self.distributed = TrainerNoiseScale(pl_module, self.options, trainer.world_size)
+            if self._pending_state is not None:
+                self.distributed.load_state_dict(self._pending_state)
+                self._pending_state = None
+            return
         if trainer.accumulate_grad_batches < 2:
             raise ValueError(
-                "NoiseScaleCallback compares microbatch gradients with their mean, so it needs "
-                "Trainer(accumulate_grad_batches >= 2), but got "
+                "NoiseScaleCallback compares microbatch gradients with their mean, so in one "
+                "process it needs Trainer(accumulate_grad_batches >= 2), but got "
                 f"{trainer.accumulate_grad_batches}."
             )
         if self.estimator is None:
@@ -349,27 +361,61 @@ class NoiseScaleCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._count = self.count_fn(batch)
+        if self.distributed is not None and self.distributed.estimator is None:
+            self.distributed.attach(_ddp_model(trainer))  # before the first backward
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        self.estimator.end_microbatch(self._count)
+        if self.distributed is None:
+            self.estimator.end_microbatch(self._count)
+            return
+        if self._held is not None:  # the previous backward did not end a window
+            self.distributed.microbatch(trainer.strategy.model, self._held, "steps", None, False)
+        self._held = self._count
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.result = self.estimator.end_step()  # before Lightning clips
+        if self.distributed is None:
+            self.result = self.estimator.end_step()  # before Lightning clips
+        else:
+            held, self._held = self._held, None
+            self.distributed.microbatch(trainer.strategy.model, held, "steps", None, True)
+            self.result = self.distributed.result
         if self.result is not None:
             values = self.result.as_dict()
             if not self.per_block:
                 values = {k: v for k, v in values.items() if "/" not in k}
             pl_module.log_dict({f"noise_scale/{k}": v for k, v in values.items()})
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.distributed is not None:
+            self.result = self.distributed.result  # the last step's all-reduce folded in
+
     def state_dict(self) -> dict[str, Any]:
+        if self.distributed is not None:
+            return {"estimator": self.distributed.state_dict()}
         return {} if self.estimator is None else {"estimator": self.estimator.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "estimator" in state_dict:
-            if self.estimator is None:
-                self._pending_state = state_dict["estimator"]
-            else:
-                self.estimator.load_state_dict(state_dict["estimator"])
+        if "estimator" not in state_dict:
+            return
+        owner = self.distributed if self.distributed is not None else self.estimator
+        if owner is None:
+            self._pending_state = state_dict["estimator"]
+        else:
+            owner.load_state_dict(state_dict["estimator"])
+
+
+def _ddp_model(trainer: Any) -> nn.Module:
+    """The strategy's ``DistributedDataParallel`` model, or the reason it cannot be measured."""
+    model = trainer.strategy.model
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise NotImplementedError(
+            f"NoiseScaleCallback with world_size={trainer.world_size} measures local against "
+            "all-reduced gradients in DistributedDataParallel's communication hook "
+            f"(DDPNoiseScale), but the {type(trainer.strategy).__name__} strategy wrapped the "
+            f"model in {type(model).__name__} (FSDP or DeepSpeed); use strategy='ddp' (or "
+            "'ddp_spawn'), or leave the callback out."
+        )
+    return model
 
 
 def _transformers_models(pl_module: nn.Module) -> list[nn.Module]:

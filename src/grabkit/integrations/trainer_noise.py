@@ -58,6 +58,13 @@ class TrainerNoiseScale:
         self._pending_state: dict | None = None
         self._device = torch.device("cpu")
 
+    def attach(self, model: nn.Module) -> None:
+        """Several processes: build ``DDPNoiseScale`` on the DDP ``model`` now, before its first
+        backward (its communication hook must see every synchronised one); one process: nothing
+        to do."""
+        if self.estimator is None:
+            self.estimator = self._ddp_estimator(model)
+
     def microbatch(
         self, model: nn.Module, count: float, weighting: str, window_items: float | None,
         last: bool,
@@ -66,8 +73,7 @@ class TrainerNoiseScale:
 
         ``window_items``: Trainer's ``num_items_in_batch`` (with ``"items"`` weighting).
         """
-        if self.estimator is None:
-            self.estimator = self._ddp_estimator(model)
+        self.attach(model)
         self._counts.append(float(count))
         if isinstance(self.estimator, AccumulationNoiseScale):
             self.estimator.end_microbatch(count)

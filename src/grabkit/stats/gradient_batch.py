@@ -46,7 +46,8 @@ class GradientBatch(ABC):
     those reads, which a subclass overrides where it can do better: the in-place sums
     (``add_total_to``, ``add_weighted_sum_to``: hook statistics add layer by layer, with no
     temporary the size of the model), one example's gradient (``row``), the normalised view
-    (``normalized``), cutting into consecutive pieces (``split``) and the coordinates themselves
+    (``normalized``), the view of a scaled loss's gradients in the loss's units (``divided``),
+    cutting into consecutive pieces (``split``) and the coordinates themselves
     (``coordinates``: None unless the batch holds a (B, d) matrix). Consumers call these methods;
     they never ask which class a batch is.
 

@@ -10,12 +10,17 @@ the original one. ``BatchExpanded`` (the view's class) makes that certain at run
 torch function that receives it is checked against the shape the model would have had, with
 no extra computation (shapes only):
 
-* an elementwise op (``+``, ``-``, ``*``, ``/``) whose result has the shape the original operands
-  broadcast to: the broadcast the model did anyway, which ends the guard;
+* an elementwise op (``+``, ``-``, ``*``, ``/``, ``torch.where``) whose result has the shape the
+  original operands broadcast to: the broadcast the model did anyway, which ends the guard;
+* ``scaled_dot_product_attention`` with it as ``attn_mask`` (an additive bias broadcast against
+  the batch's scores, as Hugging Face's T5 passes its position bias), when the result has the
+  shape the model's own call would have: the same broadcast inside the attention;
 * an elementwise op, a unary pointwise function, ``F.linear`` or a normalisation over the last
   dims whose result is the batch of the original's result: the guard continues on the result;
 * ``unsqueeze(0)`` (the model adds the batch dim itself), conversions (``to``, ``float``,
   ``contiguous``), ``detach``, and reads of dtype, device or autograd state: allowed;
+* ``permute`` of the model's dims (T5's relative position bias, an Embedding of (T, S) buckets
+  permuted to (H, T, S)): the same permutation of the expanded dims, the batch kept in front;
 * anything else (a reduction, a reshape, indexing, a read of the shape, dropout, a matmul
   against it): ``ValueError``, naming the layer and the operation; the model would compute
   something else.
@@ -25,7 +30,7 @@ Shape reads are refused too: the model would see the expanded shape.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -35,7 +40,7 @@ _ELEMENTWISE = frozenset(
     f"{prefix}{op}{suffix}"
     for op in ("add", "sub", "mul", "div", "true_divide")
     for prefix, suffix in (("", ""), ("__", "__"), ("__r", "__"), ("__i", "__"))
-) | {"__truediv__", "__rtruediv__", "__itruediv__"}
+) | {"__truediv__", "__rtruediv__", "__itruediv__", "where"}
 _UNARY = frozenset(
     {"tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square"}
 )
@@ -90,12 +95,37 @@ class BatchExpanded(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
+        if name == "permute" and args and isinstance(args[0], BatchExpanded):
+            return args[0]._permuted(args[1:], kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if name in _HARMLESS:
             return out
         guarded = next(a for a in (*args, *kwargs.values()) if isinstance(a, BatchExpanded))
         return guarded._checked(name, args, kwargs, out)
+
+    def _permuted(self, dims: tuple, kwargs: dict) -> BatchExpanded:
+        """``permute(dims)`` as the model asks it of its (model-shaped) tensor, applied to the
+        expanded one with the batch dim kept first."""
+        if "dims" in kwargs:
+            dims = (kwargs["dims"],)
+        if len(dims) == 1 and not isinstance(dims[0], int):
+            dims = tuple(dims[0])
+        model_shape = self.grabkit_model_shape
+        rank = len(model_shape)
+        order = [int(d) % rank for d in dims] if rank else []
+        with torch._C.DisableTorchFunctionSubclass():
+            prepended = self.dim() == rank + 1
+            if len(order) != rank or sorted(order) != list(range(rank)):
+                self._refuse("permute")
+            if prepended:
+                out = torch.Tensor.permute(self, [0, *(d + 1 for d in order)])
+            elif order and order[0] == 0:  # (1, ...) expanded in place: the batch stays first
+                out = torch.Tensor.permute(self, order)
+            else:
+                self._refuse("permute")
+        permuted = torch.Size(model_shape[d] for d in order)
+        return _wrap(out, permuted, self.grabkit_layer, self.grabkit_batch)
 
     def _checked(self, name: str, args: tuple, kwargs: dict, out: Any) -> Any:
         batch = self.grabkit_batch
@@ -110,6 +140,10 @@ class BatchExpanded(torch.Tensor):
                 return out  # met the batch as the model's own broadcast would
             if model is not None and tuple(out.shape) == _batched(model, batch):
                 return _wrap(out, model, self.grabkit_layer, batch)
+        self._refuse(name)
+
+    def _refuse(self, name: str) -> NoReturn:
+        batch = self.grabkit_batch
         raise ValueError(
             f"layer {self.grabkit_layer!r} got an input shared by the batch, so PerSampleStats "
             f"hands the model its output expanded to shape "
@@ -130,11 +164,32 @@ class BatchExpanded(torch.Tensor):
                 return torch.broadcast_shapes(*shapes)
             except RuntimeError:  # the model's own operands would not even broadcast
                 return None
+        if name == "scaled_dot_product_attention":
+            return _attention_result(args, kwargs)
         if name in _UNARY and args and args[0] is self:
             return self.grabkit_model_shape
         if name in _ROW_WISE and args and args[0] is self:
             return torch.Size((*self.grabkit_model_shape[:-1], out.shape[-1]))
         return None
+
+
+def _attention_result(args: tuple, kwargs: dict) -> torch.Size | None:
+    """The shape of ``scaled_dot_product_attention``'s result with the model's own mask, when
+    the expanded tensor is only the mask (None when it is a query, key or value)."""
+    names = ("query", "key", "value", "attn_mask")
+    operands = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+    query, key, value, mask = operands
+    if not isinstance(mask, BatchExpanded) or any(
+        isinstance(t, BatchExpanded) for t in (query, key, value)
+    ):
+        return None
+    try:
+        batch = torch.broadcast_shapes(
+            query.shape[:-2], key.shape[:-2], value.shape[:-2], mask.grabkit_model_shape[:-2]
+        )
+    except RuntimeError:
+        return None
+    return torch.Size((*batch, query.shape[-2], value.shape[-1]))
 
 
 def _wrap(t: torch.Tensor, model_shape: torch.Size, layer: str, batch: int) -> BatchExpanded:
