@@ -3,6 +3,8 @@
 Two workloads, each timed side by side in one run (interleaved rounds, medians):
 
 * ``mlp``: MNIST, B = 64, an MLP 784-784-64-10 (666,330 parameters);
+* ``lenet``: CIFAR-10 (the lossless subset), B = 16, LeNet-5 (62,006 parameters), the GraB
+  paper's CNN workload: small layers, so the fixed cost per layer and per step shows;
 * ``lm``:  PTB, B = 32, T = 64, a 2-block transformer LM (d_model 128, 4 heads, vocab 10,000);
 * ``gpt``: random tokens, B = 16, T = 64, a nanoGPT-shaped LM (vocab 2000, d 128, 2 blocks,
   positions ``arange(T)``), untied and tied head: norms-only and norms + Gram reads over a plain
@@ -132,6 +134,23 @@ def mnist_batches(count: int, batch: int, synthetic: bool) -> tuple[list, int, s
     return [(images[p], labels[p]) for p in picks], images.shape[0], "MNIST train"
 
 
+def cifar_batches(count: int, batch: int, synthetic: bool) -> tuple[list, int, str]:
+    if not synthetic:
+        try:
+            from benchmarks.experiments.data import cifar10_subset
+
+            x, y, _, _ = cifar10_subset()
+        except (FileNotFoundError, ImportError):
+            synthetic = True
+    if synthetic:
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(4000, 3, 32, 32, generator=gen), torch.randint(0, 10, (4000,))
+    order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))
+    picks = order.repeat(-(-count * batch // x.shape[0]))[: count * batch].view(count, batch)
+    source = "random images" if synthetic else "CIFAR-10 lossless subset"
+    return [(x[p], y[p]) for p in picks], x.shape[0], source
+
+
 def ptb_batches(count: int, batch: int, length: int, synthetic: bool) -> tuple[list, int, str]:
     path = DATA / "ptb" / "ptb.train.txt"
     vocab = 10000
@@ -231,18 +250,28 @@ def build(workload: str, synthetic: bool, rounds: int) -> tuple[Callable[[], nn.
     torch.manual_seed(0)
     if workload == "mlp":
         batches, n, source = mnist_batches(count, 64, synthetic)
-        init = make_mlp()
+    elif workload == "lenet":
+        batches, n, source = cifar_batches(count, 16, synthetic)
     else:
         batches, n, source = ptb_batches(count, 32, 64, synthetic)
-        init = TransformerLM(10000, 64)
-    state = {k: v.clone() for k, v in init.state_dict().items()}
+    state = {k: v.clone() for k, v in _model(workload).state_dict().items()}
 
     def fresh() -> nn.Module:
-        model = make_mlp() if workload == "mlp" else TransformerLM(10000, 64)
+        model = _model(workload)
         model.load_state_dict(state)
         return model
 
     return fresh, [batches, n, source]
+
+
+def _model(workload: str) -> nn.Module:
+    if workload == "mlp":
+        return make_mlp()
+    if workload == "lenet":
+        from benchmarks.experiments.models import LeNet
+
+        return LeNet()
+    return TransformerLM(10000, 64)
 
 
 def opacus_available() -> str | None:
@@ -352,7 +381,7 @@ def timed_side_by_side(
 
 
 def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> None:
-    rounds = args.rounds or (4 if args.quick else (20 if workload == "mlp" else 6))
+    rounds = args.rounds or (4 if args.quick else (20 if workload in ("mlp", "lenet") else 6))
     inner = 1 if args.quick or workload == "lm" else 3
     fresh, data = build(workload, synthetic=args.quick, rounds=(rounds + WARMUP) * inner)
     batches, n, source = data
@@ -694,7 +723,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated: mlp,lm,gpt,lstm,identity (default all; --quick: mlp)",
+        help="comma-separated: mlp,lenet,lm,gpt,lstm,identity (default all; --quick: mlp)",
     )
     parser.add_argument(
         "--contenders",
@@ -718,7 +747,7 @@ def main(argv: list[str]) -> None:
         print(f"\nopacus not measured: {missing}")
     if wanted is not None:
         kinds = [k for k in kinds if k in wanted]
-    workloads = args.workloads or ("mlp" if args.quick else "mlp,lm,gpt,lstm,identity")
+    workloads = args.workloads or ("mlp" if args.quick else "mlp,lenet,lm,gpt,lstm,identity")
     for workload in workloads.split(","):
         if workload == "identity":
             run_identity(args)

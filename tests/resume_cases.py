@@ -91,11 +91,13 @@ def _alf_run(estimator: GradientNoiseScaleEstimator, start: int, stop: int) -> l
 
 
 def cases() -> dict[str, Case]:
-    grab = {"seed": 5, "depth": 2}
+    grab = {"seed": 5}
     sampler_events = EPOCHS * 4
     table = {
         f"sampler-{kind}": Case(
-            lambda kind=kind: GraBSampler(range(N), balance_type=kind, **grab),
+            lambda kind=kind: GraBSampler(
+                range(N), balance_type=kind, **grab, **({"depth": 2} if kind == "recursive" else {})
+            ),
             _sampler_run(batch_form=False),
             sampler_events,
         )

@@ -20,7 +20,10 @@ import torch
 
 __all__ = [
     "ArgumentTypeError",
+    "check_bool",
     "check_count",
+    "check_int",
+    "check_int_in_range",
     "check_non_negative",
     "check_non_negative_int",
     "check_positive",
@@ -44,6 +47,28 @@ def _number(name: str, value: Any) -> float:
 def _integer(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ArgumentTypeError(f"`{name}` should be an integer, but got {name}={value!r}")
+    return value
+
+
+def check_int(name: str, value: Any) -> int:
+    """``value`` if it is an integer (a seed, say)."""
+    return _integer(name, value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a bool."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"`{name}` should be a bool, but got {name}={value!r}")
+    return value
+
+
+def check_int_in_range(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` if it is an integer in [low, high]."""
+    value = _integer(name, value)
+    if not low <= value <= high:
+        raise ValueError(
+            f"`{name}` should be an integer in [{low}, {high}], but got {name}={value!r}"
+        )
     return value
 
 

@@ -7,7 +7,7 @@ from statistics import NormalDist
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from grabkit.noise import BiasCorrectedEMA, NoiseScaleTracker, ratio_interval
@@ -25,6 +25,7 @@ variance = st.floats(0.0, 1e3, allow_nan=False)
     rho=st.floats(-1.0, 1.0),
     conf=st.floats(0.5, 0.99),
 )
+@example(t=2.47e-143, g=2.47e-143, vt=0.0, vg=2.6e-286, rho=0.0, conf=0.5)  # squares underflow
 def test_a_bounded_interval_contains_the_point_estimate(t, g, vt, vg, rho, conf):
     low, high = ratio_interval(t, g, vt, vg, rho * math.sqrt(vt * vg), conf)
     if math.isfinite(low):

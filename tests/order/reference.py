@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 from grabkit.order.balance import _mix
+from grabkit.order.orderings import ORDERINGS
+
+
+def own_options(kind: str, **options):
+    """The options ``kind`` declares, out of ``options`` (the others would be refused)."""
+    return {k: v for k, v in options.items() if k in ORDERINGS[kind].option_names()}
 
 
 class RefRule:

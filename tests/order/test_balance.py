@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.order.reference import ReferenceBalancer
+from tests.order.reference import ReferenceBalancer, own_options
 
 import grabkit.order.balance as balance_module
 from grabkit.order import GraBSampler
@@ -28,7 +28,7 @@ def run_against_reference(
     X = torch.randn(N, D, generator=g, dtype=torch.float64) + 0.3
     sampler = GraBSampler(
         range(N), balance_type=kind, prob_balance=probabilistic, prob_balance_c=c,
-        seed=seed, depth=2, block_policy=policy,
+        seed=seed, **own_options(kind, depth=2), block_policy=policy,
     )  # fmt: skip
     ref = ReferenceBalancer(kind, probabilistic=probabilistic, c=c, seed=seed, depth=2)
     if kind == "adamean":
@@ -135,8 +135,12 @@ def test_sequential_orderings_ignore_how_an_epoch_is_cut_into_batches(
     """The sequential rule sees one example at a time, so batch boundaries cannot matter."""
     n = sum(cuts)
     X = torch.randn(n, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    whole = GraBSampler(range(n), balance_type=kind, prob_balance=probabilistic, depth=2)
-    pieces = GraBSampler(range(n), balance_type=kind, prob_balance=probabilistic, depth=2)
+    whole = GraBSampler(
+        range(n), balance_type=kind, prob_balance=probabilistic, **own_options(kind, depth=2)
+    )
+    pieces = GraBSampler(
+        range(n), balance_type=kind, prob_balance=probabilistic, **own_options(kind, depth=2)
+    )
     for _ in range(3):
         order = list(whole)
         assert list(pieces) == order

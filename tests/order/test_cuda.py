@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.order.reference import own_options
 
 from grabkit.order import GraBSampler
 
@@ -17,8 +18,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("probabilistic", [False, True])
 def test_cuda_orders_equal_cpu_orders(kind, probabilistic):
     X = torch.randn(29, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    cpu = GraBSampler(range(29), balance_type=kind, prob_balance=probabilistic, depth=2)
-    gpu = GraBSampler(range(29), balance_type=kind, prob_balance=probabilistic, depth=2)
+    cpu = GraBSampler(
+        range(29), balance_type=kind, prob_balance=probabilistic, **own_options(kind, depth=2)
+    )
+    gpu = GraBSampler(
+        range(29), balance_type=kind, prob_balance=probabilistic, **own_options(kind, depth=2)
+    )
     Xc = X.cuda()
     for _ in range(3):
         order = list(cpu)
@@ -28,9 +33,9 @@ def test_cuda_orders_equal_cpu_orders(kind, probabilistic):
             gpu.step(Xc[order[start : start + 6]])
     assert list(cpu) == list(gpu)
     state = gpu.state_dict()
-    GraBSampler(range(29), balance_type=kind, prob_balance=probabilistic, depth=2).load_state_dict(
-        state
-    )
+    GraBSampler(
+        range(29), balance_type=kind, prob_balance=probabilistic, **own_options(kind, depth=2)
+    ).load_state_dict(state)
 
 
 @pytest.mark.parametrize("projection", ["gaussian", "sparse", "kronecker"])

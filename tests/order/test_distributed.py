@@ -75,3 +75,30 @@ def test_two_ranks_decide_like_one_process_on_the_global_batch(monkeypatch):
                 assert len(set(together)) == len(together) == N - 1
             else:
                 assert set(together) == set(range(N)) and len(together) == N + 1
+
+
+def parts_body(rank: int, world_size: int, payload: None) -> dict:
+    """The same pair ordering with normalised rows, built from its parts (the exchange appended
+    after Normalize) and from keywords (the exchange before it)."""
+    from grabkit.order import Normalize, PairBalance
+
+    X = gradients() * torch.arange(1, N + 1, dtype=torch.float64)[:, None]  # unequal norms
+    by_parts = GraBSampler(range(N), PairBalance(N, seed=9), transforms=[Normalize()])
+    by_keywords = GraBSampler(range(N), balance_type="pair", seed=9, normalize=True)
+    orders = {"parts": [], "keywords": []}
+    for epoch in range(EPOCHS):
+        for name, sampler in (("parts", by_parts), ("keywords", by_keywords)):
+            sampler.set_epoch(epoch)
+            local = list(sampler)
+            for start in range(0, len(local), LOCAL_BATCH):
+                sampler.step(X[local[start : start + LOCAL_BATCH]])
+            orders[name].append(sampler.order.tolist())
+    return orders
+
+
+@pytest.mark.distributed
+def test_the_exchange_appended_to_a_chain_of_parts_decides_as_the_keyword_chain(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    per_rank = run_distributed(parts_body, world_size=2, payload=None)
+    for orders in per_rank:
+        assert orders["parts"] == orders["keywords"] == per_rank[0]["keywords"]

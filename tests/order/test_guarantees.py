@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.order.reference import own_options
 from tests.support.distributed import run_distributed
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -30,9 +31,9 @@ def _grads(n: int = 24, d: int = 4, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["mean", "pair", "recursive"])
 def test_skipped_batch_does_not_take_the_next_batch_gradients(kind):
     X = _grads()
-    by_indices = GraBSampler(range(24), balance_type=kind, seed=1, depth=2)
-    by_skip = GraBSampler(range(24), balance_type=kind, seed=1, depth=2)
-    reference = GraBSampler(range(24), balance_type=kind, seed=1, depth=2)
+    by_indices = GraBSampler(range(24), balance_type=kind, seed=1, **own_options(kind, depth=2))
+    by_skip = GraBSampler(range(24), balance_type=kind, seed=1, **own_options(kind, depth=2))
+    reference = GraBSampler(range(24), balance_type=kind, seed=1, **own_options(kind, depth=2))
     order = list(by_indices)
     assert list(by_skip) == list(reference) == order
     batches = [order[i : i + 4] for i in range(0, 24, 4)]
@@ -102,8 +103,12 @@ def test_hook_mode_accumulates_backwards_until_step(kind):
     model = _model()
     x = torch.randn(16, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(2))
-    hooked = GraBBatchSampler(range(16), model=model, batch_size=8, balance_type=kind, depth=2)
-    dense = GraBBatchSampler(range(16), batch_size=8, balance_type=kind, depth=2)
+    hooked = GraBBatchSampler(
+        range(16), model=model, batch_size=8, balance_type=kind, **own_options(kind, depth=2)
+    )
+    dense = GraBBatchSampler(
+        range(16), batch_size=8, balance_type=kind, **own_options(kind, depth=2)
+    )
     for _ in range(2):
         batches = list(hooked)
         assert list(dense) == batches
@@ -247,7 +252,8 @@ def test_state_dict_is_o1_in_the_gradient_length():
 def test_resume_anywhere_continues_exactly(kind, batch_form, probabilistic, stop):
     n, bs, epochs = 11, 3, 3
     X = _grads(n, seed=4)
-    kw = {"balance_type": kind, "prob_balance": probabilistic, "seed": 5, "depth": 2}
+    kw = {"balance_type": kind, "prob_balance": probabilistic, "seed": 5}
+    kw.update(own_options(kind, depth=2))
 
     def make():
         if batch_form:

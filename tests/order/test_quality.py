@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 import torch
+from tests.order.reference import own_options
 
 from grabkit.order import GraBSampler, herding_bound
 
@@ -36,7 +37,7 @@ def random_reshuffling(vectors) -> float:
 
 @pytest.mark.parametrize("kind", ["mean", "pair", "recursive"])
 def test_grab_herding_bound_well_below_random_reshuffling(vectors, random_reshuffling, kind):
-    bounds = epoch_bounds(vectors, balance_type=kind, depth=2)
+    bounds = epoch_bounds(vectors, balance_type=kind, **own_options(kind, depth=2))
     assert bounds[-1] < 0.35 * random_reshuffling, (kind, bounds, random_reshuffling)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.order.reference import ReferenceBalancer
+from tests.order.reference import ReferenceBalancer, own_options
 from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -48,7 +48,9 @@ def run_epoch(sampler: GraBSampler, X: torch.Tensor, batch_size: int, limit=None
 )
 def test_every_epoch_is_a_permutation(kind, n, batch_size, probabilistic, seed, partial_epoch):
     X = torch.randn(n, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    sampler = make_sampler(kind, n, X, prob_balance=probabilistic, seed=seed, depth=2)
+    sampler = make_sampler(
+        kind, n, X, prob_balance=probabilistic, seed=seed, **own_options(kind, depth=2)
+    )
     for epoch in range(3):
         limit = n // 2 if partial_epoch and epoch == 1 else None
         order = run_epoch(sampler, X, batch_size, limit)
@@ -277,7 +279,8 @@ RESUME_CASES = [(kind, i % 2 == 0, i % 3) for i, kind in enumerate(BALANCE_TYPES
 def test_mid_epoch_resume_reproduces_uninterrupted_orders(kind, probabilistic, in_flight):
     n, bs, epochs = 19, 3, 4
     X = torch.randn(n, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    kw = {"balance_type": kind, "prob_balance": probabilistic, "seed": 11, "depth": 2}
+    kw = {"balance_type": kind, "prob_balance": probabilistic, "seed": 11}
+    kw.update(own_options(kind, depth=2))
     if kind.startswith("ntk"):
         kw["ntk_features"] = X
     full, snap = _train(GraBSampler(range(n), **kw), X, epochs, bs, save_at=(1, 3), in_flight=0)
@@ -376,9 +379,11 @@ class InnerProductsOnly:
                                   "norm"])  # fmt: skip
 def test_hook_mode_matches_dense_mode(kind):
     X = torch.randn(13, 4, dtype=torch.float64)
-    dense = GraBSampler(range(13), balance_type=kind, depth=2, seed=2)
+    dense = GraBSampler(range(13), balance_type=kind, **own_options(kind, depth=2), seed=2)
     stats = FakeStats()
-    hooked = GraBSampler(range(13), balance_type=kind, depth=2, seed=2, stats=stats)
+    hooked = GraBSampler(
+        range(13), balance_type=kind, **own_options(kind, depth=2), seed=2, stats=stats
+    )
     for _ in range(3):
         order = list(dense)
         assert list(hooked) == order
@@ -402,8 +407,8 @@ def test_hook_mode_orderings_needing_coordinates_say_so(kind):
 
 def _projected_reference(kw: dict, X: torch.Tensor) -> torch.Tensor:
     """What the sampler should balance for each option, built independently."""
-    from grabkit.order.configure import jl_dimension
     from grabkit.order.projection import make_projection
+    from grabkit.order.transforms import jl_dimension
 
     if kw.get("normalize"):
         return X / X.norm(dim=1, keepdim=True)
@@ -561,8 +566,8 @@ def test_normalize_equals_balancing_unit_vectors():
     X = torch.randn(12, 4, dtype=torch.float64) * torch.rand(12, 1, dtype=torch.float64) * 5
     unit = X / X.norm(dim=1, keepdim=True)
     for kind in ("mean", "pair", "recursive"):
-        a = GraBSampler(range(12), balance_type=kind, normalize=True, depth=2)
-        b = GraBSampler(range(12), balance_type=kind, depth=2)
+        a = GraBSampler(range(12), balance_type=kind, normalize=True, **own_options(kind, depth=2))
+        b = GraBSampler(range(12), balance_type=kind, **own_options(kind, depth=2))
         for _ in range(3):
             order = list(a)
             assert list(b) == order
@@ -662,7 +667,7 @@ def test_hook_mode_rejects_coordinate_needs_at_construction(kwargs):
 
 @pytest.mark.parametrize("kind", ["pair", "recursive", "ema", "recursive-pair", "norm"])
 def test_non_finite_anywhere_in_the_batch_is_rejected(kind):
-    sampler = GraBSampler(range(40), balance_type=kind, depth=2)
+    sampler = GraBSampler(range(40), balance_type=kind, **own_options(kind, depth=2))
     list(sampler)
     sampler.step(torch.randn(4, 3))
     before = copy.deepcopy(sampler.state_dict())["live"]  # state_dict() shares the live state

@@ -92,6 +92,22 @@ def test_wrapped_models_draw_the_plain_models_maps(kind):
     assert wrapped_fingerprint == fingerprint
 
 
+def test_maps_stay_canonical_after_the_trainable_set_changes():
+    # a layer frozen after the first step: the maps drawn for the new set are still those of
+    # the canonical names, so the wrapped model's sketches stay the plain model's
+    x, y = data()
+    results = []
+    for model in (net(), wrapped("checkpoint wrapper", net())):
+        with SketchedStats(model, dim=K, seed=3) as stats:
+            F.cross_entropy(model(x), y).backward()
+            stats.sketches()
+            for p in [p for n, p in model.named_parameters() if "inp." in n]:
+                p.requires_grad_(False)
+            F.cross_entropy(model(x), y).backward()
+            results.append(stats.sketches().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=1e-12, atol=1e-12)
+
+
 def run_sampler(sampler: GraBSampler, model: nn.Module, batches: int) -> None:
     """Step ``sampler`` on ``batches`` batches drawn lazily from it (the rest of an interrupted
     epoch first), with no training, so that two runs see the same gradients."""

@@ -21,14 +21,12 @@ relative error of about sqrt(2 / k) (0.044 at k = 1024), not exact norms.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
-from grabkit.stats import PerSampleStats, SketchedStats
+from grabkit.stats import PerSampleStats, StatisticsSource
 
 __all__ = ["DEFAULT_QUANTILES", "ExampleGradientNorms"]
 
@@ -54,22 +52,21 @@ class ExampleGradientNorms:
     def __init__(
         self,
         model: nn.Module,
-        stats: PerSampleStats | None = None,
+        stats: StatisticsSource | None = None,
         loss_reduction: str = "mean",
         quantiles: Sequence[float] = DEFAULT_QUANTILES,
     ) -> None:
         self.quantiles = self.check_quantiles(quantiles)
-        if stats is not None and not isinstance(stats, (PerSampleStats, SketchedStats)):
+        if stats is not None and not isinstance(stats, StatisticsSource):
             raise TypeError(
-                "ExampleGradientNorms reads per-example norms from a PerSampleStats or a "
-                f"SketchedStats, but got {type(stats).__name__}"
+                "ExampleGradientNorms reads per-example norms from a statistics source "
+                f"(PerSampleStats, SketchedStats), but got {type(stats).__name__}"
             )
         self._owns = stats is None
         self.stats = stats if stats is not None else PerSampleStats(model, loss_reduction)
         self.scale = 1.0  # undoes a framework's factor on every loss (Lightning's 1 / accumulation)
         self._kept: list[torch.Tensor] = []
-        self._taken: Any = lambda: None  # the statistics object last read, weakly
-        self.stats.step_listeners.append(self.capture)
+        self.subscription = self.stats.subscribe(self.capture)
 
     @staticmethod
     def check_quantiles(quantiles: Sequence[float]) -> tuple[float, ...]:
@@ -83,17 +80,12 @@ class ExampleGradientNorms:
         return values
 
     def capture(self) -> None:
-        """Keep the norms of the backward that just ran (once; the next forward calls it)."""
-        if not self.stats.backward_seen:
+        """Keep the norms of the backward that just ran (once; the next forward calls it).
+        A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased)."""
+        batch = self.subscription.take()
+        if batch is None:
             return
-        current = self.stats.statistics()
-        if current is self._taken():
-            return
-        self._taken = weakref.ref(current)
-        if isinstance(self.stats, SketchedStats):  # |S g_i|^2 estimates |g_i|^2 (unbiased)
-            squares = current.pow(2).sum(1)
-        else:
-            squares = self.stats.norms_squared()
+        squares = batch.norms_squared()
         norms = squares.detach().clamp(min=0).sqrt().cpu()
         self._kept.append(norms * self.scale)
 
@@ -123,7 +115,6 @@ class ExampleGradientNorms:
 
     def close(self) -> None:
         """Stop collecting; remove the hooks this object attached."""
-        if self.capture in self.stats.step_listeners:
-            self.stats.step_listeners.remove(self.capture)
+        self.subscription.close()
         if self._owns:
             self.stats.close()

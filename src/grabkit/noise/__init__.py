@@ -9,13 +9,16 @@ E |G_b|^2 = |G|^2 + tr(Sigma) / b, with numerator and denominator averaged separ
 * ``DDPNoiseScale``: free under DistributedDataParallel (a communication hook).
 
 All report a ``NoiseScaleResult``: |G|^2, tr(Sigma) and B_simple per block and in total, with a
-confidence interval.
+confidence interval, through one surface (``NoiseEstimator``): ``observe(...)`` takes a step and
+returns ``estimate``, ``close()`` detaches what the estimator attached; their states are declared
+once (``grabkit.state``).
 """
 
 from grabkit.noise.accumulation import AccumulationNoiseScale
 from grabkit.noise.alf import GradientNoiseScaleEstimator
 from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.ddp import DDPNoiseScale
+from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.per_example import PerExampleNoiseScale
@@ -28,6 +31,7 @@ __all__ = [
     "DDPNoiseScale",
     "GradientNoiseScaleEstimator",
     "MicrobatchNoiseScale",
+    "NoiseEstimator",
     "NoiseScaleResult",
     "NoiseScaleTracker",
     "PerExampleNoiseScale",

@@ -24,6 +24,7 @@ combines them exactly, one small all-gather per step), and every rank reports th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,11 +32,13 @@ from torch import nn
 
 from grabkit.integrations.wiring import check_wiring
 from grabkit.noise.blocks import ParamsLike, named_trainable_parameters
+from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.windows import combine, gather_terms, rank_terms
 from grabkit.sharding import gradient_layout_of, local, world_size
+from grabkit.state import Stateful
 from grabkit.taps import GradientTaps
 from grabkit.validation import check_positive
 
@@ -68,7 +71,7 @@ def _unwrap(params: ParamsLike) -> ParamsLike:
     return params
 
 
-class AccumulationNoiseScale:
+class AccumulationNoiseScale(NoiseEstimator, Stateful):
     """Gradient noise scale of an accumulating training loop, measured by gradient hooks.
 
     Usage (the accumulated ``.grad`` must be the step's *mean* gradient: scale each microbatch
@@ -115,8 +118,13 @@ class AccumulationNoiseScale:
     One ``backward()`` per microbatch (``end_microbatch`` raises otherwise: call it after each
     backward); ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The
     hooks also see any other differentiation through these parameters (``torch.autograd.grad``
-    for a penalty, another estimator): keep those out of the measured steps. Call ``remove()``
+    for a penalty, another estimator): keep those out of the measured steps. Call ``close()``
     (or use ``with``) to detach the hooks. ``FullyShardedDataParallel`` (FSDP1) is refused.
+
+    Its state is the averages and the step in progress: a checkpoint between microbatches (or
+    between a backward and its ``end_microbatch``) resumes to the same estimate. The step's
+    accumulated ``.grad`` is the model's, not this object's: to resume in mid-step, save and
+    restore it too. With several ranks each saves its own.
     """
 
     def __init__(
@@ -137,25 +145,37 @@ class AccumulationNoiseScale:
         named = named_trainable_parameters(params, "AccumulationNoiseScale")
         self.layout = gradient_layout_of([p for _, p in named], "AccumulationNoiseScale")
         self.block_names = tuple(name for name, _ in named)
-        self.estimator = MicrobatchNoiseScale(
-            update_rate, window, confidence, self.block_names, population_size
-        )
         self.grad_scaler = grad_scaler
         self.process_group = process_group
         self._params = [p for _, p in named]
         self._block_of = {p: i for i, p in enumerate(self._params)}
         self._device = local(self._params[0]).device
+        self._row = 0  # the microbatch the hooks are measuring (the closed ones come before)
+        estimator = MicrobatchNoiseScale(
+            update_rate, window, confidence, self.block_names, population_size
+        )
+        self.add_state("estimator", estimator)
         # Row k holds |d_k|^2 per block of the step's k-th microbatch. The hooks copy each
         # square into it at once: keeping the 0-d results alive until the step ends measurably
         # slows the backward passes (small allocations left between the large gradient
-        # buffers). Rows are zero until written (no gradient).
-        self._squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
-        self._row = 0  # the microbatch the hooks are measuring
-        self._written = [False] * len(named)  # per block: this microbatch's square is in its row
-        self._repeated = False  # a block's hook ran twice in this microbatch (two backwards)
-        self._micro_scales_sq: list[float] = []
-        self._micro_counts: list[float] = []
-        self._window_counts: list[float] = []  # the wrapper's agreed count per microbatch
+        # buffers). Rows are zero until written (no gradient). Saved: the closed rows and the
+        # current one, (K + 1, P).
+        squares = torch.zeros(8, len(named), dtype=torch.float64, device=self._device)
+        self.add_state(
+            "squares", squares, attribute="_squares", save=self._saved_squares,
+            load=self._loaded_squares,
+        )  # fmt: skip
+        # per block: this microbatch's square is in its row
+        self.add_state("written", [False] * len(named), attribute="_written", load=_bools)
+        # a block's hook ran twice in this microbatch (two backwards)
+        self.add_state("repeated", False, attribute="_repeated", load=bool)
+        self.add_state("counts", [], attribute="_micro_counts", save=list, load=_floats)
+        self.add_state("scales_sq", [], attribute="_micro_scales_sq", save=list, load=_floats)
+        # the wrapper's agreed count per microbatch (states saved before it was kept lack it)
+        self.add_state(
+            "window_counts", [], attribute="_window_counts", save=list, load=_floats,
+            optional=True,
+        )  # fmt: skip
         self._wrapper = optimizer
         self._taps = GradientTaps(
             named, self._record, params if isinstance(params, nn.Module) else None
@@ -346,66 +366,60 @@ class AccumulationNoiseScale:
     def estimate(self) -> NoiseScaleResult | None:
         return self.estimator.estimate
 
-    def remove(self) -> None:
+    def observe(self) -> NoiseScaleResult | None:
+        """``end_step``: close the step (the microbatches were closed by ``end_microbatch``)."""
+        return self.end_step()
+
+    def close(self) -> None:
         """Detach the gradient hooks (and stop following the wrapper)."""
         self._taps.remove()
         handle = self.__dict__.pop("_wrapper_handle", None)
         if handle is not None:
             handle.remove()
 
-    def __enter__(self) -> AccumulationNoiseScale:
-        return self
+    def remove(self) -> None:
+        """``close()``, by its earlier name."""
+        self.close()
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+    def _saved_squares(self, squares: torch.Tensor) -> torch.Tensor:
+        return squares[: self._row + 1].clone()  # (K + 1, P): K closed + current
 
-    def state_dict(self) -> dict:
-        """The averages and the step in progress: a checkpoint between microbatches (or between
-        a backward and its ``end_microbatch``) resumes to the same estimate.
+    def _loaded_squares(self, saved: torch.Tensor) -> torch.Tensor:
+        rows = torch.zeros(max(8, 2 * saved.shape[0]), saved.shape[1], dtype=torch.float64)
+        rows = rows.to(self._device)
+        rows[: saved.shape[0]] = saved.to(self._device)
+        return rows
 
-        The step's accumulated ``.grad`` is the model's, not this object's: to resume in
-        mid-step, save and restore it too. With several ranks each saves its own.
-        """
-        return {
-            "estimator": self.estimator.state_dict(),
-            "squares": self._squares[: self._row + 1].clone(),  # (K + 1, P): K closed + current
-            "written": list(self._written),
-            "repeated": self._repeated,
-            "counts": list(self._micro_counts),
-            "scales_sq": list(self._micro_scales_sq),
-            "window_counts": list(self._window_counts),
-        }
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict()``, once it was found to fit these parameters."""
+        if isinstance(state, Mapping) and {"squares", "counts", "scales_sq", "written"} <= set(
+            state
+        ):
+            self._check_fits(state)
+        super().load_state_dict(state)
 
-    def load_state_dict(self, state: dict) -> None:
-        expected = {"estimator", "squares", "written", "repeated", "counts", "scales_sq"}
-        keys = set(state) - {"window_counts"} if isinstance(state, dict) else None
-        if keys != expected:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"AccumulationNoiseScale state has keys {got}, expected {sorted(expected)} "
-                "(and window_counts)"
-            )
-        squares, counts = state["squares"], [float(c) for c in state["counts"]]
-        window_counts = [float(c) for c in state.get("window_counts", [])]
+    def _check_fits(self, state: Mapping[str, Any]) -> None:
+        squares, counts = state["squares"], list(state["counts"])
         blocks = len(self._params)
         if (
             squares.ndim != 2
             or tuple(squares.shape) != (len(counts) + 1, blocks)
             or len(state["scales_sq"]) != len(counts)
             or len(state["written"]) != blocks
-            or len(window_counts) not in (0, len(counts))
+            or len(state.get("window_counts", [])) not in (0, len(counts))
         ):
             raise ValueError(
                 f"AccumulationNoiseScale state does not fit {blocks} blocks: squares of shape "
                 f"{tuple(squares.shape)} for {len(counts)} closed microbatches"
             )
-        self.estimator.load_state_dict(state["estimator"])
-        rows = max(8, 2 * squares.shape[0])
-        self._squares = torch.zeros(rows, blocks, dtype=torch.float64, device=self._device)
-        self._squares[: squares.shape[0]] = squares.to(self._device)
-        self._row = len(counts)
-        self._written = [bool(w) for w in state["written"]]
-        self._repeated = bool(state["repeated"])
-        self._micro_counts = counts
-        self._micro_scales_sq = [float(x) for x in state["scales_sq"]]
-        self._window_counts = window_counts
+
+    def after_load(self) -> None:
+        self._row = len(self._micro_counts)
+
+
+def _bools(saved: list[bool]) -> list[bool]:
+    return [bool(w) for w in saved]
+
+
+def _floats(saved: list[float]) -> list[float]:
+    return [float(c) for c in saved]

@@ -25,15 +25,18 @@ gradient before measuring it (which biases the estimate: leave it None for a fai
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
 from grabkit.sharding import is_sharded, refuse_flat_parameters
+from grabkit.state import Stateful
 from grabkit.validation import check_positive
 
 __all__ = ["GradientNoiseScaleEstimator"]
@@ -78,7 +81,7 @@ def _refuse_sharded(leaves: list[torch.Tensor]) -> None:
         )
 
 
-class GradientNoiseScaleEstimator(nn.Module):
+class GradientNoiseScaleEstimator(nn.Module, NoiseEstimator):
     """Simple gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018).
 
     Args:
@@ -115,9 +118,7 @@ class GradientNoiseScaleEstimator(nn.Module):
         self._batch_size_ratio = batch_size_ratio if mode == "paper" else 0.5
         self._grad_norm_clip = gradient_norm_clip
         self._update_rate = update_rate
-        self._gradient_norm_averager = BiasCorrectedEMA(update_rate)
-        self._var_trace_averager = BiasCorrectedEMA(update_rate)
-        self._tracker: NoiseScaleTracker | None = None
+        self._averages = _Averages(mode, self._batch_size_ratio, update_rate, gradient_norm_clip)
         self.register_buffer("_last_valid_gns", torch.zeros(()))
 
     def _part_gradients(self, loss: torch.Tensor, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -191,8 +192,8 @@ class GradientNoiseScaleEstimator(nn.Module):
         if not bool(finite.all()):  # a NaN / inf loss: skip the update, as the others do
             return self._last_valid_gns.clone()
         self._track(names, block_grad_norm, block_trace, small + big)
-        avg_grad_norm = self._gradient_norm_averager.update(grad_norm)
-        avg_var_trace = self._var_trace_averager.update(var_trace)
+        avg_grad_norm = self._averages.gradient_norm.update(grad_norm)
+        avg_var_trace = self._averages.var_trace.update(var_trace)
         gns = avg_var_trace / (avg_grad_norm + _DENOMINATOR_EPS)
         if self._mode == "alternative":
             gns = (gns - 1.0) * size
@@ -203,55 +204,76 @@ class GradientNoiseScaleEstimator(nn.Module):
         return gns.detach()
 
     def _track(self, names, block_grad_norm, block_trace, examples: int) -> None:
-        if self._tracker is None:
-            self._tracker = NoiseScaleTracker(self._update_rate, block_names=names)
-        elif self._tracker.block_names != names:
+        averages = self._averages
+        if averages.tracker is None:
+            averages.tracker = NoiseScaleTracker(self._update_rate, block_names=names)
+        elif averages.tracker.block_names != names:
             raise ValueError(
-                f"tensors changed between calls: first {self._tracker.block_names}, now {names}"
+                f"tensors changed between calls: first {averages.tracker.block_names}, now {names}"
             )
-        self._tracker.update(block_grad_norm, block_trace, examples)
+        averages.tracker.update(block_grad_norm, block_trace, examples)
 
-    def _config(self) -> dict:
-        return {
-            "mode": self._mode,
-            "batch_size_ratio": self._batch_size_ratio,
-            "update_rate": self._update_rate,
-            "gradient_norm_clip": self._grad_norm_clip,
-        }
+    @property
+    def _tracker(self) -> NoiseScaleTracker | None:
+        """The per-block tracker behind ``result()`` (None before the first call)."""
+        return self._averages.tracker
 
-    def get_extra_state(self) -> dict:
+    def get_extra_state(self) -> dict[str, Any]:
         """The averages and the configuration, saved by ``state_dict()`` next to the
         ``_last_valid_gns`` buffer; a state of another configuration is refused on load."""
-        return {
-            "config": self._config(),
-            "gradient_norm": self._gradient_norm_averager.state_dict(),
-            "var_trace": self._var_trace_averager.state_dict(),
-            "tracker": None if self._tracker is None else self._tracker.state_dict(),
-        }
+        return self._averages.state_dict()
 
-    def set_extra_state(self, state: dict) -> None:
-        expected = {"config", "gradient_norm", "var_trace", "tracker"}
-        if not isinstance(state, dict) or set(state) != expected:
-            raise ValueError(
-                f"GradientNoiseScaleEstimator extra state should have keys {sorted(expected)}, "
-                f"but got {state!r:.200}"
-            )
-        if state["config"] != self._config():
-            raise ValueError(
-                f"the GradientNoiseScaleEstimator state was written with {state['config']}, but "
-                f"this estimator has {self._config()}; build it with the saved options to resume"
-            )
-        self._gradient_norm_averager.load_state_dict(state["gradient_norm"])
-        self._var_trace_averager.load_state_dict(state["var_trace"])
-        tracker = state["tracker"]
-        if tracker is None:
-            self._tracker = None
-        else:
-            self._tracker = NoiseScaleTracker(self._update_rate, block_names=tracker["block_names"])
-            self._tracker.load_state_dict(tracker)
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self._averages.load_state_dict(state)
+
+    def observe(self, loss: torch.Tensor, tensors: object) -> NoiseScaleResult | None:
+        """``self(loss, tensors)`` (ALF's call), then the estimate."""
+        self(loss, tensors)
+        return self.estimate
+
+    @property
+    def estimate(self) -> NoiseScaleResult | None:
+        """``result()``, or None before the first finite update."""
+        tracker = self._averages.tracker
+        return None if tracker is None or not tracker.observations else tracker.result()
 
     def result(self) -> NoiseScaleResult:
         """Per-block |G|^2 and tr(Sigma), B_simple and its interval, from the same splits."""
-        if self._tracker is None:
+        if self._averages.tracker is None:
             raise RuntimeError("no estimate yet: call the estimator on a loss first")
-        return self._tracker.result()
+        return self._averages.tracker.result()
+
+
+class _Averages(Stateful):
+    """The estimator's saved state: its settings (under ``"config"``), the averages of |G|^2
+    and tr(Sigma) behind the returned GNS, and the per-block tracker behind ``result()``."""
+
+    config_key = "config"
+    tracker: NoiseScaleTracker | None
+
+    def __init__(
+        self, mode: str, batch_size_ratio: float, update_rate: float, clip: float | None
+    ) -> None:
+        self.update_rate = update_rate
+        self.add_config("mode", mode)
+        self.add_config("batch_size_ratio", batch_size_ratio)
+        self.add_config("update_rate", update_rate)
+        self.add_config("gradient_norm_clip", clip)
+        self.add_state("gradient_norm", BiasCorrectedEMA(update_rate))
+        self.add_state("var_trace", BiasCorrectedEMA(update_rate))
+        self.add_state("tracker", None, save=_tracker_state, load=self._tracker_from)
+
+    @property
+    def state_owner(self) -> str:
+        return "GradientNoiseScaleEstimator"
+
+    def _tracker_from(self, saved: dict[str, Any] | None) -> NoiseScaleTracker | None:
+        if saved is None:
+            return None
+        tracker = NoiseScaleTracker(self.update_rate, block_names=saved["block_names"])
+        tracker.load_state_dict(saved)
+        return tracker
+
+
+def _tracker_state(tracker: NoiseScaleTracker | None) -> dict[str, Any] | None:
+    return None if tracker is None else tracker.state_dict()

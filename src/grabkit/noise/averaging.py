@@ -10,12 +10,13 @@ import math
 
 import torch
 
+from grabkit.state import Stateful
 from grabkit.validation import check_probability
 
 __all__ = ["BiasCorrectedEMA"]
 
 
-class BiasCorrectedEMA:
+class BiasCorrectedEMA(Stateful):
     """EMA  m_t = (1 - r) m_{t-1} + r x_t,  reported as m_t / (1 - (1 - r)^t)  (Adam's correction).
 
     The update rate r means the same as ALF's ``ScalarEMAverager(update_rate)``: the weight of the
@@ -27,10 +28,14 @@ class BiasCorrectedEMA:
     synchronises with the device.
     """
 
+    _mean: torch.Tensor | None
+    _decay_product: float  # (1 - r)^t, the weight still held by the zero initial value
+
     def __init__(self, update_rate: float) -> None:
-        self.update_rate = check_probability("update_rate", update_rate, allow_one=True)
-        self._mean: torch.Tensor | None = None
-        self._decay_product = 1.0  # (1 - r)^t, the weight still held by the zero initial value
+        rate = check_probability("update_rate", update_rate, allow_one=True)
+        self.add_state("update_rate", rate, load=float)
+        self.add_state("mean", None, attribute="_mean", save=_copy, load=_copy)
+        self.add_state("decay_product", 1.0, attribute="_decay_product", load=float)
 
     @property
     def count_weight(self) -> float:
@@ -60,17 +65,6 @@ class BiasCorrectedEMA:
     def initialized(self) -> bool:
         return self._mean is not None
 
-    def state_dict(self) -> dict:
-        return {
-            "update_rate": self.update_rate,
-            "mean": None if self._mean is None else self._mean.clone(),
-            "decay_product": self._decay_product,
-        }
 
-    def load_state_dict(self, state: dict) -> None:
-        unknown = set(state) - {"update_rate", "mean", "decay_product"}
-        if unknown:
-            raise ValueError(f"unexpected keys in BiasCorrectedEMA state: {sorted(unknown)}")
-        self.update_rate = float(state["update_rate"])
-        self._mean = None if state["mean"] is None else state["mean"].clone()
-        self._decay_product = float(state["decay_product"])
+def _copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()

@@ -17,6 +17,8 @@ accumulation, so pass the examples of all those microbatches as the step's count
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -187,11 +189,11 @@ class DDPNoiseScale(TrackedEstimator):
         self._fold_pending()
         return super().estimate
 
-    def state_dict(self) -> dict:
-        self._fold_pending()
-        return {"tracker": self.tracker.state_dict()}
+    def observe(self, count: float) -> NoiseScaleResult | None:
+        """``observe_step``: the step of ``count`` examples whose gradients DDP reduced."""
+        return self.observe_step(count)
 
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"tracker"}:
-            raise ValueError(f"DDPNoiseScale state has keys {sorted(state)}, expected ['tracker']")
-        self.tracker.load_state_dict(state["tracker"])
+    def state_dict(self) -> dict[str, Any]:
+        """The averages, the last observed step included (waits for its all-reduce)."""
+        self._fold_pending()
+        return super().state_dict()

@@ -14,7 +14,8 @@ those norms as plain numbers or per-block tensors; ``AccumulationNoiseScale`` (i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -44,7 +45,27 @@ class MicrobatchNoiseScale(TrackedEstimator):
 
     Norms must be of *mean* gradients (per-example loss averaged over the microbatch / step) and
     measured before clipping and after undoing any loss scaling.
+
+    Its state: the tracker and the microbatches observed since the last ``observe_step`` (the
+    pending (K, P) norms and their counts), so a checkpoint taken in mid-step resumes to the
+    same estimate.
     """
+
+    def __init__(
+        self,
+        update_rate: float = 0.01,
+        window: str = "steps",
+        confidence: float = 0.95,
+        block_names: Sequence[str] = ("all",),
+        population_size: int | None = None,
+    ) -> None:
+        super().__init__(update_rate, window, confidence, block_names, population_size)
+        self.add_state("pending_norms", attribute="_micro_norms", save=_joined, load=_pending)
+        self.add_state("pending_counts", attribute="_micro_counts", save=list, load=_floats)
+
+    def observe(self, grad_norm_sq: torch.Tensor | float) -> NoiseScaleResult | None:
+        """``observe_step``: close the step with |G_B|^2 of its mean gradient."""
+        return self.observe_step(grad_norm_sq)
 
     def clear_pending(self) -> None:
         """Forget the microbatches observed since the last ``observe_step``."""
@@ -108,37 +129,31 @@ class MicrobatchNoiseScale(TrackedEstimator):
             self.fold(*estimates)
         return self.estimate
 
-    def state_dict(self) -> dict:
-        """The averages and the microbatches observed since the last ``observe_step``.
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict()``, once its pending microbatches were found consistent."""
+        if isinstance(state, Mapping) and {"pending_norms", "pending_counts"} <= set(state):
+            norms, counts = state["pending_norms"], list(state["pending_counts"])
+            if (norms is None) != (not counts) or (
+                norms is not None and (norms.ndim != 2 or norms.shape[0] != len(counts))
+            ):
+                raise ValueError(
+                    "MicrobatchNoiseScale state's pending microbatches are inconsistent: "
+                    f"{len(counts)} counts for norms of shape "
+                    f"{None if norms is None else tuple(norms.shape)}"
+                )
+        super().load_state_dict(state)
 
-        A checkpoint taken in mid-step resumes to the same estimate: the pending (K, P) norms and
-        their counts are saved with the tracker.
-        """
-        pending = None
-        if self._micro_norms:
-            pending = torch.cat([n.to(self._micro_norms[0].device) for n in self._micro_norms])
-        return {
-            "tracker": self.tracker.state_dict(),
-            "pending_norms": pending,
-            "pending_counts": list(self._micro_counts),
-        }
 
-    def load_state_dict(self, state: dict) -> None:
-        expected = {"tracker", "pending_norms", "pending_counts"}
-        if not isinstance(state, dict) or set(state) != expected:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(
-                f"MicrobatchNoiseScale state has keys {got}, expected {sorted(expected)}"
-            )
-        norms, counts = state["pending_norms"], [float(c) for c in state["pending_counts"]]
-        if (norms is None) != (not counts) or (
-            norms is not None and (norms.ndim != 2 or norms.shape[0] != len(counts))
-        ):
-            raise ValueError(
-                "MicrobatchNoiseScale state's pending microbatches are inconsistent: "
-                f"{len(counts)} counts for norms of shape "
-                f"{None if norms is None else tuple(norms.shape)}"
-            )
-        self.tracker.load_state_dict(state["tracker"])
-        self._micro_norms = [] if norms is None else [norms.to(torch.float64).clone()]
-        self._micro_counts = counts
+def _joined(norms: list[torch.Tensor]) -> torch.Tensor | None:
+    """The pending (K, P) norms as one tensor (None when no microbatch is pending)."""
+    if not norms:
+        return None
+    return torch.cat([n.to(norms[0].device) for n in norms])
+
+
+def _pending(saved: torch.Tensor | None) -> list[torch.Tensor]:
+    return [] if saved is None else [saved.to(torch.float64).clone()]
+
+
+def _floats(saved: Sequence[float]) -> list[float]:
+    return [float(c) for c in saved]

@@ -149,12 +149,3 @@ class PerExampleNoiseScale(TrackedEstimator):
             )
         return self.observe(stats.norms_squared(), mean_sq.sum(), grad_scale)
 
-    def state_dict(self) -> dict:
-        return {"tracker": self.tracker.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"tracker"}:
-            raise ValueError(
-                f"PerExampleNoiseScale state has keys {sorted(state)}, expected ['tracker']"
-            )
-        self.tracker.load_state_dict(state["tracker"])

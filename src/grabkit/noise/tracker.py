@@ -16,7 +16,9 @@ from statistics import NormalDist
 import torch
 
 from grabkit.noise.averaging import BiasCorrectedEMA
+from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.result import NoiseScaleResult
+from grabkit.state import Stateful
 from grabkit.validation import check_positive, check_positive_int, check_probability
 
 __all__ = ["NoiseScaleTracker", "TrackedEstimator", "ratio_interval"]
@@ -40,6 +42,17 @@ def ratio_interval(
     """
     z = NormalDist().inv_cdf(0.5 + confidence / 2.0)
     z2 = z * z
+    # the quadratic's terms are squares of the inputs: put the inputs near 1 by a power of two
+    # (exact, so the interval is unchanged) lest those squares underflow or overflow
+    largest = max(abs(numerator), abs(denominator), math.sqrt(var_numerator + var_denominator))
+    if 0.0 < largest < math.inf:
+        shift = -math.frexp(largest)[1]
+        numerator, denominator = math.ldexp(numerator, shift), math.ldexp(denominator, shift)
+        var_numerator, var_denominator = (
+            math.ldexp(var_numerator, 2 * shift),
+            math.ldexp(var_denominator, 2 * shift),
+        )
+        covariance = math.ldexp(covariance, 2 * shift)
     a = denominator * denominator - z2 * var_denominator
     if denominator <= 0.0 or a <= 0.0:
         return (-math.inf, math.inf)
@@ -50,7 +63,7 @@ def ratio_interval(
     return ((half_b - root) / a, (half_b + root) / a)
 
 
-class NoiseScaleTracker:
+class NoiseScaleTracker(Stateful):
     """Bias-corrected EMAs of per-block |G|^2 and tr(Sigma), reported as a ``NoiseScaleResult``.
 
     Args:
@@ -91,10 +104,18 @@ class NoiseScaleTracker:
         self.block_names = tuple(str(n) for n in block_names)
         # one EMA over (2P + 3,): |G|^2 per block, tr(Sigma) per block, then G^2, T^2 and G*T of
         # the totals (the second moments behind the interval)
-        self._ema = BiasCorrectedEMA(update_rate)
-        self._weight_sq_sum = 0.0  # sum of squared EMA weights, for the effective sample size
-        self.observations = 0
-        self.examples = 0.0
+        averages = BiasCorrectedEMA(update_rate)
+        # what a checkpoint must match: the averaging and the reported interval
+        self.add_config("window", self.window)
+        self.add_config("confidence", self.confidence)
+        self.add_config("update_rate", averages.update_rate)
+        self.add_config("population_size", self.population_size)
+        self.add_config("block_names", list(self.block_names))
+        self.add_state("averages", averages, attribute="_ema")
+        # sum of squared EMA weights, for the effective sample size
+        self.add_state("weight_sq_sum", 0.0, attribute="_weight_sq_sum", load=float)
+        self.add_state("observations", 0, load=int)
+        self.add_state("examples", 0.0, load=float)
         self.last_observation: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -173,56 +194,15 @@ class NoiseScaleTracker:
             examples=self.examples,
         )
 
-    def _config(self) -> dict:
-        """What a checkpoint must match: the averaging and the reported interval."""
-        return {
-            "window": self.window,
-            "confidence": self.confidence,
-            "update_rate": self.update_rate,
-            "population_size": self.population_size,
-            "block_names": list(self.block_names),
-        }
-
-    def state_dict(self) -> dict:
-        return {
-            **self._config(),
-            "averages": self._ema.state_dict(),
-            "weight_sq_sum": self._weight_sq_sum,
-            "observations": self.observations,
-            "examples": self.examples,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore a :meth:`state_dict` written with the same configuration (else ValueError)."""
-        mine = self._config()
-        expected = set(mine) | {"averages", "weight_sq_sum", "observations", "examples"}
-        if not isinstance(state, dict) or set(state) != expected:
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"NoiseScaleTracker state has keys {got}, expected {sorted(expected)}")
-        if tuple(state["block_names"]) != self.block_names:
-            raise ValueError(
-                f"state was saved for blocks {tuple(state['block_names'])}, but this estimator "
-                f"tracks {self.block_names}; build it over the same parameters"
-            )
-        differing = sorted(k for k in mine if k != "block_names" and state[k] != mine[k])
-        if differing:
-            detail = ", ".join(f"{k}: saved {state[k]!r}, here {mine[k]!r}" for k in differing)
-            raise ValueError(
-                f"the noise-scale state was written with another configuration ({detail}); "
-                "build the estimator with the saved options to resume"
-            )
-        self._ema.load_state_dict(state["averages"])
-        self._weight_sq_sum = float(state["weight_sq_sum"])
-        self.observations = int(state["observations"])
-        self.examples = float(state["examples"])
 
 
-class TrackedEstimator:
+class TrackedEstimator(NoiseEstimator, Stateful):
     """Base of the estimators that fold per-step (|G|^2, tr Sigma) into a ``NoiseScaleTracker``.
 
     Subclasses compute one step's unbiased estimates their own way and hand them to ``fold``,
     which skips non-finite steps (an overflowing loss scale, a NaN loss) so that one bad step
-    never poisons the averages.
+    never poisons the averages. The tracker is the saved state; subclasses declare what else
+    they keep (``add_state``).
     """
 
     def __init__(
@@ -233,9 +213,8 @@ class TrackedEstimator:
         block_names: Sequence[str] = ("all",),
         population_size: int | None = None,
     ) -> None:
-        self.tracker = NoiseScaleTracker(
-            update_rate, window, confidence, block_names, population_size
-        )
+        tracker = NoiseScaleTracker(update_rate, window, confidence, block_names, population_size)
+        self.add_state("tracker", tracker)
         self.clear_pending()
 
     def clear_pending(self) -> None:

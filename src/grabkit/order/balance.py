@@ -33,14 +33,17 @@ going to the left child on +1 and to the right child on -1.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.state import Stateful
+from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.transfer import to_device
+from grabkit.validation import check_bool, check_positive
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -113,7 +116,7 @@ NON_FINITE_HELP = (
 )
 
 
-class SignRule:
+class SignRule(Stateful):
     """Deterministic or probabilistic sign choice, with its random stream and scale estimate.
 
     Args:
@@ -127,22 +130,18 @@ class SignRule:
     """
 
     def __init__(self, probabilistic: bool = False, c: float | str | None = None) -> None:
-        if not isinstance(probabilistic, bool):
-            raise TypeError(f"`prob_balance` should be a bool, but got {probabilistic!r}")
-        if c is None or c == "auto":
-            self.c: float | None = None
-        elif isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0:
-            self.c = float(c)
-        else:
-            raise ValueError(
-                "`prob_balance_c` should be a positive number or 'auto', but got "
-                f"prob_balance_c={c!r}"
-            )
-        self.probabilistic = probabilistic
-        self.largest_seen = 0.0  # for the scale-aware c: max |<s, z>| in this epoch
-        self.generator = torch.Generator().manual_seed(0)
-        self.pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
+        self.probabilistic = check_bool("prob_balance", probabilistic)
+        auto = c is None or (isinstance(c, str) and c == "auto")
+        self.c: float | None = None if auto else check_positive("prob_balance_c", c)
         self._saved: dict | None = None  # state_dict() until the state next changes
+        # for the scale-aware c: max |<s, z>| in this epoch
+        self.add_state("largest_seen", 0.0, load=float)
+        self.add_state(
+            "generator", torch.Generator().manual_seed(0), save=torch.Generator.get_state,
+            load=_generator_with,
+        )  # fmt: skip
+        pool = torch.empty(0, dtype=torch.float64)  # drawn, not yet used
+        self.add_state("pool", pool, save=torch.Tensor.clone, load=_float64_copy)
 
     def start_epoch(self, seed: int, epoch: int) -> None:
         """Reseed the walk's random stream from (seed, epoch) and reset the scale estimate."""
@@ -179,23 +178,26 @@ class SignRule:
         p_plus = 0.5 if c == 0.0 else min(1.0, max(0.0, 0.5 - value / (2.0 * c)))
         return 1.0 if uniform < p_plus else -1.0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """A snapshot of the rule's state (the same object until the state next changes: the
         sampler publishes it after every step, and the deterministic rule changes only when an
         epoch starts)."""
         if self._saved is None:
-            self._saved = {
-                "largest_seen": self.largest_seen,
-                "generator": self.generator.get_state(),
-                "pool": self.pool.clone(),
-            }
+            self._saved = super().state_dict()
         return self._saved
 
-    def load_state_dict(self, state: dict) -> None:
-        self.largest_seen = float(state["largest_seen"])
-        self.generator.set_state(state["generator"])
-        self.pool = state["pool"].to(torch.float64).clone()
+    def after_load(self) -> None:
         self._saved = None
+
+
+def _generator_with(state: torch.Tensor) -> torch.Generator:
+    generator = torch.Generator()
+    generator.set_state(state)
+    return generator
+
+
+def _float64_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).clone()
 
 
 def _mix(*parts: int) -> int:
@@ -267,7 +269,7 @@ def fetch_inner_products(
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
-    flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().numpy()  # the one host sync
+    flat = batch.to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one host sync
     if not np.isfinite(flat).all():
         raise ValueError(NON_FINITE_HELP)
     offset = 0
@@ -366,15 +368,14 @@ def apply_update(
         x_weights: (B, r): column j holds the coefficient of each x_i in the change of s_j.
         fixed: (f, d) fixed vectors (e.g. the centre), with fixed_weights (r, f).
     """
-    w = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.device, batch.dtype)
-    add_to = getattr(batch, "add_weighted_sum_to", None)  # hook statistics: no (r, d) temporary
+    host = torch.from_numpy(np.ascontiguousarray(x_weights)).to(batch.dtype)  # (B, r)
+    w = to_device(host, batch.device)
     if (
-        add_to is not None
-        and accumulators.is_contiguous()
+        accumulators.is_contiguous()
         and accumulators.dtype == batch.dtype
         and accumulators.device == batch.device
-    ):
-        add_to(accumulators, w)
+    ):  # hook statistics: no (r, d) temporary, and the weights read on the host, not the device
+        batch.add_weighted_sum_to(accumulators, w, host=host)
     else:
         accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
     if fixed is not None and fixed_weights is not None and fixed_weights.size:
@@ -386,7 +387,7 @@ def apply_update(
 
 def _dense_on_cpu(batch: GradientBatch, accumulators: torch.Tensor) -> bool:
     return (
-        isinstance(batch, DenseGradientBatch)
+        batch.coordinates() is not None
         and batch.device.type == "cpu"
         and accumulators.device.type == "cpu"
         and accumulators.dtype == batch.dtype
@@ -403,8 +404,7 @@ def balance_combinations(
     fixed_weights: np.ndarray | None = None,
     depth: int = 0,
     sequential: bool = True,
-    before_update: Callable[[torch.Tensor], None] | None = None,
-    record_batch: Callable[[GradientBatch], None] | None = None,
+    on_accept: Callable[[torch.Tensor | None], None] | None = None,
     policy: BlockPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Balance z_k = sum_i W[k, i] x_i - sum_f U[k, f] v_f against ``accumulators``.
@@ -426,12 +426,11 @@ def balance_combinations(
             ``fixed_weights``.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
-        before_update: ``before_update(total)`` runs once the whole batch was checked finite, so
-            that a rejected batch leaves every piece of state untouched; total (d,) is the sum of
-            the batch's rows (formed while each block is in cache on the dense CPU path).
-        record_batch: on the one-transfer path (devices, hook statistics), called with
-            ``batch`` instead of ``before_update(batch.total())``, at the same point: for a
-            consumer that adds the batch's sum into a running sum without forming it.
+        on_accept: ``on_accept(total)`` runs once the whole batch was checked finite, before
+            the sums move, so that a rejected batch leaves every piece of state untouched.
+            ``total`` is the (d,) sum of the batch's rows where the dense CPU path formed it
+            on the way (while each block is in cache), else None: the consumer takes the sum
+            from ``batch`` as it likes (``batch.add_total_to`` forms none for hook statistics).
         policy: the dense CPU block shape (``BlockPolicy``); ``rows=0`` takes the one-transfer
             path as device batches do. The decisions do not depend on it.
     Returns:
@@ -442,21 +441,19 @@ def balance_combinations(
     if fixed_weights is not None:
         U = fixed_weights
     if not (sequential and policy.rows > 0 and _dense_on_cpu(batch, accumulators)):
-        if isinstance(batch, DenseGradientBatch):  # one pass over X for all the vectors
+        if batch.coordinates() is not None:  # one pass over X for all the vectors
             products = fetch_inner_products(
                 batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
             products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
-        if record_batch is not None:
-            record_batch(batch)
-        elif before_update is not None:
-            before_update(batch.total())
+        if on_accept is not None:
+            on_accept(None)
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
-    X = batch.matrix
+    X = batch.coordinates()
     return _DenseCpuBalance(
         lambda lo, hi: X[lo:hi], X.shape, accumulators, rule, weights, fixed, U, depth,
-        before_update, policy,
+        on_accept, policy,
     ).run()  # fmt: skip
 
 
@@ -562,11 +559,11 @@ class _DenseCpuBalance:
         fixed: torch.Tensor | None,
         U: np.ndarray,
         depth: int,
-        before_update: Callable[[torch.Tensor], None] | None,
+        on_accept: Callable[[torch.Tensor | None], None] | None,
         policy: BlockPolicy,
     ) -> None:
         self.rows, self.accumulators, self.rule = rows, accumulators, rule
-        self.weights, self.U, self.depth, self.before_update = weights, U, depth, before_update
+        self.weights, self.U, self.depth, self.on_accept = weights, U, depth, on_accept
         self.r, self.f = accumulators.shape[0], U.shape[1]
         self.B, d = shape
         self.dtype = accumulators.dtype
@@ -578,7 +575,7 @@ class _DenseCpuBalance:
         else:
             self.blocks = _vector_blocks(weights, max_rows)
         # scratch rows: [batch total (when asked for); running sums; fixed vectors]
-        self.t = 0 if before_update is None else 1
+        self.t = 0 if on_accept is None else 1
         self.scratch = torch.empty(self.t + self.r + self.f, d, dtype=self.dtype)
         self.scratch[: self.t].zero_()
         self.scratch[self.t :].copy_(_stack(accumulators, fixed))
@@ -656,7 +653,7 @@ class _DenseCpuBalance:
         if self.t:
             for i in np.flatnonzero(~self.summed).tolist():  # rows no vector used
                 self.scratch[0] += self.rows(i, i + 1)[0]
-            self.before_update(self.scratch[0])
+            self.on_accept(self.scratch[0])
         sums = self.V[: self.r]
         if self.f:
             sums.addmm_(torch.from_numpy(self.deferred).to(self.dtype), self.V[self.r :])

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
+import torch
 from torch.utils.data import Sampler
 
+from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
+from grabkit.order.sources import Gradients, GradientSource, LossScaler
 
 __all__ = ["GraBBatchSampler"]
 
@@ -16,7 +19,8 @@ __all__ = ["GraBBatchSampler"]
 class GraBBatchSampler(Sampler[list[int]]):
     """The batch-sampler form: yields lists of ``batch_size`` indices of a ``GraBSampler``.
 
-    Use as ``DataLoader(dataset, batch_sampler=GraBBatchSampler(dataset, params, batch_size=32))``.
+    Use as ``DataLoader(dataset, batch_sampler=GraBBatchSampler(dataset, params, batch_size=32))``
+    (any ``GraBSampler`` form: ``GraBBatchSampler(dataset, ordering, source, batch_size=32)``).
     ``drop_last`` drops the last incomplete batch (its examples are then never stepped and keep
     their place between the front and the back part). Every other keyword goes to
     ``GraBSampler`` (whose replica-level ``drop_last`` stays False); ``step``, ``skip`` (default:
@@ -28,13 +32,14 @@ class GraBBatchSampler(Sampler[list[int]]):
     def __init__(
         self,
         data_source: Sized,
-        params: Any = None,
+        ordering: Ordering | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
+        source: GradientSource | None = None,
         *,
         batch_size: int,
         drop_last: bool = False,
         **kwargs: Any,
     ) -> None:
-        self.sampler = GraBSampler(data_source, params, batch_size=batch_size, **kwargs)
+        self.sampler = GraBSampler(data_source, ordering, source, batch_size=batch_size, **kwargs)
         self.batch_size = self.sampler.batch_size
         self.drop_last = bool(drop_last)
 
@@ -52,7 +57,13 @@ class GraBBatchSampler(Sampler[list[int]]):
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
-    def step(self, grads: Any = None, *, indices: Any = None, grad_scale: Any = 1.0) -> None:
+    def step(
+        self,
+        grads: Gradients | None = None,
+        *,
+        indices: torch.Tensor | Iterable[int] | None = None,
+        grad_scale: float | LossScaler = 1.0,
+    ) -> None:
         self.sampler.step(grads, indices=indices, grad_scale=grad_scale)
 
     def skip(self, count: int | None = None) -> None:
@@ -71,7 +82,7 @@ class GraBBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
-    def update_v(self, second_moment: Any) -> None:
+    def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         self.sampler.update_v(second_moment)
 
     def state_dict(self) -> dict[str, Any]:

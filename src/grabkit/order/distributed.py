@@ -92,7 +92,8 @@ def gather_rows(
     Returns:
         the (W * B, d) global batch and its (W * B,) global positions.
     """
-    if not isinstance(batch, DenseGradientBatch):
+    X = batch.coordinates()
+    if X is None:
         raise NotImplementedError(
             f"distributed GraB cannot gather a {type(batch).__name__}: exact hook statistics "
             "would need the (B, d) per-example gradients of every rank. Build the sampler "
@@ -106,7 +107,6 @@ def gather_rows(
             "torch.distributed.init_process_group(...) before stepping."
         )
     W = num_replicas
-    X = batch.matrix
     shape = torch.tensor([X.shape[0], stepped, X.shape[1]], device=X.device)
     sizes = [torch.zeros(3, dtype=torch.int64, device=X.device) for _ in range(W)]
     dist.all_gather(sizes, shape)
@@ -141,5 +141,5 @@ def global_rows(
     keep = global_positions < n  # padding repeats examples: not balanced twice
     indices = padded[global_positions[keep]]
     if not bool(keep.all()):
-        batch = DenseGradientBatch(batch.matrix[keep.to(batch.device)])
+        batch = DenseGradientBatch(batch.coordinates()[keep.to(batch.device)])
     return batch, indices

@@ -7,10 +7,11 @@ how many were balanced or skipped so far, ``yielded`` how many were handed out.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
+
+from grabkit.validation import check_non_negative_int
 
 __all__ = ["first_position", "skip_count"]
 
@@ -24,7 +25,7 @@ def first_position(
     epoch: int,
     *,
     local: Callable[[], torch.Tensor] | None,
-    indices: Any,
+    indices: torch.Tensor | Iterable[int] | None,
     hook: bool,
 ) -> int:
     """Where a step's B examples start (>= ``stepped``).
@@ -60,7 +61,12 @@ def first_position(
 
 
 def _locate(
-    local: torch.Tensor, indices: Any, B: int, stepped: int, num_samples: int, epoch: int
+    local: torch.Tensor,
+    indices: torch.Tensor | Iterable[int],
+    B: int,
+    stepped: int,
+    num_samples: int,
+    epoch: int,
 ) -> int:
     wanted = torch.as_tensor(indices).reshape(-1).to(torch.int64)
     if wanted.numel() != B:
@@ -91,8 +97,7 @@ def skip_count(
             )
         end = stepped + max(kept, 1)
         count = min(math.ceil(end / batch_size) * batch_size, num_samples) - stepped
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise ValueError(f"`count` should be a non-negative integer, but got count={count!r}")
+    check_non_negative_int("count", count)
     if count > num_samples - stepped:
         raise ValueError(
             f"skip({count}) but the epoch has only {num_samples - stepped} examples left to "

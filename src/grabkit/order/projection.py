@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from grabkit.validation import check_positive_int
+from grabkit.validation import check_int, check_positive_int
 
 __all__ = [
     "PROJECTION_KINDS",
@@ -49,9 +49,7 @@ _SPARSE_BLOCK_COLUMNS = 16384
 
 
 def _generator(seed: int) -> torch.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
-    return torch.Generator(device="cpu").manual_seed(seed)
+    return torch.Generator(device="cpu").manual_seed(check_int("seed", seed))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -1,8 +1,19 @@
 """``GraBSampler``: a ``torch.utils.data.Sampler`` whose order is decided by per-example gradients.
 
-Two ways to feed it: the per-example gradients given to ``step(grads)`` (grab-sampler's way), or
-hook statistics (``model=``: ``step()`` after the backward(s), no (B, d) tensor ever built); see
-the class docstring for both loops.
+The sampler holds three parts and keeps the epochs: an ordering (``grabkit.order.orderings``),
+a gradient source (``grabkit.order.sources``: the per-example gradients given to
+``step(grads)``, grab-sampler's way, or hook statistics read after the backward(s), no (B, d)
+tensor ever built) and a chain of transforms (``grabkit.order.transforms``). A step's data goes
+source -> transforms -> ordering, each stage a method of the next part:
+
+    GraBSampler.step(grads, grad_scale=...)
+      source.batches(grads)          GradientBatch pieces, one per backward (wrapped once),
+                                     divided by a loss scale (``GradientBatch.divided``)
+      first_position(...)            where they sit in the epoch (checked before anything moves)
+      transforms(Rows(piece, ...))   Cast / Project / GatherAcrossRanks / Normalize, as built
+      ordering.observe(batch, idx)   the decisions (grabkit.order.balance: one host transfer)
+
+See the class docstring for the loops.
 
 A batch that is not stepped (a NaN loss) is ``sampler.skip(len(batch))``, or pass the indices
 of each stepped batch, ``step(grads, indices=idx)``; skipped examples get no decision that epoch.
@@ -23,100 +34,83 @@ pad the order and decide as one process). Resuming: see ``grabkit.order.state``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
 from grabkit.integrations.wiring import check_sampler_iteration
 from grabkit.order import distributed as collective
-from grabkit.order.balance import BlockPolicy, SignRule
-from grabkit.order.configure import (
-    HOOK_SAMPLER_NOT_PICKLABLE,
-    BatchPreparer,
-    Topology,
-    attach_statistics,
-    build_ordering,
-    dataset_size,
-    flat_second_moment,
-    merge_grab_sampler_keywords,
-    param_dim,
-    positive_int,
-    statistics_choice,
-)
+from grabkit.order.balance import NON_FINITE_HELP, SignRule
+from grabkit.order.keywords import sampler_parts
 from grabkit.order.orderings import Ordering
 from grabkit.order.orderings.base import observe_in_blocks
 from grabkit.order.positions import first_position, skip_count
 from grabkit.order.sources import (
-    HookSource,
-    check_finite,
+    HOOK_SAMPLER_NOT_PICKLABLE,
+    DenseGradients,
+    Gradients,
+    GradientSource,
+    LossScaler,
+    StatisticsReader,
     loss_scale,
-    normalized,
-    step_pieces,
-    unscaled,
 )
 from grabkit.order.state import plain_config, read_state
-from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.stats.sketch import check_saved_maps
+from grabkit.order.topology import Setting, Topology, dataset_size
+from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
+from grabkit.state import Stateful
+from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
+from grabkit.validation import check_non_negative_int, check_positive_int
 
 __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
 
+#: what the configuration records for the transforms when the chain holds none of them
+_NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
 
-class GraBSampler(Sampler[int]):
+
+class GraBSampler(Sampler[int], Stateful):
     """Order a dataset's examples by herding their gradients (GraB) or by a baseline ordering.
+
+    The sampler is three parts and the epoch bookkeeping around them:
+
+    * ``ordering`` (``grabkit.order.orderings``): what decides the next epoch's order from the
+      gradients it observes (``MeanBalance(n)``, ``RecursiveBalance(n, depth=3)``, ... with their
+      own options, seed and sign rule);
+    * ``source`` (``grabkit.order.sources``): where each step's per-example gradients come
+      from: ``DenseGradients()`` (given to ``step(grads)``; the default), ``ExactHooks(model)``
+      or ``SketchHooks(model, dim)`` (read from hooks after the backward), or
+      ``HookGradients(stats)`` (a statistics object of yours);
+    * ``transforms`` (``grabkit.order.transforms``): what happens to the gradients on the way,
+      in order: ``Cast``, ``Project``, ``GatherAcrossRanks``, ``Normalize``. With several ranks
+      the exchange is appended when the chain has none.
 
     Args:
         data_source: the dataset (only ``len()`` is used).
-        params: the trainable parameters (dict name -> tensor, or an iterable of tensors);
-            only their total size d is used, to check the gradients. Optional.
-        model: hook mode: a ``torch.nn.Module``; the sampler installs
-            ``grabkit.stats.PerSampleStats(model, loss_reduction=loss_reduction)`` (``close()``
-            removes it) and ``step()`` without arguments balances its per-example statistics.
-        stats: hook mode with your own statistics object (anything with ``gradient_batch()``).
-        balance_type: a registered ordering by its grab-sampler name (``grabkit.order.
-            BALANCE_TYPES``: ``"mean"`` (default), ``"pair"``, ``"recursive"``, ...) or a
-            ``BalanceType`` member.
-        ordering: an ``Ordering`` instance instead, e.g. ``PairBalance(len(dataset))``; its own
-            seed and sign rule are used.
-        batch_size: the loader's batch size: lets hook mode check that a backward covered
-            the whole yielded batch, and sets ``skip()``'s default.
-        probabilistic: self-balancing walk instead of the greedy sign.
-        prob_balance_c: the walk's constant; ``None`` or ``"auto"`` is scale-aware (see
-            ``grabkit.order.balance.SignRule``).
-        projection: ``None``, ``"gaussian"``, ``"sparse"``, ``"kronecker"`` or a callable
-            (B, d) -> (B, k): random projection applied to dense batches before balancing.
-        projection_dim: k (default: the Johnson-Lindenstrauss dimension for ``pi_eps``, capped
-            at d).
-        pi_eps: the distortion the default ``projection_dim`` is chosen for.
-        kron_order: must be 2.
-        normalize: balance g_i / ||g_i||.
+        ordering: an ``Ordering`` instance built for ``len(data_source)`` examples.
+        source: a ``GradientSource`` (default ``DenseGradients()``).
+        transforms: ``Transform`` instances, applied in order (default none).
         num_replicas: as ``torch.utils.data.DistributedSampler``; defaults to the initialised
             process group's size (else 1).
         rank: as ``DistributedSampler``; defaults to this process's rank (else 0).
-        drop_last: as ``DistributedSampler``.
-        seed: as ``DistributedSampler``.
-        random_first_epoch: the first epoch in a random order (else 0..n-1).
-        dtype: cast dense gradients to it before balancing (default: as given).
-        device: move dense gradients there before balancing (default: as given).
+        drop_last: as ``DistributedSampler`` (the seed is the ordering's).
+        batch_size: the loader's batch size: lets hook mode check that a backward covered
+            the whole yielded batch, and sets ``skip()``'s default.
         record_orders: keep every epoch's order in ``orders_history``.
-        loss_reduction: hook mode: ``"mean"`` or ``"sum"``, how the loss was reduced.
-        block_policy: how dense batches are cut for balancing (``grabkit.order.balance.
-            BlockPolicy``); tuning only, the orders do not depend on it.
-        stats_options: hook mode: keywords passed on to ``PerSampleStats`` (e.g.
-            ``{"torch_func_fallback": True}``).
-        statistics: hook mode: ``"exact"`` (default; one process) or ``"sketch"``, a (B, k)
-            random sketch of every example's gradient from the same hooks (unbiased inner
-            products, error about sqrt(2 / k) |g_i| |g_j|; ``grabkit.stats.sketch``): every
-            ordering then runs in hook mode, cheaper, and on several ranks (seeded by ``seed``).
-        sketch_dim: k for ``statistics="sketch"`` (default 1024; a power of two or a square).
-        **options: the ordering's own options (``depth`` of ``"recursive"``, ``ema_decay``,
-            ``betas``, ``eps``, ``orders``, ``descending_norm``, the NTK family's, ...: see
-            ``Ordering.option_names()``; options of other orderings are ignored, as in
-            grab-sampler) and grab-sampler's spellings ``trainable_params``, ``prob_balance``,
-            ``normalize_grads``, ``random_projection`` (``grabkit.order.compat``).
+        **keywords: the keyword form instead of the parts, grabkit's or grab-sampler's
+            spellings (``grabkit.order.keywords`` maps each to its part): ``balance_type``
+            (a registered name, ``"mean"`` by default, or a ``BalanceType``), ``seed``,
+            ``probabilistic``/``prob_balance``, ``prob_balance_c``, ``random_first_epoch``,
+            ``block_policy`` and the ordering's own options (``depth``, ``ema_decay``, ...; an
+            option of another ordering raises); ``params``/``trainable_params`` (or as the
+            second positional argument, as in grab-sampler), ``model``, ``stats``,
+            ``loss_reduction``, ``stats_options``, ``statistics`` (``"exact"`` or
+            ``"sketch"``), ``sketch_dim``; ``dtype``, ``device``, ``projection``/
+            ``random_projection``, ``projection_dim``, ``pi_eps``, ``kron_order``,
+            ``normalize``/``normalize_grads``.
 
     Example (grab-sampler's functional form)::
 
@@ -125,9 +119,12 @@ class GraBSampler(Sampler[int]):
             sampler.step(vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y))
             ...  # optimiser update
 
-    Example (hook mode, gradient accumulation over two micro-batches)::
+    Example (hook mode, gradient accumulation over two micro-batches; the keyword form
+    ``GraBSampler(dataset, model=model, balance_type="pair", batch_size=32)`` builds the
+    same parts)::
 
-        with GraBSampler(dataset, model=model, batch_size=32) as sampler:
+        ordering = PairBalance(len(dataset), seed=0)
+        with GraBSampler(dataset, ordering, ExactHooks(model), batch_size=32) as sampler:
             loader = DataLoader(dataset, sampler=sampler, batch_size=32)
             for epoch in range(epochs):
                 for x, y in loader:
@@ -141,94 +138,121 @@ class GraBSampler(Sampler[int]):
     def __init__(
         self,
         data_source: Sized,
-        params: Mapping[str, torch.Tensor] | Any = None,
+        ordering: Ordering | Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
+        source: GradientSource | None = None,
         *,
-        model: torch.nn.Module | None = None,
-        stats: Any = None,
-        balance_type: str | Any = "mean",
-        ordering: Ordering | None = None,
-        batch_size: int = 1,
-        probabilistic: bool | None = None,
-        prob_balance_c: float | str | None = None,
-        projection: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
-        projection_dim: int | None = None,
-        pi_eps: float = 0.1,
-        kron_order: int = 2,
-        normalize: bool | None = None,
+        transforms: Iterable[Transform] = (),
         num_replicas: int | None = None,
         rank: int | None = None,
-        seed: int = 0,
         drop_last: bool = False,
-        random_first_epoch: bool = True,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        batch_size: int = 1,
         record_orders: bool = False,
-        loss_reduction: str = "mean",
-        block_policy: BlockPolicy | None = None,
-        stats_options: dict[str, Any] | None = None,
-        statistics: str = "exact",
-        sketch_dim: int | None = None,
-        **options: Any,
+        **keywords: Any,
     ) -> None:
         self.n = dataset_size(data_source)
-        given = {"params": params, "probabilistic": probabilistic, "normalize": normalize}
-        given["projection"] = projection
-        merge_grab_sampler_keywords(given, options)
-        self.batch_size = positive_int("batch_size", batch_size)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"`seed` should be an int, but got seed={seed!r}")
+        self.batch_size = check_positive_int("batch_size", batch_size)
         self.drop_last = bool(drop_last)
-        self.normalize = bool(given["normalize"])
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
-        self.num_replicas, self.rank = self.topology.num_replicas, self.topology.rank
-        self.num_samples, self.total_size = self.topology.num_samples, self.topology.total_size
-        self.dim = param_dim(given["params"], model)
-        rule = SignRule(bool(given["probabilistic"]), prob_balance_c)
-        explicit = {"probabilistic": given["probabilistic"], "prob_balance_c": prob_balance_c}
-        explicit.update(seed=seed or None, random_first_epoch=None if random_first_epoch else 0)
-        explicit["balance_type"] = None if balance_type == "mean" else balance_type
-        self.ordering: Ordering = build_ordering(
-            ordering, balance_type, self.n, seed=seed, rule=rule, explicit=explicit,
-            random_first_epoch=bool(random_first_epoch), block_policy=block_policy, options=options,
-        )  # fmt: skip
-        self.balance_type, self.rule = self.ordering.name, self.ordering.rule
-        self.seed = self.ordering.seed
-        self.prepare = BatchPreparer(
-            self.n, self.seed, given["projection"], projection_dim, pi_eps, kron_order, dtype,
-            device,
-        )  # fmt: skip
-        self.projection_kind = given["projection"]
-        self.statistics, self._owns_stats = statistics, model is not None and stats is None
-        self.sketch_dim = statistics_choice(
-            statistics, sketch_dim, self._owns_stats, self.projection_kind, self.num_replicas
-        )
-        self.stats = stats if not self._owns_stats else attach_statistics(
-            model, loss_reduction, self.ordering, self.projection_kind, stats_options,
-            sketch_dim=self.sketch_dim, seed=self.seed,
-        )  # fmt: skip
-        self.source = None if self.stats is None else HookSource(self.stats)
-        self._config = plain_config(
-            n=self.n, dim=self.dim, num_replicas=self.num_replicas, rank=self.rank,
-            balance_type=self.balance_type, seed=self.seed, drop_last=self.drop_last,
-            probabilistic=self.rule.probabilistic, prob_balance_c=self.rule.c,
-            normalize=self.normalize, projection=self.projection_kind,
-            projection_dim=projection_dim, pi_eps=pi_eps,
-            random_first_epoch=self.ordering.random_first_epoch,
-            options=self.ordering.option_values,
-        )  # fmt: skip
-        if self.sketch_dim is not None:  # recorded only in sketch mode: exact states load as before
-            self._config.update(statistics="sketch", **self.stats.sketch.config)
+        if keywords or not isinstance(ordering, Ordering):
+            if ordering is not None and not isinstance(ordering, Ordering):
+                keywords = {**keywords, "params": ordering}  # grab-sampler: (dataset, params)
+                ordering = None
+            parts = sampler_parts(
+                self.n, ordering, source, transforms, keywords, self.topology.num_replicas
+            )
+            ordering, source, transforms = parts.ordering, parts.source, parts.transforms
+        self.ordering: Ordering = _checked_ordering(ordering, self.n)
+        self.source: GradientSource = DenseGradients() if source is None else source
+        if not isinstance(self.source, GradientSource):
+            raise TypeError(
+                "`source` should be a GradientSource (DenseGradients(), ExactHooks(model), "
+                f"SketchHooks(model), HookGradients(stats)), but got {type(source).__name__}"
+            )
+        self.transforms = Chain(transforms)
+        if self.topology.num_replicas > 1 and not self.transforms.has(GatherAcrossRanks):
+            self.transforms = Chain((*self.transforms.transforms, GatherAcrossRanks()))
+        setting = Setting(self.n, self.ordering.seed, self.topology)
+        self.transforms.bind(setting)
+        self._config = self._configuration()
+        self.source.bind(self.ordering, self.transforms, setting)  # attaches hooks: last
+        self._config.update(plain_config(**self.source.config()))
         self._agreed = False  # the one cross-rank configuration check (first iter())
         self.record_orders = bool(record_orders)
         self.orders_history: list[list[int]] = []
-        self._epoch = 0
-        self._requested_epoch: int | None = None
-        self._finished_any = False
-        self._live: dict[str, Any] = {}  # the ordering state every state_dict() shares
-        self._history: list[torch.Tensor] = []
+        self._declare_state()
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
+
+    def _declare_state(self) -> None:
+        """The live part of the state (shared by every ``state_dict()``, refreshed after each
+        change; see "Resuming" in ``grabkit.order.state``). The position (epoch, yielded,
+        started) is a snapshot taken by ``state_dict()`` itself."""
+        self._live: dict[str, Any] = {}
+        self.add_state("epoch", 0, attribute="_epoch", load=int)
+        self.add_state("stepped", 0, attribute="_stepped", load=int)
+        self.add_state("requested_epoch", None, attribute="_requested_epoch", load=_maybe_int)
+        self.add_state("finished_any", False, attribute="_finished_any", load=bool)
+        self.add_state("order", torch.arange(self.n), attribute="_order", load=_index_copy)
+        self.add_state("rule")  # the ordering's sign rule
+        self.add_state("ordering")
+        self.add_state("orders_history", [], attribute="_history", save=list, load=_tensors)
+
+    def _configuration(self) -> dict[str, Any]:
+        """Every setting that changes the orders, as plain data (a loaded state must match)."""
+        rule = self.ordering.rule
+        return plain_config(
+            n=self.n, num_replicas=self.num_replicas, rank=self.rank,
+            balance_type=self.ordering.name, seed=self.seed, drop_last=self.drop_last,
+            probabilistic=rule.probabilistic, prob_balance_c=rule.c,
+            **{**_NO_TRANSFORMS, **self.transforms.config()},
+            random_first_epoch=self.ordering.random_first_epoch,
+            options=self.ordering.option_values,
+        )  # fmt: skip
+
+    # -- the parts, by the names grabkit has always used -----------------------------------
+    @property
+    def balance_type(self) -> str:
+        """The ordering's registered name."""
+        return self.ordering.name
+
+    @property
+    def rule(self) -> SignRule:
+        """The ordering's sign rule."""
+        return self.ordering.rule
+
+    @property
+    def seed(self) -> int:
+        """The ordering's seed; every random choice of the sampler derives from it."""
+        return self.ordering.seed
+
+    @property
+    def stats(self) -> StatisticsReader | None:
+        """The statistics object hook mode reads (None when gradients are passed to ``step``)."""
+        return self.source.statistics
+
+    @property
+    def statistics(self) -> str:
+        """``"sketch"`` when the source balances sketches, else ``"exact"``."""
+        return "sketch" if self.source.sketched else "exact"
+
+    @property
+    def num_replicas(self) -> int:
+        return self.topology.num_replicas
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def num_samples(self) -> int:
+        """How many examples this rank yields per epoch."""
+        return self.topology.num_samples
+
+    @property
+    def total_size(self) -> int:
+        """The padded (or truncated) length of an epoch over all ranks."""
+        return self.topology.total_size
 
     # -- epochs ------------------------------------------------------------------------------
     def _begin(self, epoch: int, order: torch.Tensor) -> None:
@@ -269,9 +293,7 @@ class GraBSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Number the next epoch ``epoch`` (seeds its random parts), like DistributedSampler."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"`epoch` should be a non-negative integer, but got epoch={epoch!r}")
-        self._requested_epoch = epoch
+        self._requested_epoch = check_non_negative_int("epoch", epoch)
         self._publish()
 
     def _padded_order(self) -> torch.Tensor:
@@ -322,7 +344,13 @@ class GraBSampler(Sampler[int]):
         return self.num_samples
 
     # -- stepping ----------------------------------------------------------------------------
-    def step(self, grads: Any = None, *, indices: Any = None, grad_scale: Any = 1.0) -> None:
+    def step(
+        self,
+        grads: Gradients | None = None,
+        *,
+        indices: torch.Tensor | Iterable[int] | None = None,
+        grad_scale: float | LossScaler = 1.0,
+    ) -> None:
         """Balance the next examples of the epoch, in visit order, with their gradients.
 
         Args:
@@ -347,9 +375,8 @@ class GraBSampler(Sampler[int]):
                 another number of examples than a yielded batch, or NaN / Inf values. Nothing
                 changes then.
         """
-        factor = loss_scale(grad_scale)
-        pieces = step_pieces(grads, self.source, self.dim, self.sketch_dim)
-        pieces = [unscaled(piece, factor) for piece in pieces]
+        factor = loss_scale(grad_scale)  # checked before anything is taken from the source
+        pieces = [piece.divided(factor) for piece in self.source.batches(grads)]
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,
@@ -357,14 +384,16 @@ class GraBSampler(Sampler[int]):
             hook=grads is None,
         )  # fmt: skip
         if B and self.ordering.uses_gradients:
-            check_finite(pieces)
+            _check_finite(pieces)
             position = start
             for piece in pieces:
                 self._balance(piece, position)
                 position += int(piece.size)
+        for piece in pieces:
+            piece.settle()  # a check no host transfer of the balancing settled (else nothing)
         self._stepped = start + B
         self._started = True
-        if self.source is not None and grads is None:
+        if grads is None:
             self.source.clear()
         self._publish()
 
@@ -375,46 +404,39 @@ class GraBSampler(Sampler[int]):
         the examples after them. ``count`` defaults to the rest of the current batch of
         ``batch_size`` (hook mode: the batch of the backwards since the last ``step()``).
         """
-        kept = self.source.discard() if self.source is not None else 0
+        kept = self.source.discard()
         count = skip_count(count, kept, self._stepped, self.num_samples, self.batch_size)
         self._stepped += count
         self._started = True
         self._publish()
 
     def _balance(self, batch: GradientBatch, position: int) -> None:
-        """Observe one piece whose first row sits at local ``position``."""
-        B = int(batch.size)
-        batch = self.prepare(batch)
-        if self.num_replicas == 1 and position + B <= min(self.n, self._order.numel()):
-            indices = self._order[position : position + B]  # no padding reached
-        else:
-            batch, indices = collective.global_rows(
-                batch, position, self.num_replicas, self.n, self._padded_order()
-            )
-        if self.normalize:
-            batch = normalized(batch)
+        """Observe one piece whose first row sits at this rank's visit ``position``: through
+        the transforms, then to the ordering with the rows' dataset indices."""
+        positions = self.topology.local_positions(position, batch.size)
+        rows = self.transforms(Rows(batch, positions, position))
+        order = self._order if self.num_replicas == 1 else self._padded_order()
+        indices = order[rows.positions]
         if indices.numel():
-            observe_in_blocks(self.ordering, batch, indices)
+            observe_in_blocks(self.ordering, rows.batch, indices)
 
     def update_v(self, second_moment: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
         """``"adamean"``: set v = sqrt(second moment) + eps from the optimiser (flat or dict)."""
-        flat = flat_second_moment(self.ordering, self.sketch_dim, second_moment)  # checks first
-        self.ordering.update_v(flat)
+        if self.source.sketched:
+            raise TypeError(
+                'update_v() scales gradient coordinates, but statistics="sketch" balances '
+                "sketches, whose coordinates are random combinations of the gradient's; use "
+                'statistics="exact" with per-example gradients passed to step() for "adamean".'
+            )
+        if isinstance(second_moment, Mapping):
+            second_moment = named_to_flat(second_moment)
+        self.ordering.update_v(second_moment.reshape(-1))
 
     # -- state ------------------------------------------------------------------------------
     def _publish(self) -> None:
         """Refresh the live ordering state that every ``state_dict()`` shares (references to
         the ordering's tensors, no copies: O(1) in the gradient length)."""
-        self._live.update(
-            epoch=self._epoch,
-            stepped=self._stepped,
-            requested_epoch=self._requested_epoch,
-            finished_any=self._finished_any,
-            order=self._order,
-            rule=self.rule.state_dict(),
-            ordering=self.ordering.state_dict(),
-            orders_history=list(self._history),
-        )
+        self._live.update(super().state_dict())
 
     def state_dict(self) -> dict[str, Any]:
         """The position now (a snapshot) and the live ordering state (shared, not copied: it
@@ -434,38 +456,26 @@ class GraBSampler(Sampler[int]):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
-        check_saved_maps("GraBSampler", state, self._config)  # sketches of other maps: refused
+        self.source.check_saved_config("GraBSampler", state, self._config)
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,
             permutation=self.balance_type != "swr",
         )  # fmt: skip
-        live, order = state["live"], state["live"]["order"]
-        self.ordering.load_state_dict(dict(live["ordering"]))
-        self.rule.load_state_dict(dict(live["rule"]))
-        self._epoch = int(state["epoch"])
-        req = live["requested_epoch"]
-        self._requested_epoch = None if req is None else int(req)
-        self._finished_any = bool(live["finished_any"])
-        self._order = order.to(torch.int64).cpu().clone()
-        self._yielded, self._stepped = int(state["yielded"]), int(live["stepped"])
+        super().load_state_dict(state["live"])
+        self._yielded = int(state["yielded"])
         self._started = bool(state["started"]) or self._stepped > 0
-        self._history = [torch.as_tensor(o) for o in live["orders_history"]]
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started and not state.get("ended", False)
-        if self.source is not None:
-            self.source.clear()
+        self.source.clear()
         self._token += 1
         self._publish()
 
     def close(self) -> None:
         """Stop reading hook statistics; remove the hooks the sampler attached (``model=``)."""
-        if self.source is not None:
-            self.source.close()
-        if self._owns_stats and self.stats is not None:
-            self.stats.close()
+        self.source.close()
 
     def __getstate__(self) -> dict[str, Any]:  # hooks live on this process's model only
-        if self.source is not None:
+        if self.source.reads_hooks:
             raise TypeError(HOOK_SAMPLER_NOT_PICKLABLE)
         return self.__dict__
 
@@ -474,3 +484,38 @@ class GraBSampler(Sampler[int]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _maybe_int(value: int | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def _index_copy(order: torch.Tensor) -> torch.Tensor:
+    return order.to(torch.int64).cpu().clone()
+
+
+def _tensors(history: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.as_tensor(o) for o in history]
+
+
+def _checked_ordering(ordering: Ordering, n: int) -> Ordering:
+    if not isinstance(ordering, Ordering):
+        raise TypeError(
+            f"`ordering` should be an Ordering instance (e.g. PairBalance(len(dataset))), "
+            f"but got {type(ordering).__name__}"
+        )
+    if ordering.n != n:
+        raise ValueError(
+            f"`ordering` was built for n={ordering.n} examples but the dataset has {n}"
+        )
+    return ordering
+
+
+def _check_finite(pieces: list[GradientBatch]) -> None:
+    """Reject NaN / Inf in any of several micro-batches before the first changes any state (one
+    piece is checked by the balancing itself, at no extra cost)."""
+    if len(pieces) > 1:
+        for piece in pieces:
+            norms = piece.to_host(piece.norms_squared())  # a host sync (and the piece's check)
+            if not np.isfinite(norms).all():
+                raise ValueError(NON_FINITE_HELP)

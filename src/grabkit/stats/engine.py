@@ -66,10 +66,11 @@ from grabkit.stats.fallback import TorchFuncFallbackRule
 from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
-from grabkit.stats.identity import IdentityCheck, unit_roundoff
+from grabkit.stats.identity import IdentityCheck, PendingIdentityCheck, unit_roundoff
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
+from grabkit.stats.source import StatisticsSource
 from grabkit.stats.step import StepStatistics
 from grabkit.taps import GradientTaps
 
@@ -446,7 +447,7 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-class PerSampleStats:
+class PerSampleStats(StatisticsSource):
     """Per-example gradient statistics of ``model`` read after each ``loss.backward()``.
 
     Here g_i is the gradient of example i's own loss term l_i, over the model's trainable
@@ -1202,7 +1203,15 @@ class PerSampleStats:
         return bool(self._param_grads)
 
     def statistics(self) -> StepStatistics:
-        """This step's statistics by parameter name (built on first read, then cached)."""
+        """This step's statistics by parameter name (built on first read, then cached), checked
+        by the identity check before they are returned."""
+        statistics = self._step_statistics()
+        statistics.settle_identity()
+        return statistics
+
+    def _step_statistics(self) -> StepStatistics:
+        """This step's statistics, their identity check possibly still pending (settled by the
+        first host transfer of a value read from them)."""
         if self._statistics is None:
             self._statistics = self._build()
             self._readers.append(weakref.ref(self._statistics))
@@ -1309,6 +1318,14 @@ class PerSampleStats:
         by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
         With ``check_identity`` they are verified against the delivered gradients first.
         """
+        factors, batch_size, scale, _ = self._checked_factors(defer=False)
+        return factors, batch_size, scale
+
+    def _checked_factors(
+        self, *, defer: bool
+    ) -> tuple[dict[str, ParameterFactor | None], int, float, PendingIdentityCheck | None]:
+        """``step_factors()`` and, with ``defer``, the identity check left pending (its numbers
+        formed on the device, compared when they reach the host)."""
         self._check_step_is_defined()
         kept = self._kept_calls()
         self._check_gradients_came_through_layers(kept)
@@ -1330,9 +1347,12 @@ class PerSampleStats:
             batch_size = self._batch_size(kept)
             factors = self._merged_factors(kept, low)
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
+        pending = None
         if self._identity is not None:
-            self._identity.verify(factors, low, self._batch_term_gradient_sides())
-        return factors, batch_size, scale
+            pending = self._identity.verify(
+                factors, low, self._batch_term_gradient_sides(), defer=defer
+            )
+        return factors, batch_size, scale, pending
 
     def _merged_factors(
         self, kept: list, low: dict[str, float], group: GroupRows | None = None
@@ -1424,10 +1444,10 @@ class PerSampleStats:
                 "batch gradient and answers step_factors() only; build it with "
                 "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
             )
-        factors, batch_size, scale = self.step_factors()
+        factors, batch_size, scale, pending = self._checked_factors(defer=True)
         return StepStatistics(
             self.param_shapes, factors, self._batch_gradients(), batch_size, self.dtype,
-            self.device, scale, layout=self._layout,
+            self.device, scale, layout=self._layout, pending_check=pending,
         )  # fmt: skip
 
     def norms_squared(self) -> torch.Tensor:
@@ -1462,9 +1482,17 @@ class PerSampleStats:
         """{name: sum_i g_i}: the batch gradient autograd computed, rescaled to a sum."""
         return self.statistics().total_named()
 
-    def gradient_batch(self) -> HookGradientBatch:
-        """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``."""
-        return HookGradientBatch(self.statistics())
+    def gradient_batch(self, *, settle: bool = True) -> HookGradientBatch:
+        """This step's statistics as a ``GradientBatch`` in the flat layout of ``param_shapes``.
+
+        ``settle=False`` leaves the identity check pending on the batch: its comparison then
+        rides on the batch's first ``to_host`` (the consumer's one host transfer of a step),
+        before any value reaches the host (see ``StatisticsSource.gradient_batch``).
+        """
+        statistics = self._step_statistics()
+        if settle:
+            statistics.settle_identity()
+        return HookGradientBatch(statistics)
 
     def _check_named(self, vectors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         if not isinstance(vectors, Mapping):

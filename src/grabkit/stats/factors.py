@@ -199,8 +199,11 @@ class OuterProductFactor:
       B T p q multiply-adds, then their norms (B p q) or Gram matrix (B^2 p q).
 
     For plain vectors (T = 1) ghost always wins; for the norms of sequences it wins while
-    T (p + q) < p q (short sequences through wide layers). Dots and weighted sums never
-    materialise: each is one batched GEMM for all k vectors.
+    T (p + q) < p q (short sequences through wide layers). Dots and weighted sums are one
+    batched GEMM over the B T positions for all k vectors, except where the per-example
+    gradients are no larger than the factors (a convolution's small kernel slid over many
+    positions): they are then materialised once for the step and every read takes B rows
+    instead of B T (``_per_example_grads``).
     """
 
     def __init__(
@@ -222,6 +225,7 @@ class OuterProductFactor:
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
         self._output_gram: torch.Tensor | None = None
+        self._kept_grads: torch.Tensor | None = None  # see _per_example_grads
         # (N, p) and (N, q) views, kept once made (``flat``: the caller's own 2-D tensors)
         self._flat_views = None
         if flat is not None and flat[0].dtype == dtype and flat[1].dtype == dtype:
@@ -251,6 +255,19 @@ class OuterProductFactor:
             return grads.reshape(b, -1)
         grads = torch.einsum("btgq,btgp->bgqp", self.output_grads, self.inputs)
         return grads.reshape(b, -1)
+
+    def _per_example_grads(self) -> torch.Tensor | None:
+        """(B, q, p) per-example gradients, kept for the step, where they are worth keeping: one
+        group, several positions, no more numbers than the factors hold (B q p <= B T (p + q)),
+        so one pass of B T p q multiply-adds replaces one per dot or weighted sum; else None."""
+        b, t, p, q = self.batch_size, self.positions, self.in_features, self.out_features
+        if self.groups != 1 or t == 1 or self.strategy != "auto" or p * q > t * (p + q):
+            return None
+        if self._kept_grads is None:
+            a = self.inputs.reshape(b, -1, p)
+            d = self.output_grads.reshape(b, -1, q)
+            self._kept_grads = torch.bmm(d.transpose(1, 2), a)  # (B, q, p): parameter layout
+        return self._kept_grads
 
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """(B, T, G, f) -> (G, B T, f): one row per (example, position), grouped first."""
@@ -285,7 +302,8 @@ class OuterProductFactor:
             a_a = torch.einsum("btgp,bsgp->bgts", self.inputs, self.inputs)
             d_d = torch.einsum("btgq,bsgq->bgts", self.output_grads, self.output_grads)
             return (a_a * d_d).sum(dim=(1, 2, 3))
-        grads = self._materialised()
+        kept = self._per_example_grads()
+        grads = self._materialised() if kept is None else kept.reshape(self.batch_size, -1)
         return (grads * grads).sum(dim=1)
 
     def output_gram(self) -> torch.Tensor:
@@ -316,13 +334,17 @@ class OuterProductFactor:
                 d = self._rows(self.output_grads)  # (G, N, q)
                 pairs = ((a @ a.transpose(1, 2)) * (d @ d.transpose(1, 2))).sum(dim=0)
             return pairs if t == 1 else pairs.reshape(b, t, b, t).sum(dim=(1, 3))
-        grads = self._materialised()
+        kept = self._per_example_grads()
+        grads = self._materialised() if kept is None else kept.reshape(b, -1)
         return grads @ grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
         v = as_dtype(vectors, self.inputs.dtype).reshape(k, g, q, p)  # a view, not a copy
+        kept = self._per_example_grads()
+        if kept is not None:  # (B, q p) @ (q p, k)
+            return torch.mm(kept.reshape(self.batch_size, -1), v.reshape(k, q * p).T)
         if g == 1 and k == 1:  # one GEMM, contracting the wider side first
             a, d = self._flat()  # (N, p), (N, q)
             if p <= q:
@@ -349,6 +371,11 @@ class OuterProductFactor:
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         k = weights.shape[1]
         g, p, q = self.groups, self.in_features, self.out_features
+        kept = self._per_example_grads()
+        if kept is not None:  # (k, B) @ (B, q p)
+            w = as_dtype(weights, kept.dtype)
+            summed = torch.mm(w.T, kept.reshape(self.batch_size, -1))
+            return _deliver(summed.reshape(k, *self.param_shape), out)
         w = self._row_weights(weights)
         if g == 1 and k == 1:  # one GEMM straight into the parameter layout
             lhs, rhs = self._single_sum_operands(w)
@@ -396,6 +423,7 @@ class OuterProductFactor:
             and weights.shape[1] == 1
             and target.dtype == self.inputs.dtype
             and target.is_contiguous()
+            and self._per_example_grads() is None
         ):
             lhs, rhs = self._single_sum_operands(self._row_weights(weights))
             target.view(self.out_features, self.in_features).addmm_(lhs, rhs)

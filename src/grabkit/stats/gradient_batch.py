@@ -17,23 +17,39 @@ convert between that layout and a ``{name: tensor}`` dict.
 from __future__ import annotations
 
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
+
+from grabkit.stats.transfer import to_host
 
 __all__ = [
     "DenseGradientBatch",
     "FlatLayout",
+    "ForeignBatch",
     "GradientBatch",
+    "NormalizedBatch",
+    "ScaledBatch",
+    "as_gradient_batch",
     "flat_to_named",
     "named_to_flat",
 ]
 
 
-@runtime_checkable
-class GradientBatch(Protocol):
+class GradientBatch(ABC):
     """B per-example gradients in R^d, accessed only through inner products.
+
+    A subclass implements the five reads (``gram``, ``norms_squared``, ``dot``, ``total``,
+    ``weighted_sum``) and sets the four attributes. Everything else has a default written with
+    those reads, which a subclass overrides where it can do better: the in-place sums
+    (``add_total_to``, ``add_weighted_sum_to``: hook statistics add layer by layer, with no
+    temporary the size of the model), one example's gradient (``row``), the normalised view
+    (``normalized``), the view of a scaled loss's gradients in the loss's units (``divided``),
+    cutting into consecutive pieces (``split``) and the coordinates themselves
+    (``coordinates``: None unless the batch holds a (B, d) matrix). Consumers call these methods;
+    they never ask which class a batch is.
 
     Attributes:
         size: B, the number of examples.
@@ -46,14 +62,15 @@ class GradientBatch(Protocol):
     dtype: torch.dtype
     device: torch.device
 
+    @abstractmethod
     def gram(self) -> torch.Tensor:
         """(B, B) matrix K with K[i, j] = <g_i, g_j>."""
-        ...
 
+    @abstractmethod
     def norms_squared(self) -> torch.Tensor:
         """(B,) vector with entries ||g_i||^2 (the diagonal of ``gram()``, usually cheaper)."""
-        ...
 
+    @abstractmethod
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         """Inner products with fixed vectors.
 
@@ -62,12 +79,12 @@ class GradientBatch(Protocol):
         Returns:
             (B,) for a (d,) input, (B, k) for a (k, d) input: entry [i, j] = <g_i, v_j>.
         """
-        ...
 
+    @abstractmethod
     def total(self) -> torch.Tensor:
         """(d,) vector sum_i g_i; free in hook mode, where autograd computed the batch gradient."""
-        ...
 
+    @abstractmethod
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         """sum_i w_i g_i.
 
@@ -76,10 +93,62 @@ class GradientBatch(Protocol):
         Returns:
             (d,) for (B,) weights, (k, d) for (B, k) weights (row j uses column j of the weights).
         """
-        ...
+
+    # -- with defaults -------------------------------------------------------------------------
+    def coordinates(self) -> torch.Tensor | None:
+        """The (B, d) gradients themselves when this batch holds them, else None (inner
+        products only). Per-coordinate transforms, projections and the exchange between ranks
+        need them; everything else reads inner products."""
+        return None
+
+    def add_total_to(self, target: torch.Tensor) -> None:
+        """In place: ``target`` (d,) += ``total()``."""
+        target.add_(self.total())
+
+    def add_weighted_sum_to(
+        self, target: torch.Tensor, weights: torch.Tensor, *, host: torch.Tensor | None = None
+    ) -> None:
+        """In place: ``target`` += ``weighted_sum(weights)``; ``target`` (k, d) for (B, k)
+        weights, (d,) for (B,) weights (running sums).
+
+        ``host``, when the caller has it, is the same weights as a CPU tensor: a batch that must
+        look at the weights' values reads them there instead of waiting for the device.
+        """
+        target += self.weighted_sum(weights).to(target.dtype).reshape(target.shape)
+
+    def row(self, index: int) -> torch.Tensor:
+        """(d,) g_index, a tensor of its own (not a view into the batch)."""
+        one_hot = torch.zeros(self.size, 1, dtype=self.dtype, device=self.device)
+        one_hot[index] = 1.0
+        return self.weighted_sum(one_hot).reshape(-1)
+
+    def normalized(self) -> GradientBatch:
+        """The batch of g_i / ||g_i|| (zero rows stay zero)."""
+        return NormalizedBatch(self)
+
+    def divided(self, factor: float) -> GradientBatch:
+        """The batch of g_i / ``factor`` (a positive finite number): the gradients of a loss
+        that was multiplied by ``factor`` before its backward (a GradScaler's loss scale),
+        brought back to the loss's own units. ``factor == 1`` is the batch itself."""
+        return self if factor == 1.0 else ScaledBatch(self, 1.0 / factor)
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        """Consecutive pieces of at most ``rows`` examples, in order, where the batch can be cut
+        without recomputing anything; by default the whole batch, uncut."""
+        return [self]
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor``, computed from this batch's reads, on the host: the
+        consumer's host transfer. A batch whose statistics carry a pending check (hook
+        statistics' identity check) compares it in the same transfer, before any value is
+        returned."""
+        return to_host(tensor)
+
+    def settle(self) -> None:  # noqa: B027 (nothing pending by default)
+        """Run a pending check of the statistics now (a host transfer where one is pending)."""
 
 
-class DenseGradientBatch:
+class DenseGradientBatch(GradientBatch):
     """A ``GradientBatch`` backed by a dense (B, d) tensor.
 
     Args:
@@ -112,6 +181,169 @@ class DenseGradientBatch:
     def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
         w = weights.to(self.dtype)
         return (w if w.ndim == 1 else w.mT) @ self.matrix  # (d,) or (k, d)
+
+    def coordinates(self) -> torch.Tensor:
+        return self.matrix
+
+    def row(self, index: int) -> torch.Tensor:
+        return self.matrix[index].clone()
+
+    def normalized(self) -> DenseGradientBatch:
+        norms = torch.linalg.vector_norm(self.matrix, dim=1, keepdim=True)  # (B, 1)
+        return DenseGradientBatch(self.matrix / torch.where(norms > 0, norms, 1.0))
+
+    def divided(self, factor: float) -> DenseGradientBatch:
+        return self if factor == 1.0 else DenseGradientBatch(self.matrix / factor)
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        if self.size <= rows:
+            return [self]
+        return [
+            DenseGradientBatch(self.matrix[start : start + rows])
+            for start in range(0, self.size, rows)
+        ]
+
+
+class NormalizedBatch(GradientBatch):
+    """A ``GradientBatch`` of g_i / ||g_i|| (zero rows stay zero), read lazily from ``inner``:
+    every read is the inner batch's, rescaled by the (B,) inverse norms."""
+
+    def __init__(self, batch: GradientBatch) -> None:
+        self.inner = batch
+        self.size, self.dim = batch.size, batch.dim
+        self.dtype, self.device = batch.dtype, batch.device
+        norms = batch.norms_squared().sqrt()
+        self.scale = torch.where(norms > 0, 1.0 / norms, torch.zeros_like(norms))  # (B,)
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        return self.inner.to_host(tensor)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram() * self.scale[:, None] * self.scale[None, :]
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared() * self.scale**2
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        d = self.inner.dot(vectors)
+        return d * (self.scale if d.ndim == 1 else self.scale[:, None])
+
+    def total(self) -> torch.Tensor:
+        return self.inner.weighted_sum(self.scale[:, None]).reshape(-1)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        s = self.scale if weights.ndim == 1 else self.scale[:, None]
+        return self.inner.weighted_sum(weights * s.to(weights.dtype))
+
+
+class ScaledBatch(GradientBatch):
+    """A ``GradientBatch`` of c g_i for a constant c known on the host (a Python float), read
+    lazily from ``inner``: every read is the inner batch's times c (c^2 for the quadratic ones).
+
+    The constant never goes to the device and back: the weights of a weighted sum are scaled
+    on the device and their host copy on the host, so the inner batch's signed-sum shortcut and
+    its pending check keep their single host transfer per step.
+    """
+
+    def __init__(self, batch: GradientBatch, factor: float) -> None:
+        self.inner = batch
+        self.factor = float(factor)
+        self.size, self.dim = batch.size, batch.dim
+        self.dtype, self.device = batch.dtype, batch.device
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        return self.inner.to_host(tensor)
+
+    def settle(self) -> None:
+        self.inner.settle()
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram() * (self.factor * self.factor)
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared() * (self.factor * self.factor)
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return self.inner.dot(vectors) * self.factor
+
+    def total(self) -> torch.Tensor:
+        return self.inner.total() * self.factor
+
+    def add_total_to(self, target: torch.Tensor) -> None:
+        target.add_(self.inner.total(), alpha=self.factor)
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.weighted_sum(weights * self.factor)
+
+    def add_weighted_sum_to(
+        self, target: torch.Tensor, weights: torch.Tensor, *, host: torch.Tensor | None = None
+    ) -> None:
+        self.inner.add_weighted_sum_to(
+            target, weights * self.factor, host=None if host is None else host * self.factor
+        )
+
+    def row(self, index: int) -> torch.Tensor:
+        return self.inner.row(index) * self.factor
+
+    def coordinates(self) -> torch.Tensor | None:
+        matrix = self.inner.coordinates()
+        return None if matrix is None else matrix * self.factor
+
+    def split(self, rows: int) -> list[GradientBatch]:
+        pieces = self.inner.split(rows)
+        return [self] if len(pieces) == 1 else [ScaledBatch(p, self.factor) for p in pieces]
+
+
+class ForeignBatch(GradientBatch):
+    """Any object with the five reads and the four attributes, seen as a ``GradientBatch``.
+
+    ``as_gradient_batch`` wraps such an object once, where it enters (a statistics object of
+    your own, a batch passed to ``step()``), so that everything past that point meets the
+    declared interface and its defaults.
+    """
+
+    def __init__(self, batch: object) -> None:
+        self.inner = batch
+        self.size, self.dim = int(batch.size), int(batch.dim)
+        self.dtype, self.device = batch.dtype, batch.device
+
+    def gram(self) -> torch.Tensor:
+        return self.inner.gram()
+
+    def norms_squared(self) -> torch.Tensor:
+        return self.inner.norms_squared()
+
+    def dot(self, vectors: torch.Tensor) -> torch.Tensor:
+        return self.inner.dot(vectors)
+
+    def total(self) -> torch.Tensor:
+        return self.inner.total()
+
+    def weighted_sum(self, weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.weighted_sum(weights)
+
+
+_READS = ("gram", "norms_squared", "dot", "total", "weighted_sum")
+_ATTRIBUTES = ("size", "dim", "dtype", "device")
+
+
+def as_gradient_batch(batch: object) -> GradientBatch:
+    """``batch`` itself when it is a ``GradientBatch``; an object offering the same five reads
+    and four attributes wrapped as one (``ForeignBatch``); anything else a TypeError."""
+    if isinstance(batch, GradientBatch):
+        return batch
+    missing = [name for name in _READS if not callable(getattr(batch, name, None))]
+    missing += [name for name in _ATTRIBUTES if not hasattr(batch, name)]
+    if missing:
+        raise TypeError(
+            f"expected a GradientBatch (grabkit.stats.GradientBatch), but got a "
+            f"{type(batch).__name__} without {missing}; subclass GradientBatch, or return a "
+            "DenseGradientBatch of the (B, d) per-example gradients."
+        )
+    return ForeignBatch(batch)
 
 
 def named_to_flat(named: Mapping[str, torch.Tensor], batch_dims: int = 0) -> torch.Tensor:

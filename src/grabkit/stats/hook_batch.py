@@ -7,14 +7,17 @@ factor reads them; weighted sums come back concatenated into (d,) / (k, d). So t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.stats.step import StepStatistics
+from grabkit.stats.transfer import to_device
 
 __all__ = ["HookGradientBatch"]
 
 
-class HookGradientBatch:
+class HookGradientBatch(GradientBatch):
     """A ``GradientBatch`` over the per-example gradients recorded by ``PerSampleStats``.
 
     The layout is that of ``statistics.param_shapes``: trainable parameters in
@@ -32,6 +35,14 @@ class HookGradientBatch:
 
     def gram(self) -> torch.Tensor:
         return self.statistics.gram()
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """Host values of ``tensor``, in one transfer with the statistics' pending identity
+        check, which is compared first (``StepStatistics.to_host``)."""
+        return self.statistics.to_host(tensor)
+
+    def settle(self) -> None:
+        self.statistics.settle_identity()
 
     def norms_squared(self) -> torch.Tensor:
         return self.statistics.norms_squared()
@@ -64,11 +75,24 @@ class HookGradientBatch:
         self.statistics.weighted_sum_stacked(columns, out=self._layout.views(flat))  # into ``flat``
         return flat[0] if weights.dim() == 1 else flat
 
-    def add_weighted_sum_to(self, target: torch.Tensor, weights: torch.Tensor) -> None:
+    def row(self, index: int) -> torch.Tensor:
+        """(d,) g_index: a weighted sum with one-hot weights, read on the host (no sync)."""
+        one_hot = torch.zeros(self.size, 1, dtype=self.dtype)
+        one_hot[index] = 1.0
+        flat = torch.empty(1, self.dim, dtype=self.dtype, device=self.device)
+        self.statistics.weighted_sum_stacked(
+            to_device(one_hot, self.device), out=self._layout.views(flat), host_weights=one_hot
+        )
+        return flat[0]
+
+    def add_weighted_sum_to(
+        self, target: torch.Tensor, weights: torch.Tensor, *, host: torch.Tensor | None = None
+    ) -> None:
         """In place: ``target += weighted_sum(weights)``, with no (k, d) temporary.
 
         ``target`` is a contiguous (k, d) tensor (or (d,) for (B,) weights) in this batch's
-        dtype and on its device: running sums, updated layer by layer.
+        dtype and on its device: running sums, updated layer by layer. ``host``: the weights on
+        the CPU, where the signed-sum shortcut reads them (no device sync).
         """
         columns = self._columns(weights)
         k = columns.shape[1]
@@ -78,7 +102,10 @@ class HookGradientBatch:
                 f"shape {tuple(target.shape)}"
             )
         flat = target if target.dim() == 2 else target.view(k, self.dim)
-        self.statistics.weighted_sum_stacked(columns, out=self._layout.views(flat), accumulate=True)
+        host_columns = None if host is None else self._columns(host)
+        self.statistics.weighted_sum_stacked(
+            columns, out=self._layout.views(flat), accumulate=True, host_weights=host_columns
+        )
 
     def _columns(self, weights: torch.Tensor) -> torch.Tensor:
         """(B,) or (B, k) weights as (B, k) columns."""

@@ -82,10 +82,11 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from grabkit.stats.factors import (
@@ -96,8 +97,16 @@ from grabkit.stats.factors import (
     SumFactor,
 )
 from grabkit.stats.rows import RowsFactor
+from grabkit.stats.transfer import to_host
 
-__all__ = ["FULL_SUPPORT_ENTRIES", "LAMBDA", "IdentityCheck", "IdentityCheckError", "unit_roundoff"]
+__all__ = [
+    "FULL_SUPPORT_ENTRIES",
+    "LAMBDA",
+    "IdentityCheck",
+    "IdentityCheckError",
+    "PendingIdentityCheck",
+    "unit_roundoff",
+]
 
 #: a matrix with more entries is probed on a moving block of columns (see the module docstring)
 FULL_SUPPORT_ENTRIES = 1 << 15
@@ -337,13 +346,18 @@ class IdentityCheck:
         factors: Mapping[str, ParameterFactor | None],
         low_precision: Mapping[str, float],
         left_out: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
+        *,
+        defer: bool = False,
+    ) -> PendingIdentityCheck | None:
         """Raise ``IdentityCheckError`` unless every parameter's two sides agree.
 
         ``factors``: name -> merged factor (None: no per-example gradient this step);
         ``low_precision``: name -> unit roundoff of a lower precision its operands were rounded
         to (absent: none); ``left_out``: name -> gradient side of declared batch terms, taken
-        from the delivered gradient's.
+        from the delivered gradient's. ``defer=True``: the comparison's numbers are formed on the
+        device and returned as a ``PendingIdentityCheck`` (None when there is nothing to
+        compare), to be settled by the host transfer that reads the statistics' first values
+        (one host sync per step instead of two).
         """
         sides = self.gradient_sides
         if left_out:
@@ -352,7 +366,7 @@ class IdentityCheck:
                 sides[name] = sides[name] - value if name in sides else -value
         names = [n for n in self.names if factors.get(n) is not None or n in sides]
         if not names:
-            return
+            return None
         segments: list[_Segment] = []
         cache: dict[tuple, torch.Tensor] = {}
         for index, name in enumerate(names):
@@ -360,9 +374,41 @@ class IdentityCheck:
             if factor is not None:
                 _add_segments(segments, index, self.probes[name], factor, cache)
         comparison = _Comparison(names, segments, sides, low_precision, self._coefficients)
-        failing = comparison.failures()
+        pending = PendingIdentityCheck(comparison)
+        if defer:
+            return pending
+        pending.settle()
+        return None
+
+
+class PendingIdentityCheck:
+    """An identity check whose numbers are formed on the device and not yet compared.
+
+    ``numbers`` is the (3, P) tensor the host compares; ``settle(values)`` compares them once
+    they are on the host (read by the caller's own transfer, ``values`` then being that
+    tensor's numbers in float64), or reads them itself (a host sync) when given none. It raises
+    ``IdentityCheckError`` on a mismatch (and again at the next call); a check that passed does
+    nothing more.
+    """
+
+    def __init__(self, comparison: _Comparison) -> None:
+        self._comparison: _Comparison | None = comparison
+        self.numbers = comparison.numbers()
+
+    @property
+    def settled(self) -> bool:
+        return self._comparison is None
+
+    def settle(self, values: np.ndarray | None = None) -> None:
+        comparison = self._comparison
+        if comparison is None:
+            return
+        if values is None:
+            values = to_host(self.numbers.to(torch.float64))  # one host transfer
+        failing = comparison.failures(values.reshape(3, -1).tolist())
         if failing:
             raise IdentityCheckError(_message(failing))
+        self._comparison = None
 
 
 class _Comparison:
@@ -423,23 +469,25 @@ class _Comparison:
         index = torch.tensor([s.index for s in segments], device=self.device)
         return per_segment.new_zeros(len(self.names)).index_add_(0, index, per_segment)
 
-    def failures(self) -> list[_Outcome]:
-        """The parameters whose sides differ by more than the bound (fast path first)."""
+    def numbers(self) -> torch.Tensor:
+        """(3, P) on the device: per parameter the factor side, the fast path's bound and the
+        gradient side (what the host compares, in one transfer)."""
         if not self.segments:
-            values = torch.stack([self.gradient, torch.zeros_like(self.gradient)])
-            factor_side = tolerance = [0.0] * len(self.names)
-            gradient_side = values[0].tolist()
-        else:
-            sums, absolute = self._segment_sums()
-            sums, tolerance = (
-                self._per_parameter(sums),
-                self._per_parameter(absolute.mul_(self.coefficients)),
-            )
-            numbers = torch.stack([sums, tolerance, self.gradient]).tolist()  # one transfer
-            factor_side, tolerance, gradient_side = numbers
-        # one host transfer; the comparison in double precision. A delivered gradient that is
-        # not finite (a GradScaler overflow, a NaN loss) cannot be compared: the statistics pass
-        # through as computed, for their consumers to reject or use
+            zeros = torch.zeros_like(self.gradient)
+            return torch.stack([zeros, zeros, self.gradient])
+        sums, absolute = self._segment_sums()
+        sums, tolerance = (
+            self._per_parameter(sums),
+            self._per_parameter(absolute.mul_(self.coefficients)),
+        )
+        return torch.stack([sums, tolerance, self.gradient])
+
+    def failures(self, numbers: Sequence[Sequence[float]]) -> list[_Outcome]:
+        """The parameters whose sides differ by more than the bound (fast path first), from
+        ``numbers()`` read on the host; the comparison in double precision."""
+        factor_side, tolerance, gradient_side = (list(map(float, row)) for row in numbers)
+        # a delivered gradient that is not finite (a GradScaler overflow, a NaN loss) cannot be
+        # compared: the statistics pass through as computed, for their consumers to reject or use
         failing = [
             k
             for k, (f, g, t) in enumerate(zip(factor_side, gradient_side, tolerance, strict=True))
@@ -590,7 +638,13 @@ def _outer_product(
     rows and columns."""
     row, col = probe.row, probe.col
     groups, q, p = f.groups, f.out_features, f.in_features
-    if groups == 1:
+    if groups == 1 and not _flat_inputs(f):  # a convolution's patches, positions innermost
+        d = row.narrow(f.output_grads.reshape(-1, q), 1)
+        x = col.narrow(f.inputs.reshape(f.batch_size, -1, p).transpose(1, 2), 1)  # (B, p, T)
+        x_b = torch.matmul(col.cut(x), x).reshape(-1)  # b . A_n, read along the positions
+        products = _cached_mv(cache, d, row.cut(d)).mul(x_b)
+        x = x.transpose(1, 2)  # (B, T, p) for the magnitude
+    elif groups == 1:
         x, d = f._flat()
         d, x = row.narrow(d, 1), col.narrow(x, 1)
         products = _cached_mv(cache, d, row.cut(d)).mul(torch.mv(x, col.cut(x)))
@@ -605,7 +659,19 @@ def _outer_product(
 
 
 def _outer_magnitude(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return (_row_norms(d) * _row_norms(x)).sum()
+    return (_row_norms(d) * _row_norms(x).reshape(-1)).sum()
+
+
+def _flat_inputs(f: OuterProductFactor) -> bool:
+    """Whether the factor's inputs read as (B T, p) rows without a copy (a Linear's do; a
+    convolution's patches, positions innermost, do not)."""
+    if f._flat_views is not None:
+        return True
+    try:
+        f.inputs.view(-1, f.in_features)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _embedding(index: int, probe: _Probe, f: EmbeddingFactor) -> _Segment:

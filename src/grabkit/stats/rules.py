@@ -305,13 +305,22 @@ class ConvRule(LayerRule):
         return out
 
     def _patches(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """(B, C_in k, L) patches, one column per output position, rows in the weight's
+        (C_in, kernel) order: ``F.unfold``'s values and layout, copied from strided views of
+        the padded input (rows of contiguous input positions: several times faster than
+        ``F.unfold`` on the CPU)."""
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
         kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
         if self.spatial_dims == 1:  # treat a length-L signal as a 1 x L image
             x = x.unsqueeze(2)
             kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
-        return F.unfold(x, kernel, dilation=dilation, padding=0, stride=stride)
+        windows = x
+        for dim, (k, d, st) in enumerate(zip(kernel, dilation, stride, strict=True), start=2):
+            windows = windows.unfold(dim, (k - 1) * d + 1, st)[..., ::d]  # adds a kernel dim
+        b, c, h, w, kh, kw = windows.shape
+        patches = windows.permute(0, 1, 4, 5, 2, 3)  # (B, C_in, kh, kw, H_out, W_out)
+        return patches.reshape(b, c * kh * kw, h * w)
 
 
 register_rule(nn.Conv1d, ConvRule(spatial_dims=1))

@@ -74,6 +74,7 @@ from grabkit.stats.factors import (
 from grabkit.stats.gradient_batch import DenseGradientBatch
 from grabkit.stats.names import canonical_parameter_names
 from grabkit.stats.rows import ItemLayout, RowsFactor
+from grabkit.stats.source import StatisticsSource
 
 __all__ = [
     "CountSketchMap",
@@ -593,7 +594,7 @@ def _first_tensor(factor: ParameterFactor) -> torch.Tensor:
     raise TypeError(f"cannot sketch a {type(factor).__name__}: it holds no tensor")
 
 
-class SketchedStats:
+class SketchedStats(StatisticsSource):
     """Hook statistics read as sketches: after ``loss.backward()``, a (B, k) matrix S g_i.
 
     Args:
@@ -605,12 +606,12 @@ class SketchedStats:
         **options: passed on to ``PerSampleStats`` (``torch_func_fallback``, ...).
 
     ``gradient_batch()`` is a ``DenseGradientBatch`` of the (B, k) sketches, so anything that
-    balances dense batches balances it; ``step_listeners`` / ``backward_seen`` are the
-    engine's, so gradient accumulation works as with exact statistics. The engine keeps no
-    batch gradient copy (``keep_batch_gradients=False``); the identity check runs all the same
-    (its probes of the delivered gradients are taken in the hooks). Parameters frozen or
-    unfrozen later are followed: their maps drop out or join (each is a function of the seed and
-    the parameter's name, so the others' do not change).
+    balances dense batches balances it. It is a ``StatisticsSource`` whose listeners, generation
+    and ``backward_seen`` are the engine's, so gradient accumulation works as with exact
+    statistics. The engine keeps no batch gradient copy (``keep_batch_gradients=False``); the
+    identity check runs all the same (its probes of the delivered gradients are taken in the
+    hooks). Parameters frozen or unfrozen later are followed: their maps drop out or join (each
+    is a function of the seed and the parameter's name, so the others' do not change).
 
     Example::
 
@@ -630,12 +631,18 @@ class SketchedStats:
     ) -> None:
         hooked = unwrap_data_parallel(model)
         self.engine = PerSampleStats(hooked, loss_reduction, keep_batch_gradients=False, **options)
+        self._canonical = canonical_parameter_names(hooked)  # every parameter, trainable or not
         self.sketch = GradientSketch(
-            self.engine.param_shapes, dim, seed, canonical_names=canonical_parameter_names(hooked)
+            self.engine.param_shapes, dim, seed, canonical_names=self._canonical
         )
         self.dim = dim
         self.step_listeners = self.engine.step_listeners
         self._cached: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def generation(self) -> int:
+        """The engine's counter (the sketches change when its statistics do)."""
+        return self.engine.generation
 
     @property
     def backward_seen(self) -> bool:
@@ -651,7 +658,10 @@ class SketchedStats:
         if self._cached is None or self._cached[0] != generation:
             factors, batch_size, scale = self.engine.step_factors()
             if self.sketch.param_shapes != self.engine.param_shapes:  # the trainable set changed
-                self.sketch = GradientSketch(self.engine.param_shapes, self.dim, self.sketch.seed)
+                self.sketch = GradientSketch(
+                    self.engine.param_shapes, self.dim, self.sketch.seed,
+                    canonical_names=self._canonical,
+                )  # fmt: skip
             dtype = torch.promote_types(self.engine.dtype, torch.float32)
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
@@ -659,10 +669,9 @@ class SketchedStats:
             self._cached = (generation, matrix)
         return self._cached[1]
 
-    statistics = sketches  # what ``grabkit.order``'s hook source reads once per backward
-
-    def gradient_batch(self) -> DenseGradientBatch:
-        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers)."""
+    def gradient_batch(self, *, settle: bool = True) -> DenseGradientBatch:
+        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers); the identity check has
+        run whatever ``settle`` says."""
         return DenseGradientBatch(self.sketches())
 
     def close(self) -> None:

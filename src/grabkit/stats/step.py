@@ -9,14 +9,21 @@ starts a new step; ``HookGradientBatch`` reads it in the flat layout.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype
 from grabkit.stats.gradient_batch import FlatLayout
+from grabkit.stats.transfer import host_values, to_device, to_host
+
+if TYPE_CHECKING:
+    from grabkit.stats.identity import PendingIdentityCheck
 
 __all__ = ["StepStatistics"]
+
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 
 # Weights with at least this many entries take signed sums from the batch gradient. On one CPU
 # thread (B = 64) that saves about a third of the GEMM per layer (20 us at 128 x 128, 150 us at
@@ -39,6 +46,9 @@ class StepStatistics:
             float32).
         device: of the parameters.
         layout: the ``FlatLayout`` of ``param_shapes`` (built when not given).
+        pending_check: the identity check of these statistics when it is not settled yet
+            (``grabkit.stats.identity.PendingIdentityCheck``): ``to_host`` settles it in the
+            same transfer as the first values read, ``settle_identity`` on its own.
     """
 
     def __init__(
@@ -52,7 +62,9 @@ class StepStatistics:
         scale: float = 1.0,
         *,
         layout: FlatLayout | None = None,
+        pending_check: PendingIdentityCheck | None = None,
     ) -> None:
+        self.pending_check = pending_check
         self.param_shapes = dict(param_shapes)
         #: the flat layout of ``param_shapes`` (an engine passes its own, shared by every step)
         self.layout = FlatLayout(self.param_shapes) if layout is None else layout
@@ -75,6 +87,32 @@ class StepStatistics:
         }
         # the factors of the parameters that got a gradient, walked by every read
         self._present = [(name, f) for name, f in self.factors.items() if f is not None]
+
+    def settle_identity(self) -> None:
+        """Settle a pending identity check now (a host transfer; ``IdentityCheckError`` on a
+        mismatch, again at every call until the step ends)."""
+        if self.pending_check is not None:
+            self.pending_check.settle()
+            self.pending_check = None
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor`` (read from these statistics) on the host, in one transfer
+        with the pending identity check's numbers, which are compared first
+        (``IdentityCheckError``: no value is returned)."""
+        pending = self.pending_check
+        if pending is None:
+            return to_host(tensor)
+        if not tensor.is_floating_point():
+            self.settle_identity()
+            return to_host(tensor)
+        count = pending.numbers.numel()
+        parts = [pending.numbers.reshape(-1), tensor.reshape(-1)]
+        flat = to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one transfer
+        pending.settle(flat[:count])
+        self.pending_check = None
+        values = flat[count:].reshape(tuple(tensor.shape))
+        wanted = _NUMPY_DTYPES.get(tensor.dtype, np.float64)  # bfloat16: none in numpy
+        return values if values.dtype == wanted else values.astype(wanted)  # exact: widened
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
@@ -171,19 +209,28 @@ class StepStatistics:
         out: Mapping[str, torch.Tensor] | None = None,
         *,
         accumulate: bool = False,
+        host_weights: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """(B, k) weights -> name -> (k, *shape) sum_i w[i, j] g_i, in the parameters' dtype.
 
         ``out``, when given, maps every name to a (k, *shape) tensor (views into one flat
         buffer, say) that receives the result without an extra copy where the layer allows;
         with ``accumulate=True`` the sums are added to what ``out`` holds (running sums updated
-        in place, with no temporary the size of the model).
+        in place, with no temporary the size of the model). ``host_weights``: the same weights
+        on the CPU, when the caller has them: the signed-sum shortcut reads their values there
+        instead of from the device (no second host sync in a step).
         """
         if accumulate and out is None:
             raise ValueError("weighted_sum_stacked(accumulate=True) needs `out` to add into")
         k = weights.shape[1]
         w = weights * self.scale  # (B, k): cheaper than scaling any gradient factor
-        two_valued = self._two_valued(w) if k == 1 and self._large_outer_products else None
+        two_valued = None
+        if k == 1 and self._large_outer_products:
+            if host_weights is None:
+                column = to_host(w[:, 0].to(torch.float64))  # B numbers: a sync on a device
+            else:  # the same numbers, computed on the host
+                column = host_values((host_weights[:, 0] * self.scale).to(torch.float64))
+            two_valued = self._two_valued(column, w.device)
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
             target = None if out is None else out[name]
@@ -223,20 +270,22 @@ class StepStatistics:
         return factor.weighted_sum(w).to(self.dtype)
 
     @staticmethod
-    def _two_valued(w: torch.Tensor) -> tuple[torch.Tensor, float, float] | None:
-        """For (B, 1) weights taking at most two values: (rows of the rarer value a, a, other b).
+    def _two_valued(
+        column: np.ndarray, device: torch.device
+    ) -> tuple[torch.Tensor, float, float] | None:
+        """For B weights (``column``, float64 on the host) taking at most two values: (rows of the
+        rarer value a on ``device``, a, the other value b).
 
         Every GraB update is such a sum (signs +-1, or +-1 and 0), and
         sum_i w_i g_i = b sum_i g_i + (a - b) sum_{w_i = a} g_i needs a GEMM over the rarer rows
         only, since autograd already formed sum_i g_i.
         """
-        column = w[:, 0].to("cpu", torch.float64).numpy()  # B numbers, one transfer
         first = column[0]
         is_first = column == first
         others = column[~is_first]
         if others.size == 0:
             rows = np.zeros(0, dtype=np.int64)
-            return torch.from_numpy(rows).to(w.device), 0.0, float(first)
+            return to_device(torch.from_numpy(rows), device), 0.0, float(first)
         second = others[0]
         if not (others == second).all():
             return None
@@ -244,4 +293,4 @@ class StepStatistics:
             rows, a, b = np.flatnonzero(~is_first), float(second), float(first)
         else:
             rows, a, b = np.flatnonzero(is_first), float(first), float(second)
-        return torch.from_numpy(rows).to(w.device), a, b
+        return to_device(torch.from_numpy(rows), device), a, b

@@ -28,8 +28,8 @@ class AdaEMABalance(CentredBalance):
         super().__init__(n, **kwargs)
         if len(betas) != 2:
             raise ValueError(f"`betas` should be a pair (beta1, beta2), but got betas={betas!r}")
-        self.m = VectorEMA(check_rate("1 - betas[0]", 1 - betas[0]))
-        self.v = VectorEMA(check_rate("1 - betas[1]", 1 - betas[1]))
+        self.add_state("m", VectorEMA(check_rate("1 - betas[0]", 1 - betas[0])))
+        self.add_state("v", VectorEMA(check_rate("1 - betas[1]", 1 - betas[1])))
         self.eps = float(eps)
 
     def transform(self, batch: GradientBatch) -> GradientBatch:
@@ -42,10 +42,3 @@ class AdaEMABalance(CentredBalance):
         mean = total / count
         self.m.add(mean)
         self.v.add(mean * mean)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"m": self.m.state_dict(), "v": self.v.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.m.load_state_dict(state["m"])
-        self.v.load_state_dict(state["v"])

@@ -25,11 +25,12 @@ class AdaMeanBalance(StaleMeanBalance):
     name = "adamean"
     splittable = True
     needs_coordinates = True
+    scale: torch.Tensor | None  # (d,) v
 
     def __init__(self, n: int, *, eps: float = 1e-8, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
         self.eps = float(eps)
-        self.scale: torch.Tensor | None = None  # (d,) v
+        self.add_state("scale", None)
 
     def update_v(self, second_moment: torch.Tensor) -> None:
         """Set v = sqrt(second_moment) + eps from a flat (d,) tensor."""
@@ -44,10 +45,3 @@ class AdaMeanBalance(StaleMeanBalance):
             )
         centred = X - self.mean.current(X[0])
         return DenseGradientBatch(centred if self.scale is None else centred / self.scale.to(X))
-
-    def extra_state(self) -> dict[str, Any]:
-        return {**super().extra_state(), "scale": self.scale}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        super().load_extra_state(state)
-        self.scale = state["scale"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -25,7 +26,9 @@ from grabkit.order.balance import (
     balance_dense_vectors,
     epoch_generator,
 )
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.state import Stateful
+from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_int, check_positive_int
 
 __all__ = [
     "ORDERINGS",
@@ -38,7 +41,7 @@ __all__ = [
     "Ordering",
     "balance_combinations",
     "balance_dense_vectors",
-    "check_state_keys",
+    "int_list",
     "observe_in_blocks",
     "random_permutation",
     "register_ordering",
@@ -56,25 +59,20 @@ def random_permutation(n: int, seed: int, epoch: int, purpose: int) -> torch.Ten
     return torch.randperm(n, generator=epoch_generator(seed, epoch, purpose))
 
 
-def check_state_keys(where: str, state: dict, expected: set[str]) -> None:
-    """Reject a state dict whose keys differ from ``expected``, naming the difference."""
-    unknown, missing = set(state) - expected, expected - set(state)
-    if unknown or missing:
-        raise ValueError(
-            f"{where}: state dict does not match this ordering (unexpected keys "
-            f"{sorted(unknown)}, missing keys {sorted(missing)}); it was saved by a sampler "
-            "with a different balance_type or configuration."
-        )
+def int_list(values: Iterable[int]) -> list[int]:
+    """Saved indices (a tensor or a list) as a list of Python ints."""
+    return [int(i) for i in values]
 
 
-class Ordering(ABC):
+class Ordering(Stateful, ABC):
     """One example-ordering policy over a dataset of n examples.
 
     A new ordering is one file: a subclass with a ``name``, its options as keyword-only
     ``__init__`` arguments with defaults (validated there: they are its declaration, read by
-    ``option_names``), ``observe`` and ``finish_epoch``, and ``@register_ordering`` on the class.
-    ``GraBSampler(ds, balance_type=name, option=...)`` or ``GraBSampler(ds, ordering=instance)``
-    then uses it.
+    ``option_names``), its state declared with ``add_state`` in ``__init__`` (``state_dict`` and
+    ``load_state_dict`` follow; ``grabkit.state``), ``observe`` and ``finish_epoch``, and
+    ``@register_ordering`` on the class. ``GraBSampler(ds, instance)`` or
+    ``GraBSampler(ds, balance_type=name, option=...)`` then uses it.
 
     Args:
         n: number of examples.
@@ -102,10 +100,8 @@ class Ordering(ABC):
         random_first_epoch: bool = True,
         block_policy: BlockPolicy | None = None,
     ) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"`n` should be a positive integer, but got n={n!r}")
-        self.n = n
-        self.seed = seed
+        self.n = check_positive_int("n", n)
+        self.seed = check_int("seed", seed)
         self.rule = SignRule() if rule is None else rule
         self.random_first_epoch = random_first_epoch
         self.policy = DEFAULT_POLICY if block_policy is None else block_policy
@@ -145,10 +141,10 @@ class Ordering(ABC):
         """The order of a not-yet-started epoch after ``set_epoch`` changed its number."""
         return order
 
-    def start_epoch(self, epoch: int) -> None:  # noqa: B027 (optional hook)
+    def start_epoch(self, epoch: int) -> None:
         """Called when an epoch begins; balancers reset their running sums here."""
 
-    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:  # noqa: B027
+    def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         """Take the gradients of the examples ``indices`` (B,), given in visit order."""
 
     @abstractmethod
@@ -159,14 +155,30 @@ class Ordering(ABC):
         last batch) keep their relative order; where they go is up to the ordering.
         """
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+    def update_v(self, second_moment: torch.Tensor) -> None:
+        """Take the optimiser's second moment, a flat (d,) tensor: for orderings that balance in
+        an adaptive optimiser's geometry (``"adamean"``); the others refuse it."""
+        raise TypeError(
+            f'update_v() is for balance_type="adamean", but this sampler uses "{self.name}".'
+        )
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, set())
+    @property
+    def state_owner(self) -> str:
+        return f'balance_type="{self.name}"'
+
+    def __repr__(self) -> str:
+        rule = self.rule
+        walk = f", probabilistic=True, c={rule.c}" if rule.probabilistic else ""
+        options = "".join(f", {k}={_short(v)}" for k, v in self.option_values.items())
+        return f"{type(self).__name__}(n={self.n}, seed={self.seed}{walk}{options})"
 
 
 _BASE_OPTIONS = ("seed", "rule", "random_first_epoch", "block_policy")
+
+
+def _short(value: Any) -> str:
+    return f"tensor{tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
 
 #: balance_type name -> ordering class; ``register_ordering`` adds to it
 ORDERINGS: dict[str, type[Ordering]] = {}
@@ -194,13 +206,13 @@ def observe_in_blocks(ordering: Ordering, batch: GradientBatch, indices: torch.T
     """``ordering.observe``, in blocks of ``policy.observe_rows`` rows for the orderings whose
     decisions do not depend on the cut (``splittable``), so no (B, B) Gram gets large."""
     rows = ordering.policy.observe_rows
-    split = ordering.splittable and isinstance(batch, DenseGradientBatch)
-    if not split or batch.size <= rows:
+    if not ordering.splittable or batch.size <= rows:
         ordering.observe(batch, indices)
         return
-    for start in range(0, batch.size, rows):
-        block = DenseGradientBatch(batch.matrix[start : start + rows])
-        ordering.observe(block, indices[start : start + rows])
+    start = 0
+    for block in batch.split(rows):
+        ordering.observe(block, indices[start : start + block.size])
+        start += block.size
 
 
 class IndexTensor:
@@ -230,14 +242,17 @@ class IndexTensor:
         return self.buffer[:count]
 
 
-class FrontBackOrder:
+class FrontBackOrder(Stateful):
     """The GraB placement: +1 examples to the front in visit order, -1 examples to the back in
     reverse visit order, unobserved examples in between in their previous relative order."""
 
+    front: list[int]
+    back: list[int]
+
     def __init__(self) -> None:
-        self.front: list[int] = []
-        self.back: list[int] = []
         self._front_tensor, self._back_tensor = IndexTensor(), IndexTensor()
+        self.add_state("front", [], save=self._front_tensor.view, load=int_list)
+        self.add_state("back", [], save=self._back_tensor.view, load=int_list)
 
     def clear(self) -> None:
         self.front.clear()
@@ -254,14 +269,6 @@ class FrontBackOrder:
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(self.front + middle + self.back[::-1], dtype=torch.int64)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "front": self._front_tensor.view(self.front),
-            "back": self._back_tensor.view(self.back),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.front = [int(i) for i in state["front"]]
-        self.back = [int(i) for i in state["back"]]
+    def after_load(self) -> None:
         self._front_tensor.reset()
         self._back_tensor.reset()

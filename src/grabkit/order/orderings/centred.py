@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
-from grabkit.order.orderings.base import (
-    FrontBackOrder,
-    Ordering,
-    balance_combinations,
-    check_state_keys,
-)
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.order.orderings.base import FrontBackOrder, Ordering, balance_combinations
+from grabkit.state import Stateful
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["CentredBalance", "StaleMean", "StaleMeanBalance", "dense_rows"]
 
 
-class StaleMean:
+def _own_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+class StaleMean(Stateful):
     """The mean of the per-example gradients observed in the previous epoch (zero at first).
 
     ``add`` takes a batch sum and a count; ``roll`` makes this epoch's mean the stale one. An
@@ -30,10 +31,14 @@ class StaleMean:
     updated in place (no new tensor the size of the model per batch); a loaded one is copied.
     """
 
+    value: torch.Tensor | None  # (d,)
+    running_sum: torch.Tensor | None  # (d,)
+    count: int
+
     def __init__(self) -> None:
-        self.value: torch.Tensor | None = None  # (d,)
-        self.running_sum: torch.Tensor | None = None  # (d,)
-        self.count = 0
+        self.add_state("value", None)
+        self.add_state("running_sum", None, load=_own_copy)
+        self.add_state("count", 0, load=int)
 
     def current(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(like) if self.value is None else self.value
@@ -46,28 +51,18 @@ class StaleMean:
         self.count += count
 
     def add_batch(self, batch: GradientBatch, count: int) -> None:
-        """``add(batch.total(), count)``, adding hook statistics' batch gradient straight into
-        the running sum (``add_total_to``: no (d,) temporary) where the batch can."""
-        add_to = getattr(batch, "add_total_to", None)
-        if self.running_sum is None or add_to is None:
+        """``add(batch.total(), count)``, adding the batch's sum straight into the running sum
+        (``add_total_to``: hook statistics form no (d,) temporary)."""
+        if self.running_sum is None:
             self.add(batch.total(), count)
             return
-        add_to(self.running_sum)
+        batch.add_total_to(self.running_sum)
         self.count += count
 
     def roll(self) -> None:
         if self.count:
             self.value = self.running_sum / self.count
         self.running_sum, self.count = None, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "running_sum": self.running_sum, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        running_sum = state["running_sum"]
-        self.value = state["value"]
-        self.running_sum = None if running_sum is None else running_sum.clone()
-        self.count = int(state["count"])
 
 
 class CentredBalance(Ordering):
@@ -78,11 +73,13 @@ class CentredBalance(Ordering):
     """
 
     sequential = True
+    acc: torch.Tensor | None  # (1, d): the running signed sum
+    placement: FrontBackOrder
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (1, d)
-        self.placement = FrontBackOrder()
+        self.add_state("acc", None)
+        self.add_state("placement", FrontBackOrder())
 
     # -- hooks for subclasses -------------------------------------------------------------
     def transform(self, batch: GradientBatch) -> GradientBatch:
@@ -102,12 +99,6 @@ class CentredBalance(Ordering):
         statistics): subclasses may take the sum from ``batch`` without forming it."""
         self.record(batch.total(), count)
 
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
     # -- Ordering --------------------------------------------------------------------------
     def start_epoch(self, epoch: int) -> None:
         self.placement.clear()
@@ -120,7 +111,7 @@ class CentredBalance(Ordering):
             self.acc = torch.zeros(1, vectors.dim, dtype=vectors.dtype, device=vectors.device)
         m = self.centre(batch)
         fixed = None if m is None else m.reshape(1, -1)
-        fixed_weights = None if m is None else torch.ones(batch.size, 1).numpy()
+        fixed_weights = None if m is None else np.ones((batch.size, 1))
         signs, _ = balance_combinations(
             vectors,
             self.acc,
@@ -128,33 +119,28 @@ class CentredBalance(Ordering):
             fixed=fixed,
             fixed_weights=fixed_weights,
             sequential=self.sequential,
-            before_update=lambda total: self.record(
-                total if vectors is batch else batch.total(), batch.size
-            ),
-            record_batch=(lambda _: self.record_batch(batch, batch.size))
-            if vectors is batch
-            else None,
+            on_accept=lambda total: self._accept(batch, total if vectors is batch else None),
             policy=self.policy,
         )
         self.placement.place(indices.tolist(), signs[:, 0])
 
+    def _accept(self, batch: GradientBatch, total: torch.Tensor | None) -> None:
+        """Record a batch found finite: from the sum of its rows when balancing formed it, else
+        from the batch (which may add its sum without forming it: hook statistics)."""
+        if total is None:
+            self.record_batch(batch, batch.size)
+        else:
+            self.record(total, batch.size)
+
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"acc": self.acc, "placement": self.placement.state_dict(), **self.extra_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "placement", *self.extra_state()})
-        self.acc = state["acc"]
-        self.placement.load_state_dict(state["placement"])
-        self.load_extra_state(state)
 
 
 def dense_rows(batch: GradientBatch, name: str) -> torch.Tensor:
     """The (B, d) matrix behind a dense batch; a clear error for hook-statistics batches."""
-    if isinstance(batch, DenseGradientBatch):
-        return batch.matrix
+    X = batch.coordinates()
+    if X is not None:
+        return X
     raise TypeError(
         f'balance_type="{name}" transforms gradient coordinates, so it needs dense per-example '
         f"gradients, but step() got a {type(batch).__name__} (inner products only). Pass the "
@@ -167,13 +153,15 @@ class StaleMeanBalance(CentredBalance):
     """A ``CentredBalance`` that keeps the previous epoch's mean gradient in ``self.mean``.
 
     Each epoch's batch totals (``record``) become the next epoch's stale mean; the mean goes into
-    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and add
-    their own state through ``extra_state`` (calling ``super()``).
+    the checkpoint. Subclasses decide how the mean enters (``centre`` or ``transform``) and
+    declare their own state with ``add_state``.
     """
+
+    mean: StaleMean
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.mean = StaleMean()
+        self.add_state("mean", StaleMean())
 
     def start_epoch(self, epoch: int) -> None:
         super().start_epoch(epoch)
@@ -184,9 +172,3 @@ class StaleMeanBalance(CentredBalance):
 
     def record_batch(self, batch: GradientBatch, count: int) -> None:
         self.mean.add_batch(batch, count)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"mean": self.mean.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.mean.load_state_dict(state["mean"])

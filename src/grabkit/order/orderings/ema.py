@@ -8,22 +8,27 @@ import torch
 
 from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_probability
 
 __all__ = ["EMABalance", "VectorEMA", "check_rate"]
 
 
-class VectorEMA:
+class VectorEMA(Stateful):
     """Bias-corrected EMA of vectors: m_t = (1 - r) m_{t-1} + r x_t, reported m_t / (1 - (1-r)^t).
 
     Args:
         rate: r, the weight of the newest observation.
     """
 
+    raw: torch.Tensor | None
+    decay_product: float
+
     def __init__(self, rate: float) -> None:
         self.rate = rate
-        self.raw: torch.Tensor | None = None
-        self.decay_product = 1.0
+        self.add_state("raw", None)
+        self.add_state("decay_product", 1.0, load=float)
 
     def peek(self, x: torch.Tensor) -> torch.Tensor:
         """The corrected average if ``x`` were added now (no state changes)."""
@@ -34,17 +39,10 @@ class VectorEMA:
         self.raw = self.rate * x if self.raw is None else (1 - self.rate) * self.raw + self.rate * x
         self.decay_product *= 1 - self.rate
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"raw": self.raw, "decay_product": self.decay_product}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.raw, self.decay_product = state["raw"], float(state["decay_product"])
-
 
 def check_rate(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ValueError(f"`{name}` should be a number in (0, 1], but got {name}={value!r}")
-    return float(value)
+    """An EMA's weight of the newest observation, in (0, 1]."""
+    return check_probability(name, value, allow_one=True)
 
 
 @register_ordering
@@ -60,16 +58,10 @@ class EMABalance(CentredBalance):
 
     def __init__(self, n: int, *, ema_decay: float = 0.1, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.ema = VectorEMA(check_rate("ema_decay", ema_decay))
+        self.add_state("ema", VectorEMA(check_rate("ema_decay", ema_decay)))
 
     def centre(self, batch: GradientBatch) -> torch.Tensor | None:
         return self.ema.peek(batch.total() / batch.size)
 
     def record(self, total: torch.Tensor, count: int) -> None:
         self.ema.add(total / count)
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"ema": self.ema.state_dict()}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.ema.load_state_dict(state["ema"])

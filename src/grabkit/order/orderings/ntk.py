@@ -23,6 +23,7 @@ from grabkit.order.orderings.base import (
     register_ordering,
 )
 from grabkit.order.orderings.store import StoredGradientOrdering, warn_memory
+from grabkit.validation import check_positive_int
 
 __all__ = ["NTKEigen", "NTKFixedBalance", "NTKFixedEigen", "balance_kernel_rows", "eigen_order"]
 
@@ -87,12 +88,6 @@ def balance_kernel_rows(K: torch.Tensor, rounds: int) -> torch.Tensor:
     return order
 
 
-def _check_rounds(num_rounds: int) -> int:
-    if isinstance(num_rounds, bool) or not isinstance(num_rounds, int) or num_rounds < 1:
-        raise ValueError(f"`num_rounds` should be a positive integer, but got {num_rounds!r}")
-    return num_rounds
-
-
 def _missing(name: str) -> ValueError:
     return ValueError(
         f'balance_type="{name}" orders by a precomputed kernel: pass ntk_features=(n, p) tensor '
@@ -132,7 +127,7 @@ class NTKFixedBalance(_PrecomputedOrder):
         K = kernel_from(n, self.name, ntk_features, ntk_kernel)
         if K is None:
             raise _missing(self.name)
-        self.order = balance_kernel_rows(K, _check_rounds(num_rounds))
+        self.order = balance_kernel_rows(K, check_positive_int("num_rounds", num_rounds))
 
 
 @register_ordering

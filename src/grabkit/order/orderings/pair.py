@@ -13,10 +13,9 @@ from grabkit.order.orderings.base import (
     Ordering,
     balance_combinations,
     balance_dense_vectors,
-    check_state_keys,
     register_ordering,
 )
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["PairBalance"]
 
@@ -35,13 +34,17 @@ class PairBalance(Ordering):
 
     name = "pair"
     splittable = True
+    acc: torch.Tensor | None  # (1, d)
+    pending: torch.Tensor | None  # (d,) gradient of the example waiting
+    pending_index: int
+    placement: FrontBackOrder
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (1, d)
-        self.pending: torch.Tensor | None = None  # (d,) gradient of the example waiting
-        self.pending_index = -1
-        self.placement = FrontBackOrder()
+        self.add_state("acc", None)
+        self.add_state("pending", None)
+        self.add_state("pending_index", -1, load=int)
+        self.add_state("placement", FrontBackOrder())
 
     def start_epoch(self, epoch: int) -> None:
         self.placement.clear()
@@ -58,7 +61,7 @@ class PairBalance(Ordering):
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
         elif self._differences_pay(batch):
-            self._place(items, self._balance_differences(batch.matrix, k, leftover))
+            self._place(items, self._balance_differences(batch.coordinates(), k, leftover))
         else:
             self._place(items, self._balance_combinations(batch, k))
         self._keep_leftover(batch, items[-1] if leftover else None)
@@ -99,12 +102,7 @@ class PairBalance(Ordering):
         if index is None:
             self.pending, self.pending_index = None, -1
             return
-        if isinstance(batch, DenseGradientBatch):
-            self.pending = batch.matrix[-1].to(self.acc.dtype, copy=True)
-        else:
-            one_hot = torch.zeros(batch.size, 1, dtype=batch.dtype, device=batch.device)
-            one_hot[-1] = 1.0
-            self.pending = batch.weighted_sum(one_hot).reshape(-1).to(self.acc.dtype)
+        self.pending = batch.row(-1).to(self.acc.dtype)
         self.pending_index = index
 
     def _differences_pay(self, batch: GradientBatch) -> bool:
@@ -113,7 +111,7 @@ class PairBalance(Ordering):
         not 2k rows. Longer gradients take one pair per block as a combination of two rows (no
         Gram, no temporary): fewer passes over memory than forming the difference."""
         return (
-            isinstance(batch, DenseGradientBatch)
+            batch.coordinates() is not None
             and batch.device.type == "cpu"
             and self.policy.rows > 0
             and self.policy.block_rows(batch.dim * self.acc.element_size()) >= 4
@@ -145,17 +143,3 @@ class PairBalance(Ordering):
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "acc": self.acc,
-            "pending": self.pending,
-            "pending_index": self.pending_index,
-            "placement": self.placement.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "pending", "pending_index", "placement"})
-        self.acc, self.pending = state["acc"], state["pending"]
-        self.pending_index = int(state["pending_index"])
-        self.placement.load_state_dict(state["placement"])

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from grabkit.order.orderings.base import (
     IndexTensor,
     Ordering,
     balance_combinations,
-    check_state_keys,
+    int_list,
     register_ordering,
 )
 from grabkit.order.orderings.centred import StaleMean
 from grabkit.order.orderings.store import warn_memory
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_int_in_range
 
 __all__ = ["RecursiveBalance"]
 
@@ -31,19 +33,21 @@ class RecursiveBalance(Ordering):
 
     name = "recursive"
     splittable = True
+    acc: torch.Tensor | None  # (num_nodes, d)
+    mean: StaleMean
+    leaf_front: dict[int, list[int]]  # leaf -> its +1 examples, in visit order
+    leaf_back: dict[int, list[int]]  # leaf -> its -1 examples, in visit order
 
     def __init__(self, n: int, *, depth: int = 5, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 16:
-            raise ValueError(f"`depth` should be an integer in [0, 16], but got depth={depth!r}")
-        self.depth = depth
+        self.depth = depth = check_int_in_range("depth", depth, 0, 16)
         self.num_nodes = 2 ** (depth + 1) - 1
         self.first_leaf = 2**depth - 1
-        self.acc: torch.Tensor | None = None  # (num_nodes, d)
-        self.mean = StaleMean()
-        self.leaf_front: dict[int, list[int]] = {}
-        self.leaf_back: dict[int, list[int]] = {}
         self._tensors: dict[tuple[str, int], IndexTensor] = {}
+        self.add_state("acc", None)
+        self.add_state("mean", StaleMean())
+        self.add_state("leaf_front", {}, save=self._saved_front, load=_leaves)
+        self.add_state("leaf_back", {}, save=self._saved_back, load=_leaves)
 
     def start_epoch(self, epoch: int) -> None:
         self.mean.roll()
@@ -69,9 +73,11 @@ class RecursiveBalance(Ordering):
             self.acc,
             self.rule,
             fixed=None if m is None else m.reshape(1, -1),
-            fixed_weights=None if m is None else torch.ones(batch.size, 1).numpy(),
+            fixed_weights=None if m is None else np.ones((batch.size, 1)),
             depth=self.depth,
-            before_update=lambda total: self.mean.add(total, batch.size),
+            on_accept=lambda total: self.mean.add(
+                batch.total() if total is None else total, batch.size
+            ),
             policy=self.policy,
         )
         decided = zip(indices.tolist(), leaves.tolist(), signs[:, -1].tolist(), strict=True)
@@ -92,24 +98,26 @@ class RecursiveBalance(Ordering):
         middle = [i for i in order.tolist() if i not in placed]
         return torch.tensor(halves[0] + middle + halves[1], dtype=torch.int64)
 
-    def _view(self, side: str, leaf: int) -> torch.Tensor:
-        """The leaf's list as a tensor, extended incrementally (published after every step)."""
-        items = (self.leaf_front if side == "front" else self.leaf_back).setdefault(leaf, [])
-        return self._tensors.setdefault((side, leaf), IndexTensor()).view(items)
+    def _saved_front(self, leaf_front: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+        return self._saved_leaves("front")
 
-    def state_dict(self) -> dict[str, Any]:
+    def _saved_back(self, leaf_back: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+        return self._saved_leaves("back")
+
+    def _saved_leaves(self, side: str) -> dict[str, torch.Tensor]:
+        """Every leaf either side has reached, as "leaf" -> its list on ``side`` as a tensor
+        (extended incrementally: the state is published after every step)."""
         leaves = sorted(set(self.leaf_front) | set(self.leaf_back))
+        lists = self.leaf_front if side == "front" else self.leaf_back
+        tensors = self._tensors
         return {
-            "acc": self.acc,
-            "mean": self.mean.state_dict(),
-            "leaf_front": {str(k): self._view("front", k) for k in leaves},
-            "leaf_back": {str(k): self._view("back", k) for k in leaves},
+            str(k): tensors.setdefault((side, k), IndexTensor()).view(lists.setdefault(k, []))
+            for k in leaves
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "mean", "leaf_front", "leaf_back"})
-        self.acc = state["acc"]
-        self.mean.load_state_dict(state["mean"])
-        self.leaf_front = {int(k): [int(i) for i in v] for k, v in state["leaf_front"].items()}
-        self.leaf_back = {int(k): [int(i) for i in v] for k, v in state["leaf_back"].items()}
+    def after_load(self) -> None:
         self._tensors = {}
+
+
+def _leaves(saved: dict[str, Any]) -> dict[int, list[int]]:
+    return {int(k): int_list(v) for k, v in saved.items()}

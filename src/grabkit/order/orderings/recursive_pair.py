@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from grabkit.order.balance import HostProducts, apply_update, fetch_inner_products
-from grabkit.order.orderings.base import Ordering, check_state_keys, register_ordering
+from grabkit.order.orderings.base import Ordering, int_list, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["RecursivePairBalance"]
@@ -29,12 +29,14 @@ class RecursivePairBalance(Ordering):
     """
 
     name = "recursive-pair"
+    acc: torch.Tensor | None  # (num_nodes, d)
+    batch_orders: list[list[int]]  # per batch, its examples from most to least positive slot
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.acc: torch.Tensor | None = None  # (num_nodes, d)
-        self.batch_orders: list[list[int]] = []
         self._converted: list[torch.Tensor] = []
+        self.add_state("acc", None)
+        self.add_state("batch_orders", [], save=self._batch_tensors, load=_batch_orders)
 
     def start_epoch(self, epoch: int) -> None:
         self.batch_orders = []
@@ -105,23 +107,18 @@ class RecursivePairBalance(Ordering):
         half = len(read) // 2
         return torch.tensor(read[:half] + middle + read[half:], dtype=torch.int64)
 
-    def _batch_tensors(self) -> list[torch.Tensor]:
+    def _batch_tensors(self, batch_orders: list[list[int]]) -> list[torch.Tensor]:
         """The batch orders as tensors, converting only the batches added since the last call
         (the state is published after every step)."""
-        if len(self._converted) > len(self.batch_orders):
+        if len(self._converted) > len(batch_orders):
             self._converted = []
-        for b in self.batch_orders[len(self._converted) :]:
+        for b in batch_orders[len(self._converted) :]:
             self._converted.append(torch.tensor(b, dtype=torch.int64))
         return list(self._converted)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "acc": self.acc,
-            "batch_orders": self._batch_tensors(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"acc", "batch_orders"})
-        self.acc = state["acc"]
-        self.batch_orders = [[int(i) for i in b] for b in state["batch_orders"]]
+    def after_load(self) -> None:
         self._converted = []
+
+
+def _batch_orders(saved: list[torch.Tensor]) -> list[list[int]]:
+    return [int_list(b) for b in saved]

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from grabkit.order.orderings.base import Ordering, check_state_keys
+from grabkit.order.orderings.base import Ordering
 from grabkit.order.orderings.centred import dense_rows
+from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = [
@@ -32,7 +33,11 @@ def warn_memory(what: str, nbytes: int, advice: str) -> None:
         )
 
 
-class ExampleGradientStore:
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+class ExampleGradientStore(Stateful):
     """An (n, d) table of the latest gradient of each example (rows of unseen examples unused).
 
     Args:
@@ -40,10 +45,13 @@ class ExampleGradientStore:
         name: the ordering, for messages.
     """
 
+    table: torch.Tensor | None  # (n, d)
+    seen: torch.Tensor  # (n,) bool
+
     def __init__(self, n: int, name: str) -> None:
         self.n, self.name = n, name
-        self.table: torch.Tensor | None = None
-        self.seen = torch.zeros(n, dtype=torch.bool)
+        self.add_state("table", None)
+        self.add_state("seen", torch.zeros(n, dtype=torch.bool), save=_copy, load=_copy)
 
     def clear(self) -> None:
         self.seen.zero_()
@@ -69,12 +77,6 @@ class ExampleGradientStore:
         """The examples of ``order`` with a stored gradient, in that order."""
         return order[self.seen[order]]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"table": self.table, "seen": self.seen.clone()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.table, self.seen = state["table"], state["seen"].clone()
-
 
 class StoredGradientOrdering(Ordering):
     """An ordering that keeps every observed gradient of the epoch and ranks them at its end.
@@ -84,10 +86,11 @@ class StoredGradientOrdering(Ordering):
     """
 
     needs_coordinates = True
+    store: ExampleGradientStore
 
     def __init__(self, n: int, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.store = ExampleGradientStore(n, self.name)
+        self.add_state("store", ExampleGradientStore(n, self.name))
 
     def rank(self, rows: torch.Tensor) -> torch.Tensor:
         """(m,) positions into ``rows`` (m, d) (float, on the CPU): the observed examples' order."""
@@ -105,10 +108,3 @@ class StoredGradientOrdering(Ordering):
             return order.clone()
         rows = self.store.table[observed.to(self.store.table.device)].cpu()
         return torch.cat([observed[self.rank(rows)], order[~self.store.seen[order]]])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"store": self.store.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(self.name, state, {"store"})
-        self.store.load_state_dict(state["store"])

@@ -1,0 +1,202 @@
+"""Hook mode: a step's gradients are the statistics of every backward since the last ``step()``.
+
+``HookGradients`` reads a statistics object of yours; ``ExactHooks`` attaches
+``grabkit.stats.PerSampleStats`` to a model itself (exact inner products, one process) and
+``grabkit.order.sources.sketch.SketchHooks`` attaches ``SketchedStats`` ((B, k) sketches, every
+ordering, several ranks).
+
+With a ``grabkit.stats.StatisticsSource`` each backward's statistics are kept when the next
+forward would drop them, so a step after several backwards (gradient accumulation) balances every
+micro-batch, in order; the kept statistics hold that micro-batch's layer inputs and output
+gradients until ``step()``. Any other object with ``gradient_batch()`` gives one piece per step,
+read at ``step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from grabkit.order.orderings import Ordering
+from grabkit.order.sources.base import (
+    Gradients,
+    GradientSource,
+    StatisticsReader,
+    check_dim,
+    dense_batch,
+)
+from grabkit.order.sources.dense import param_dim
+from grabkit.order.topology import Setting
+from grabkit.order.transforms import Chain, Project
+from grabkit.stats.engine import PerSampleStats, unwrap_data_parallel
+from grabkit.stats.gradient_batch import GradientBatch, as_gradient_batch
+from grabkit.stats.source import StatisticsSource, Subscription
+
+__all__ = ["HOOK_SAMPLER_NOT_PICKLABLE", "ExactHooks", "HookGradients"]
+
+#: raised when a hook-mode sampler is pickled (e.g. sent to ``ddp_spawn`` ranks inside a model)
+HOOK_SAMPLER_NOT_PICKLABLE = (
+    "a GraBSampler in hook mode (model= or stats=) reads hooks on this process's model and "
+    "cannot be pickled or copied to another process. Build it where it runs: in each process "
+    "(under Lightning's ddp_spawn, in the LightningModule's or DataModule's setup()), and carry "
+    "its progress with state_dict() / load_state_dict()."
+)
+
+
+class HookGradients(GradientSource):
+    """The statistics of every backward since the last ``step()``, from ``stats``.
+
+    Args:
+        stats: a ``grabkit.stats.StatisticsSource`` (``PerSampleStats``, ``SketchedStats``) or
+            any object with ``gradient_batch()``; it stays yours (``close()`` leaves it open).
+        dim: numbers per example, when known, to check every piece against.
+
+    ``step(grads)`` with gradients still takes them (as ``DenseGradients`` would).
+    """
+
+    reads_hooks: ClassVar[bool] = True
+
+    def __init__(self, stats: StatisticsReader | None, dim: int | None = None) -> None:
+        self._stats = stats
+        self.dim = dim
+        self.pending: list[GradientBatch] = []
+        self.subscription: Subscription | None = None
+
+    @property
+    def statistics(self) -> StatisticsReader | None:
+        return self._stats
+
+    def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
+        if self.subscription is not None:
+            raise ValueError(
+                "this gradient source already serves a sampler; build one source per sampler."
+            )
+        if isinstance(self._stats, StatisticsSource):
+            self.subscription = self._stats.subscribe(self.capture)
+
+    def capture(self) -> None:
+        """Keep the statistics of the backward that just ran, once. Their identity check stays
+        pending until the ordering moves the batch's products to the host (``batch.to_host``:
+        one transfer for both); ``GraBSampler.step`` settles any check no transfer read."""
+        batch = self.subscription.take(settle=False)
+        if batch is not None:
+            self.pending.append(batch)
+
+    def batches(self, grads: Gradients | None) -> list[GradientBatch]:
+        if grads is not None:
+            return check_dim([dense_batch(grads)], self.dim)
+        pieces = self._kept()
+        if not self.sketched:
+            self._check_trainable_set(pieces)
+        return check_dim(pieces, self.dim)
+
+    def _check_trainable_set(self, pieces: list[GradientBatch]) -> None:
+        """Exact statistics follow the trainable set: another length than at construction means
+        parameters were frozen or unfrozen since, which the ordering state cannot follow."""
+        for piece in pieces:
+            if self.dim is not None and piece.dim != self.dim:
+                raise ValueError(
+                    f"the model's trainable parameters changed since this sampler was built: "
+                    f"its ordering state balances {self.dim} numbers per example, and the hooks "
+                    f"now give {piece.dim} (parameters frozen or unfrozen). Build a new sampler "
+                    "for the new trainable set, or use statistics='sketch', whose width does not "
+                    "change."
+                )
+
+    def _kept(self) -> list[GradientBatch]:
+        """The pieces of this step, in visit order (not consumed until ``clear()``)."""
+        if self.subscription is None:
+            return [as_gradient_batch(self._stats.gradient_batch())]
+        self.capture()
+        if not self.pending:
+            raise ValueError(
+                "step() found no loss.backward() since the last step(): hook mode balances the "
+                "examples of the backwards run since then, and stepping twice would balance "
+                "one batch twice. Call step() once per optimiser step, after the backward(s)."
+            )
+        return list(self.pending)
+
+    def clear(self) -> None:
+        self.pending = []
+
+    def discard(self) -> int:
+        if self.subscription is not None:
+            self.capture()
+        count = sum(int(b.size) for b in self.pending)
+        self.pending = []
+        return count
+
+    def close(self) -> None:
+        if self.subscription is not None:
+            self.subscription.close()
+        self.pending = []
+
+
+class ExactHooks(HookGradients):
+    """Hook mode with exact statistics: ``grabkit.stats.PerSampleStats`` on ``model``, attached
+    when the sampler is built and removed by its ``close()``.
+
+    Exact statistics are inner products, not coordinates, and cannot be exchanged between ranks
+    without the (B, d) gradients; so the orderings that transform coordinates, a random
+    projection and several ranks are refused (``SketchHooks`` runs all three).
+
+    Args:
+        model: the ``nn.Module`` (a ``DistributedDataParallel`` wrapper is looked through).
+        loss_reduction: ``"mean"`` or ``"sum"``, how the loss was reduced.
+        params: the parameters gradients passed to ``step(grads)`` are of (default: the model's
+            trainable ones); only their total size is used.
+        **stats_options: passed on to ``PerSampleStats`` (e.g. ``torch_func_fallback=True``).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_reduction: str = "mean",
+        *,
+        params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None,
+        **stats_options: Any,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"`model` should be an nn.Module, but got {type(model).__name__}")
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(None, param_dim(params))
+        self.model = unwrap_data_parallel(model)
+        self.loss_reduction, self.stats_options = loss_reduction, stats_options
+
+    def __repr__(self) -> str:
+        return f"ExactHooks({type(self.model).__name__}, loss_reduction={self.loss_reduction!r})"
+
+    def bind(self, ordering: Ordering, transforms: Chain, setting: Setting) -> None:
+        num_replicas = setting.topology.num_replicas
+        if num_replicas > 1:
+            raise ValueError(
+                f"hook mode with exact statistics runs on one process, but this sampler has "
+                f"num_replicas={num_replicas}: the ranks would have to exchange (B, d) "
+                f'per-example gradients. Pass statistics="sketch" (the ranks exchange (B, k) '
+                f"sketches; sketch_dim=k), or pass per-example gradients to step()."
+            )
+        if ordering.needs_coordinates or transforms.has(Project):
+            what = (
+                f'balance_type="{ordering.name}"'
+                if ordering.needs_coordinates
+                else "a random projection"
+            )
+            raise ValueError(
+                f"{what} needs dense per-example gradients, but model= selects hook mode, "
+                'which reads inner products only. Pass statistics="sketch" (a (B, k) sketch '
+                "of the gradients from the hooks), pass the per-example gradients to step() "
+                "(no model=), or choose an ordering such as 'mean', 'pair' or 'recursive'."
+            )
+        if self._stats is None:
+            self._stats = PerSampleStats(
+                self.model, loss_reduction=self.loss_reduction, **self.stats_options
+            )
+        super().bind(ordering, transforms, setting)
+
+    def close(self) -> None:
+        super().close()
+        if self._stats is not None:
+            self._stats.close()
