@@ -176,7 +176,8 @@ def summary_rows(c: Comparison) -> tuple[list[list[str]], list[str]]:
         ])  # fmt: skip
         if not is_base and base:
             sentences.append(
-                f"{TASK_TITLES[c.task]}, {o} vs rr at epoch {E} ({len(seeds)} seeds): final "
+                f"{TASK_TITLES[c.task]}, {o} vs rr at epoch {E} ({len(seeds)} seed"
+                f"{'s' if len(seeds) != 1 else ''}): final "
                 f"train loss {statistics.fmean(rel):+.2f}% (lower in {below}/{len(rel)} seeds), "
                 f"{metric} {statistics.fmean(test):.2f} vs "
                 f"{statistics.fmean(base[s].epochs[E - 1]['test_metric'] for s in seeds):.2f}, "
@@ -227,7 +228,7 @@ def task_section(c: Comparison, figure: Path) -> tuple[str, list[str]]:
     where = (
         f"on {first.settings['device']} (wall seconds; CPU seconds are the host process's)"
         if "device" in first.settings
-        else "one thread, `nice -n 19` on a shared 2-core machine (process CPU seconds barely "
+        else "one thread, at low priority on a shared 2-core machine (process CPU seconds barely "
         "depend on the other load; wall seconds do)"
     )
     text = (
