@@ -362,9 +362,9 @@ def test_an_expansion_the_model_would_see_is_refused(reduce):
         model(idx)
 
 
-def test_shared_positions_met_by_a_broadcast_stay_exact(reference_tools):
-    torch.manual_seed(0)
-    model = PositionsReduced("none")
+def _assert_exact_and_model_unchanged(model: nn.Module, reference_tools) -> None:
+    """The model's output is unchanged under the hooks and its statistics equal per-example
+    autograd on a (B, T) batch of token ids."""
     idx = torch.randint(0, VOCAB, (B, T))
     plain = model(idx)
     reference = per_example_rows(model, lambda i: model(idx[i : i + 1]).square().sum(), B)
@@ -373,6 +373,11 @@ def test_shared_positions_met_by_a_broadcast_stay_exact(reference_tools):
         assert torch.equal(out, plain)
         out.square().sum().backward()
         reference_tools.assert_matches(stats, reference)
+
+
+def test_shared_positions_met_by_a_broadcast_stay_exact(reference_tools):
+    torch.manual_seed(0)
+    _assert_exact_and_model_unchanged(PositionsReduced("none"), reference_tools)
 
 
 class PositionsPermuted(nn.Module):
@@ -395,15 +400,7 @@ class PositionsPermuted(nn.Module):
 
 def test_shared_positions_permuted_stay_exact(reference_tools):
     torch.manual_seed(0)
-    model = PositionsPermuted("flat")
-    idx = torch.randint(0, VOCAB, (B, T))
-    plain = model(idx)
-    reference = per_example_rows(model, lambda i: model(idx[i : i + 1]).square().sum(), B)
-    with PerSampleStats(model, "sum") as stats:
-        out = model(idx)
-        assert torch.equal(out, plain)
-        out.square().sum().backward()
-        reference_tools.assert_matches(stats, reference)
+    _assert_exact_and_model_unchanged(PositionsPermuted("flat"), reference_tools)
 
 
 def test_a_permute_that_would_move_the_batch_is_refused():
