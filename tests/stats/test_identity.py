@@ -241,3 +241,102 @@ def test_a_delivered_gradient_that_overflowed_passes_through_not_as_a_mismatch()
         (out.float().sum() * 2000).backward()
         assert not torch.isfinite(model.weight.grad).any()
         assert torch.isfinite(stats.norms_squared()).all()
+
+
+# -- the schedule: every step while something is new, then within the time budget --------------
+def train_steps(stats: PerSampleStats, model: nn.Module, steps: int, penalty: float = 0.0) -> None:
+    """``steps`` backwards of the MLP, reading norms after each (a penalty in the loss if given)."""
+    for step in range(steps):
+        x, y = data(seed=step)
+        loss = per_example_loss(model(x), y).mean()
+        (loss + penalty * l2(model) if penalty else loss).backward()
+        stats.norms_squared()
+
+
+def test_the_first_steps_are_all_checked_then_the_budget_decides(monkeypatch):
+    from grabkit.stats import identity
+
+    monkeypatch.setattr(identity, "BUDGET", 0.0)  # after the warm-up: no step checked
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        train_steps(stats, model, identity.WARMUP_STEPS + 5)
+        check = stats._identity
+        assert check.checked_steps == identity.WARMUP_STEPS
+        train_steps(stats, model, 3, penalty=1e-2)  # unseen: the budget allowed no check
+
+    monkeypatch.setattr(identity, "BUDGET", 1e9)  # the budget allows every step
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        train_steps(stats, model, identity.WARMUP_STEPS + 5)
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            train_steps(stats, model, 1, penalty=1e-2)
+
+
+def test_always_checks_every_step(monkeypatch):
+    from grabkit.stats import identity
+
+    monkeypatch.setattr(identity, "BUDGET", 0.0)
+    model = mlp()
+    with PerSampleStats(model, check_identity="always") as stats:
+        train_steps(stats, model, identity.WARMUP_STEPS + 5)
+        assert stats._identity.checked_steps == identity.WARMUP_STEPS + 5
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            train_steps(stats, model, 1, penalty=1e-2)
+
+
+def test_a_change_of_the_steps_structure_is_checked_at_once(monkeypatch):
+    """A step that calls its layers differently, declares a batch term or changes the
+    trainable set starts a new run of checked steps, whatever the budget."""
+    from grabkit.stats import identity
+
+    monkeypatch.setattr(identity, "BUDGET", 0.0)
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        train_steps(stats, model, identity.WARMUP_STEPS + 2)
+        x, y = data()
+        # the first layer called twice, and a penalty: the new structure is checked
+        out = model[2](torch.tanh(model[0](x)) + torch.tanh(model[0](x)))
+        (per_example_loss(out, y).mean() + 1e-2 * l2(model)).backward()
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            stats.norms_squared()
+
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        train_steps(stats, model, identity.WARMUP_STEPS + 2)
+        model[0].bias.requires_grad_(False)  # the trainable set changes: checked again
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            train_steps(stats, model, 1, penalty=1e-2)
+
+
+def test_the_scheduled_rate_keeps_the_checks_time_within_the_budget():
+    """After the warm-up, a step is checked with probability BUDGET * step time / check time
+    (both running means, measured as it runs)."""
+    from grabkit.stats.identity import BUDGET, WARMUP_STEPS, IdentityCheck
+
+    check = IdentityCheck({"w": torch.Size([3, 4])}, every_step=False)
+    decisions = []
+    for _ in range(WARMUP_STEPS + 4000):
+        check.begin_step()
+        check._timed_from = None  # not this loop's times: a check costing 10% of a step
+        check._step_time.value, check._check_time.value = 1.0, 0.1
+        decisions.append(check.active)
+    assert all(decisions[:WARMUP_STEPS])
+    share = sum(decisions[WARMUP_STEPS:]) / 4000
+    assert check.rate() == pytest.approx(BUDGET / 0.1)
+    assert abs(share - check.rate()) < 0.03  # binomial spread: sd 0.006
+
+
+def test_a_persistent_mismatch_is_caught_by_the_scheduled_check():
+    """Measured times, the default budget: a penalty that stays in the loss is caught within
+    a bounded number of steps (each step checked with probability rate() > 0)."""
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        train_steps(stats, model, 10)
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            train_steps(stats, model, 5000, penalty=1e-2)
+        assert stats._identity.rate() > 0
+
+
+def test_check_identity_takes_true_false_or_always():
+    with pytest.raises(ValueError, match="'always'"):
+        PerSampleStats(mlp(), check_identity="sometimes")

@@ -476,11 +476,16 @@ class PerSampleStats(StatisticsSource):
             the gradient of example i's loss alone for BatchNorm and every layer before it.
         check_identity: verify, per parameter and per backward, that sum_i g_i equals the
             gradient autograd delivered (``grabkit.stats.identity``: random probes, a few small
-            tensor operations per parameter; cost in ``benchmarks/RESULTS.md``), and raise
-            ``IdentityCheckError`` instead of returning statistics when it does not. Turning
-            it off (False) is for a user who knows the difference is intended: the statistics
-            may then silently describe another loss (a penalty counted into some example, a
-            weight use the hooks did not see).
+            tensor operations per parameter), and raise ``IdentityCheckError`` instead of
+            returning statistics when it does not. True (the default): every step of the first
+            ``WARMUP_STEPS`` and of the first ones after the step's structure changed (its layer
+            calls, its declared batch terms, the trainable set), then randomly chosen steps at
+            the rate that keeps the check within ``BUDGET`` (0.3%) of the step's time,
+            measured as it runs (under 1% of a plain step); "always": every step (on a small
+            MLP 12-19% of a plain step; cost in ``benchmarks/RESULTS.md``). Turning it off
+            (False) is for a user who knows the difference is intended: the statistics may then
+            silently describe another loss (a penalty counted into some example, a weight use
+            the hooks did not see).
         functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
             weights outside their layers, made inside the model's forward (a tied head), as
             extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call
@@ -520,7 +525,7 @@ class PerSampleStats(StatisticsSource):
         torch_func_fallback: bool = False,
         batch_norm_constant_statistics: bool = False,
         keep_batch_gradients: bool = True,
-        check_identity: bool = True,
+        check_identity: bool | str = True,
         functional_uses: bool | str = "auto",
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -537,7 +542,12 @@ class PerSampleStats(StatisticsSource):
         self.torch_func_fallback = bool(torch_func_fallback)
         self.batch_norm_constant_statistics = bool(batch_norm_constant_statistics)
         self.keep_batch_gradients = bool(keep_batch_gradients)
-        self.check_identity = bool(check_identity)
+        if check_identity not in (True, False, "always"):
+            raise ValueError(
+                f"`check_identity` should be True (scheduled within 2% of the step's time), "
+                f"'always' (every step) or False (off), but got {check_identity!r}"
+            )
+        self.check_identity = check_identity
         if functional_uses not in (True, False, "auto"):
             raise ValueError(
                 f"`functional_uses` should be True, False or 'auto', but got {functional_uses!r}"
@@ -635,11 +645,27 @@ class PerSampleStats(StatisticsSource):
         self._layers = self._find_layers(self.model, names, self.torch_func_fallback)
         self._functional = {}
         self._identity = (
-            IdentityCheck(self.param_shapes, shared_rows=self._shared_rows())
+            IdentityCheck(
+                self.param_shapes,
+                shared_rows=self._shared_rows(),
+                every_step=self.check_identity == "always",
+                structure=self._step_structure,
+            )
             if self.check_identity
             else None
         )
         self._attach_layers()
+
+    def _step_structure(self) -> tuple:
+        """What the engine saw of this step so far, for the identity check's schedule: the
+        number of calls of each layer and functional use, the declared batch terms, whether
+        the batch is grouped (a change starts a new run of checked steps)."""
+        return (
+            tuple(len(layer.calls) for layer in self._layers),
+            tuple((key, len(layer.calls)) for key, layer in self._functional.items()),
+            len(self._batch_terms),
+            self._rows.grouped,
+        )
 
     def _shared_rows(self) -> dict[str, str]:
         """vector parameter -> matrix parameter of the same layer whose row probe it shares (a
@@ -1129,8 +1155,9 @@ class PerSampleStats(StatisticsSource):
         self._backward_seen = self._gradient_seen = True
         self._statistics = None
         self.generation += 1
-        if self._identity is not None:
-            self._identity.observe(name, grad)
+        identity = self._identity
+        if identity is not None and identity.active:
+            identity.observe(name, grad)
         if not self.keep_batch_gradients:
             self._param_grads[name] = None  # noted: the gradient came (see the layer check)
             return
@@ -1348,10 +1375,9 @@ class PerSampleStats(StatisticsSource):
             factors = self._merged_factors(kept, low)
         scale = float(batch_size) if self.loss_reduction == "mean" else 1.0
         pending = None
-        if self._identity is not None:
-            pending = self._identity.verify(
-                factors, low, self._batch_term_gradient_sides(), defer=defer
-            )
+        identity = self._identity
+        if identity is not None and identity.active:  # a step the check's schedule checks
+            pending = identity.verify(factors, low, self._batch_term_gradient_sides(), defer=defer)
         return factors, batch_size, scale, pending
 
     def _merged_factors(
@@ -1379,7 +1405,8 @@ class PerSampleStats(StatisticsSource):
     ) -> None:
         grad = tuple(grad) if isinstance(grad, list) else grad
         made = layer.rule.factors(layer.module, call.captured, grad, wanted)
-        rounding = self._low_precision(call, grad) if self._identity is not None else 0.0
+        identity = self._identity
+        rounding = self._low_precision(call, grad) if identity and identity.active else 0.0
         for local, factor in made.items():
             full = layer.params[local]
             previous = factors[full]
