@@ -48,6 +48,7 @@ from grabkit.validation import check_bool, check_positive
 __all__ = [
     "DEFAULT_POLICY",
     "BlockPolicy",
+    "FixedGram",
     "HostProducts",
     "SignRule",
     "apply_update",
@@ -230,6 +231,34 @@ class HostProducts:
     fv: np.ndarray
 
 
+class FixedGram:
+    """F F^T of fixed vectors that stay the same over many batches, formed once.
+
+    A stale mean is fixed for a whole epoch, yet each batch needs <m, m>: one more read of all
+    d numbers per batch (a GEMV as long as the model) for the same value. Called with the (f, d)
+    fixed vectors as ``fetch_inner_products`` sees them, it returns (f, f) ``F @ F.T``, the very
+    product computed there, recomputed only when F is another tensor or was changed in place
+    (its storage, version counter, shape, strides, dtype or device differ). It keeps a reference
+    to the last F, so that F's memory cannot be reused by another tensor while the entry stands.
+    Not state: a loaded or rolled centre is a new tensor, hence recomputed.
+    """
+
+    def __init__(self) -> None:
+        self._fixed: torch.Tensor | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._gram: torch.Tensor | None = None
+
+    def __call__(self, fixed: torch.Tensor) -> torch.Tensor:
+        """(f, f) ``fixed @ fixed.T`` for (f, d) ``fixed``."""
+        key = (
+            fixed.data_ptr(), fixed._version, fixed.shape, fixed.stride(), fixed.dtype,
+            fixed.device,
+        )  # fmt: skip
+        if self._gram is None or key != self._key:
+            self._fixed, self._key, self._gram = fixed, key, fixed @ fixed.T
+        return self._gram
+
+
 def fetch_inner_products(
     batch: GradientBatch,
     vectors: torch.Tensor | None,
@@ -237,6 +266,7 @@ def fetch_inner_products(
     num_fixed: int = 0,
     need_gram: bool = True,
     fixed: torch.Tensor | None = None,
+    fixed_gram: FixedGram | None = None,
 ) -> HostProducts:
     """Compute X X^T, X V^T and F V^T on the batch's device and move them to the host at once.
 
@@ -248,6 +278,8 @@ def fetch_inner_products(
             ``num_fixed`` is ignored): V = [vectors; fixed] is never stacked into one tensor, which
             saves a copy the size of the model where ``batch`` reads each vector separately anyway
             (hook statistics).
+        fixed_gram: with ``fixed``, where F F^T comes from (``FixedGram``: formed once for a
+            centre that stays the same over many batches); None forms it here.
     Raises:
         ValueError: when any product is NaN or Inf (a non-finite gradient).
     """
@@ -265,7 +297,10 @@ def fetch_inner_products(
         parts.append(xv.reshape(-1))
         if f:
             tail = groups[-1][-f:]  # the fixed vectors come last
-            parts.append(torch.cat([tail @ g.T for g in groups], dim=1).reshape(-1))  # (f, m)
+            products = [tail @ g.T for g in groups[:-1]]
+            reused = fixed is not None and fixed_gram is not None
+            products.append(fixed_gram(tail) if reused else tail @ groups[-1].T)
+            parts.append(torch.cat(products, dim=1).reshape(-1))  # (f, m)
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
@@ -402,6 +437,7 @@ def balance_combinations(
     weights: np.ndarray | None = None,
     fixed: torch.Tensor | None = None,
     fixed_weights: np.ndarray | None = None,
+    fixed_gram: FixedGram | None = None,
     depth: int = 0,
     sequential: bool = True,
     on_accept: Callable[[torch.Tensor | None], None] | None = None,
@@ -424,6 +460,8 @@ def balance_combinations(
             lie at or after those of the row before (true of every balancer here).
         fixed: (f, d) fixed vectors v_f (a centre, a carried-over example), with U (k, f) in
             ``fixed_weights``.
+        fixed_gram: the caller's ``FixedGram`` for ``fixed`` when it stays the same over many
+            batches (a stale mean): hook statistics then read it once, not every batch.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
         on_accept: ``on_accept(total)`` runs once the whole batch was checked finite, before
@@ -446,7 +484,9 @@ def balance_combinations(
                 batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
-            products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
+            products = fetch_inner_products(
+                batch, accumulators, fixed=fixed, need_gram=sequential, fixed_gram=fixed_gram
+            )
         if on_accept is not None:
             on_accept(None)
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)
