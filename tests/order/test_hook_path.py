@@ -3,6 +3,8 @@ sums updated in place, against the dense path on the same gradients."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,17 @@ def test_fixed_gram_is_formed_once_per_centre_and_again_after_any_change():
     other = centre.clone().add_(1.0)  # another tensor
     assert torch.equal(gram(other), other @ other.T)
     assert torch.equal(gram(other.float()), other.float() @ other.float().T)
+
+
+def test_fixed_gram_keeps_no_centre_alive():
+    gram = FixedGram()
+    centre = torch.randn(1, 9)
+    gram(centre.reshape(1, -1))
+    held = weakref.ref(centre)
+    del centre
+    assert held() is None  # a rolled centre is freed as before
+    fresh = torch.randn(1, 9)  # possibly at the old one's address: never taken for it
+    assert torch.equal(gram(fresh), fresh @ fresh.T)
 
 
 def test_hook_products_with_a_kept_centre_gram_are_those_formed_each_batch():

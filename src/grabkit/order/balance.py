@@ -33,6 +33,7 @@ going to the left child on +1 and to the right child on -1.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -237,25 +238,28 @@ class FixedGram:
     A stale mean is fixed for a whole epoch, yet each batch needs <m, m>: one more read of all
     d numbers per batch (a GEMV as long as the model) for the same value. Called with the (f, d)
     fixed vectors as ``fetch_inner_products`` sees them, it returns (f, f) ``F @ F.T``, the very
-    product computed there, recomputed only when F is another tensor or was changed in place
-    (its storage, version counter, shape, strides, dtype or device differ). It keeps a reference
-    to the last F, so that F's memory cannot be reused by another tensor while the entry stands.
-    Not state: a loaded or rolled centre is a new tensor, hence recomputed.
+    product computed there, recomputed unless F views the same living tensor as last time with
+    the same storage, version counter (no in-place change since), shape, strides, dtype and
+    device. That tensor is held weakly: a rolled centre is freed as before, and a new tensor
+    is never taken for the old one, even at the old one's address. Not state: a loaded centre
+    is a new tensor, hence recomputed.
     """
 
     def __init__(self) -> None:
-        self._fixed: torch.Tensor | None = None
+        self._owner: weakref.ref[torch.Tensor] | None = None
         self._key: tuple[Any, ...] | None = None
         self._gram: torch.Tensor | None = None
 
     def __call__(self, fixed: torch.Tensor) -> torch.Tensor:
         """(f, f) ``fixed @ fixed.T`` for (f, d) ``fixed``."""
+        owner = fixed if fixed._base is None else fixed._base  # views are made per batch
         key = (
             fixed.data_ptr(), fixed._version, fixed.shape, fixed.stride(), fixed.dtype,
             fixed.device,
         )  # fmt: skip
-        if self._gram is None or key != self._key:
-            self._fixed, self._key, self._gram = fixed, key, fixed @ fixed.T
+        held = None if self._owner is None else self._owner()
+        if self._gram is None or held is not owner or key != self._key:
+            self._owner, self._key, self._gram = weakref.ref(owner), key, fixed @ fixed.T
         return self._gram
 
 
