@@ -19,7 +19,11 @@ Contenders, each with its own copy of the model and its own SGD optimizer:
 
 * ``plain``: forward, ``loss.backward()``, ``optimizer.step()``;
 * ``hook-pair`` / ``hook-mean``: the same loop with ``GraBSampler(model=...)`` and
-  ``sampler.step()`` (statistics from ``grabkit.stats.PerSampleStats``);
+  ``sampler.step()`` (statistics from ``grabkit.stats.PerSampleStats``); asked for by name only:
+  ``hook-pair-nocheck`` / ``hook-mean-nocheck``, the same without the run-time identity check
+  (``stats_options={"check_identity": False}``), and ``hook-mean-stale`` (also ``-nocheck``),
+  mean balancing against a stale mean: an epoch of 640 examples, the first one stepped through
+  before timing, so that every timed step balances against the previous epoch's mean;
 * ``func-pair`` / ``func-mean``: torch.func ``vmap(grad)`` per-example gradients, then
   ``sampler.step(grads)``, the optimizer fed their mean;
 * ``opacus-pair``: Opacus ``GradSampleModule`` per-example gradients + ``sampler.step(grads)``
@@ -67,6 +71,9 @@ from grabkit.stats import HookGradientBatch, PerSampleStats
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MEMORY_STEPS = 4
 WARMUP = 2
+STALE_EPOCH = 640  # examples per epoch of the ``hook-mean-stale`` contenders
+OPT_IN_KINDS = ("hook-pair-nocheck", "hook-mean-nocheck", "hook-mean-stale",
+                "hook-mean-stale-nocheck")  # fmt: skip
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -184,9 +191,14 @@ class Loop:
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         self.sampler: GraBSampler | None = None
         self.stepped = 0
-        balance = kind.rpartition("-")[2]
-        if kind.startswith("hook"):
-            self.sampler = GraBSampler(range(n), model=model, balance_type=balance)
+        family, _, spec = kind.partition("-")
+        balance, *variant = spec.split("-")
+        if family == "hook":
+            options = {"check_identity": False} if "nocheck" in variant else None
+            self.n = n = STALE_EPOCH if "stale" in variant else n
+            self.sampler = GraBSampler(
+                range(n), model=model, balance_type=balance, stats_options=options
+            )
         elif kind.startswith(("func", "opacus")):
             params = dict(model.named_parameters())
             self.sampler = GraBSampler(range(n), params, balance_type=balance)
@@ -203,6 +215,9 @@ class Loop:
         }[kind.partition("-")[0]]
         if self.sampler is not None:
             iter(self.sampler)
+        if "stale" in variant:  # one epoch through: the timed steps have a stale mean
+            for _ in range(n // batches[0][0].shape[0]):
+                self.step()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.batches[self.position % len(self.batches)]
@@ -763,7 +778,8 @@ def main(argv: list[str]) -> None:
         "--contenders",
         default=None,
         help="comma-separated subset of the MLP / LM contenders (plain is always timed), e.g. "
-        "plain,hook-pair,hook-mean for an A/B of the hook path between two checkouts",
+        "plain,hook-pair,hook-mean for an A/B of the hook path between two checkouts; also "
+        "hook-pair-nocheck, hook-mean-nocheck, hook-mean-stale, hook-mean-stale-nocheck",
     )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
@@ -774,6 +790,7 @@ def main(argv: list[str]) -> None:
     print(machine_description())
     kinds = ["plain", "hook-pair", "hook-mean", "func-pair", "func-mean"]
     wanted = None if args.contenders is None else {"plain", *args.contenders.split(",")}
+    kinds += sorted(k for k in wanted or () if k not in kinds and k in OPT_IN_KINDS)
     missing = opacus_available() if wanted is None or "opacus-pair" in wanted else "not asked for"
     if missing is None:
         kinds.append("opacus-pair")

@@ -3,12 +3,14 @@ sums updated in place, against the dense path on the same gradients."""
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grabkit.order.balance import apply_update, fetch_inner_products
+from grabkit.order.balance import FixedGram, apply_update, fetch_inner_products
 from grabkit.stats import PerSampleStats
 from grabkit.stats.gradient_batch import DenseGradientBatch
 
@@ -46,3 +48,50 @@ def test_hook_batch_products_and_update_equal_dense():
     apply_update(on_hook, hook, signs, centre, np.array([[-2.0]]))
     apply_update(on_dense, dense, signs, centre, np.array([[-2.0]]))
     torch.testing.assert_close(on_hook, on_dense)
+
+
+def test_fixed_gram_is_formed_once_per_centre_and_again_after_any_change():
+    gen = torch.Generator().manual_seed(2)
+    centre = torch.randn(1, 9, generator=gen, dtype=torch.float64)
+    gram = FixedGram()
+    first = gram(centre)
+    assert torch.equal(first, centre @ centre.T)
+    assert gram(centre) is first  # the same centre: not formed again
+    assert gram(centre.reshape(1, -1)) is first  # a new view of the same numbers
+    centre.mul_(3.0)  # changed in place: formed again
+    assert torch.equal(gram(centre), centre @ centre.T)
+    other = centre.clone().add_(1.0)  # another tensor
+    assert torch.equal(gram(other), other @ other.T)
+    assert torch.equal(gram(other.float()), other.float() @ other.float().T)
+
+
+def test_fixed_gram_keeps_no_centre_alive():
+    gram = FixedGram()
+    centre = torch.randn(1, 9)
+    gram(centre.reshape(1, -1))
+    held = weakref.ref(centre)
+    del centre
+    assert held() is None  # a rolled centre is freed as before
+    fresh = torch.randn(1, 9)  # possibly at the old one's address: never taken for it
+    assert torch.equal(gram(fresh), fresh @ fresh.T)
+
+
+def test_hook_products_with_a_kept_centre_gram_are_those_formed_each_batch():
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    gen = torch.Generator().manual_seed(4)
+    centre = None
+    gram = FixedGram()
+    with PerSampleStats(model) as stats:
+        for _ in range(3):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            hook = stats.gradient_batch()
+            if centre is None:
+                centre = torch.randn(1, hook.dim, generator=gen)
+            sums = torch.randn(1, hook.dim, generator=gen)
+            fresh = fetch_inner_products(hook, sums, fixed=centre)
+            kept = fetch_inner_products(hook, sums, fixed=centre, fixed_gram=gram)
+            for a, b in [(fresh.gram, kept.gram), (fresh.xv, kept.xv), (fresh.fv, kept.fv)]:
+                np.testing.assert_array_equal(a, b)

@@ -1,5 +1,6 @@
 """The convolution rule's patches: ``F.unfold``'s values and layout, however the convolution is
-configured (padding modes, strides, dilations, groups, one spatial dimension)."""
+configured (padding modes, strides, dilations, groups, one spatial dimension), from an input in
+either memory layout."""
 
 from __future__ import annotations
 
@@ -24,11 +25,14 @@ CONVS = [
 ]
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("index", range(len(CONVS)))
-def test_patches_equal_unfold(index):
+def test_patches_equal_unfold(index, channels_last):
     make, shape = CONVS[index]
     torch.manual_seed(index)
     conv, x = make(), torch.randn(shape)
+    if channels_last:  # channels innermost in memory, as images converted from (H, W, C)
+        x = x.movedim(1, -1).contiguous().movedim(-1, 1)
     patches = ConvRule(conv.weight.dim() - 2)._patches(conv, x)
     mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
     padded = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)

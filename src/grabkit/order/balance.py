@@ -33,6 +33,7 @@ going to the left child on +1 and to the right child on -1.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ from grabkit.validation import check_bool, check_positive
 __all__ = [
     "DEFAULT_POLICY",
     "BlockPolicy",
+    "FixedGram",
     "HostProducts",
     "SignRule",
     "apply_update",
@@ -230,6 +232,37 @@ class HostProducts:
     fv: np.ndarray
 
 
+class FixedGram:
+    """F F^T of fixed vectors that stay the same over many batches, formed once.
+
+    A stale mean is fixed for a whole epoch, yet each batch needs <m, m>: one more read of all
+    d numbers per batch (a GEMV as long as the model) for the same value. Called with the (f, d)
+    fixed vectors as ``fetch_inner_products`` sees them, it returns (f, f) ``F @ F.T``, the very
+    product computed there, recomputed unless F views the same living tensor as last time with
+    the same storage, version counter (no in-place change since), shape, strides, dtype and
+    device. That tensor is held weakly: a rolled centre is freed as before, and a new tensor
+    is never taken for the old one, even at the old one's address. Not state: a loaded centre
+    is a new tensor, hence recomputed.
+    """
+
+    def __init__(self) -> None:
+        self._owner: weakref.ref[torch.Tensor] | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._gram: torch.Tensor | None = None
+
+    def __call__(self, fixed: torch.Tensor) -> torch.Tensor:
+        """(f, f) ``fixed @ fixed.T`` for (f, d) ``fixed``."""
+        owner = fixed if fixed._base is None else fixed._base  # views are made per batch
+        key = (
+            fixed.data_ptr(), fixed._version, fixed.shape, fixed.stride(), fixed.dtype,
+            fixed.device,
+        )  # fmt: skip
+        held = None if self._owner is None else self._owner()
+        if self._gram is None or held is not owner or key != self._key:
+            self._owner, self._key, self._gram = weakref.ref(owner), key, fixed @ fixed.T
+        return self._gram
+
+
 def fetch_inner_products(
     batch: GradientBatch,
     vectors: torch.Tensor | None,
@@ -237,6 +270,7 @@ def fetch_inner_products(
     num_fixed: int = 0,
     need_gram: bool = True,
     fixed: torch.Tensor | None = None,
+    fixed_gram: FixedGram | None = None,
 ) -> HostProducts:
     """Compute X X^T, X V^T and F V^T on the batch's device and move them to the host at once.
 
@@ -248,6 +282,8 @@ def fetch_inner_products(
             ``num_fixed`` is ignored): V = [vectors; fixed] is never stacked into one tensor, which
             saves a copy the size of the model where ``batch`` reads each vector separately anyway
             (hook statistics).
+        fixed_gram: with ``fixed``, where F F^T comes from (``FixedGram``: formed once for a
+            centre that stays the same over many batches); None forms it here.
     Raises:
         ValueError: when any product is NaN or Inf (a non-finite gradient).
     """
@@ -265,7 +301,10 @@ def fetch_inner_products(
         parts.append(xv.reshape(-1))
         if f:
             tail = groups[-1][-f:]  # the fixed vectors come last
-            parts.append(torch.cat([tail @ g.T for g in groups], dim=1).reshape(-1))  # (f, m)
+            products = [tail @ g.T for g in groups[:-1]]
+            reused = fixed is not None and fixed_gram is not None
+            products.append(fixed_gram(tail) if reused else tail @ groups[-1].T)
+            parts.append(torch.cat(products, dim=1).reshape(-1))  # (f, m)
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
@@ -402,6 +441,7 @@ def balance_combinations(
     weights: np.ndarray | None = None,
     fixed: torch.Tensor | None = None,
     fixed_weights: np.ndarray | None = None,
+    fixed_gram: FixedGram | None = None,
     depth: int = 0,
     sequential: bool = True,
     on_accept: Callable[[torch.Tensor | None], None] | None = None,
@@ -424,6 +464,8 @@ def balance_combinations(
             lie at or after those of the row before (true of every balancer here).
         fixed: (f, d) fixed vectors v_f (a centre, a carried-over example), with U (k, f) in
             ``fixed_weights``.
+        fixed_gram: the caller's ``FixedGram`` for ``fixed`` when it stays the same over many
+            batches (a stale mean): hook statistics then read it once, not every batch.
         depth: tree depth of ``run_recursion`` (0: flat).
         sequential: False decides every sign against the start-of-batch sums ("batch" ordering).
         on_accept: ``on_accept(total)`` runs once the whole batch was checked finite, before
@@ -446,7 +488,9 @@ def balance_combinations(
                 batch, _stack(accumulators, fixed), num_fixed=U.shape[1], need_gram=sequential
             )
         else:  # hook statistics read each vector apart: stacking them would only copy
-            products = fetch_inner_products(batch, accumulators, fixed=fixed, need_gram=sequential)
+            products = fetch_inner_products(
+                batch, accumulators, fixed=fixed, need_gram=sequential, fixed_gram=fixed_gram
+            )
         if on_accept is not None:
             on_accept(None)
         return _decide_and_update(batch, products, accumulators, rule, weights, fixed, U, depth)

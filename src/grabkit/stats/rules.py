@@ -308,19 +308,38 @@ class ConvRule(LayerRule):
         """(B, C_in k, L) patches, one column per output position, rows in the weight's
         (C_in, kernel) order: ``F.unfold``'s values and layout, copied from strided views of
         the padded input (rows of contiguous input positions: several times faster than
-        ``F.unfold`` on the CPU)."""
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        ``F.unfold`` on the CPU).
+
+        An input in another layout (channels last: images converted from (H, W, C) arrays, and
+        every activation computed from them) is made contiguous first where the patches are
+        at least as large as the input: the copy along input rows then runs about three times
+        faster than one gathering every channel apart (LeNet's first convolution, B = 16).
+        """
+        padding = module._reversed_padding_repeated_twice
+        if any(padding):  # no padding: no copy
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            x = F.pad(x, padding, mode=mode)
         kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
         if self.spatial_dims == 1:  # treat a length-L signal as a 1 x L image
             x = x.unsqueeze(2)
             kernel, dilation, stride = (1, *kernel), (1, *dilation), (1, *stride)
-        windows = x
-        for dim, (k, d, st) in enumerate(zip(kernel, dilation, stride, strict=True), start=2):
-            windows = windows.unfold(dim, (k - 1) * d + 1, st)[..., ::d]  # adds a kernel dim
+        windows = _windows(x, kernel, dilation, stride)
+        if not x.is_contiguous() and windows.numel() >= x.numel():
+            windows = _windows(x.contiguous(), kernel, dilation, stride)
         b, c, h, w, kh, kw = windows.shape
         patches = windows.permute(0, 1, 4, 5, 2, 3)  # (B, C_in, kh, kw, H_out, W_out)
         return patches.reshape(b, c * kh * kw, h * w)
+
+
+def _windows(
+    x: torch.Tensor, kernel: tuple[int, ...], dilation: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
+    """(B, C, H_out, W_out, kh, kw) view of the (B, C, H, W) padded input ``x``: entry
+    [b, c, i, j, u, v] is the input the kernel's (u, v) tap meets at output position (i, j)."""
+    windows = x
+    for dim, (k, d, st) in enumerate(zip(kernel, dilation, stride, strict=True), start=2):
+        windows = windows.unfold(dim, (k - 1) * d + 1, st)[..., ::d]  # adds a kernel dim
+    return windows
 
 
 register_rule(nn.Conv1d, ConvRule(spatial_dims=1))

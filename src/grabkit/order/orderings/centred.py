@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grabkit.order.balance import FixedGram
 from grabkit.order.orderings.base import FrontBackOrder, Ordering, balance_combinations
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
@@ -80,6 +81,7 @@ class CentredBalance(Ordering):
         super().__init__(n, **kwargs)
         self.add_state("acc", None)
         self.add_state("placement", FrontBackOrder())
+        self._centre_gram = FixedGram()  # <m, m> once per centre, not per batch (not state)
 
     # -- hooks for subclasses -------------------------------------------------------------
     def transform(self, batch: GradientBatch) -> GradientBatch:
@@ -118,6 +120,7 @@ class CentredBalance(Ordering):
             self.rule,
             fixed=fixed,
             fixed_weights=fixed_weights,
+            fixed_gram=self._centre_gram,
             sequential=self.sequential,
             on_accept=lambda total: self._accept(batch, total if vectors is batch else None),
             policy=self.policy,

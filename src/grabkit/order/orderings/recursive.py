@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from grabkit.order.balance import FixedGram
 from grabkit.order.orderings.base import (
     IndexTensor,
     Ordering,
@@ -48,6 +49,7 @@ class RecursiveBalance(Ordering):
         self.add_state("mean", StaleMean())
         self.add_state("leaf_front", {}, save=self._saved_front, load=_leaves)
         self.add_state("leaf_back", {}, save=self._saved_back, load=_leaves)
+        self._centre_gram = FixedGram()  # <m, m> once per epoch, not per batch (not state)
 
     def start_epoch(self, epoch: int) -> None:
         self.mean.roll()
@@ -74,6 +76,7 @@ class RecursiveBalance(Ordering):
             self.rule,
             fixed=None if m is None else m.reshape(1, -1),
             fixed_weights=None if m is None else np.ones((batch.size, 1)),
+            fixed_gram=self._centre_gram,
             depth=self.depth,
             on_accept=lambda total: self.mean.add(
                 batch.total() if total is None else total, batch.size
