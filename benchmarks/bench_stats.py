@@ -24,6 +24,7 @@ Contenders, each with its own copy of the model and its own SGD optimizer:
   (``stats_options={"check_identity": False}``), and ``hook-mean-stale`` (also ``-nocheck``),
   mean balancing against a stale mean: an epoch of 640 examples, the first one stepped through
   before timing, so that every timed step balances against the previous epoch's mean;
+  ``sketch-pair`` (also ``-nocheck``): ``statistics="sketch", sketch_dim=1024``;
 * ``func-pair`` / ``func-mean``: torch.func ``vmap(grad)`` per-example gradients, then
   ``sampler.step(grads)``, the optimizer fed their mean;
 * ``opacus-pair``: Opacus ``GradSampleModule`` per-example gradients + ``sampler.step(grads)``
@@ -36,10 +37,14 @@ the first step) minus its RSS before them, i.e. what the training steps themselv
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
 
+Operation counts (``--count-ops``, ``benchmarks/op_count.py``): instead of timing, the tensor
+operations and Python calls of one warmed-up step of each contender (by default
+``COUNTED_KINDS``), in all and inside ``sampler.step()``: deterministic where times are noisy.
+
 Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm,gpt]
-[--contenders=plain,hook-pair,hook-mean] [--rounds=N]`` (default 1 torch thread; ``--quick`` runs
-the MLP only, few rounds, random data). An A/B of two checkouts runs this command alternately
-with ``PYTHONPATH`` pointing at each one's ``src``.
+[--contenders=plain,hook-pair,hook-mean] [--rounds=N] [--count-ops]`` (default 1 torch thread;
+``--quick`` runs the MLP only, few rounds, random data). An A/B of two checkouts runs this
+command alternately with ``PYTHONPATH`` pointing at each one's ``src``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ MEMORY_STEPS = 4
 WARMUP = 2
 STALE_EPOCH = 640  # examples per epoch of the ``hook-mean-stale`` contenders
 OPT_IN_KINDS = ("hook-pair-nocheck", "hook-mean-nocheck", "hook-mean-stale",
-                "hook-mean-stale-nocheck")  # fmt: skip
+                "hook-mean-stale-nocheck", "sketch-pair", "sketch-pair-nocheck")  # fmt: skip
+# what ``--count-ops`` counts unless --contenders names others
+COUNTED_KINDS = ("plain", "hook-pair", "hook-pair-nocheck", "hook-mean-nocheck",
+                 "hook-mean-stale-nocheck", "sketch-pair", "sketch-pair-nocheck")  # fmt: skip
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -193,11 +201,12 @@ class Loop:
         self.stepped = 0
         family, _, spec = kind.partition("-")
         balance, *variant = spec.split("-")
-        if family == "hook":
+        if family in ("hook", "sketch"):
             options = {"check_identity": False} if "nocheck" in variant else None
             self.n = n = STALE_EPOCH if "stale" in variant else n
+            sketch = {"statistics": "sketch", "sketch_dim": 1024} if family == "sketch" else {}
             self.sampler = GraBSampler(
-                range(n), model=model, balance_type=balance, stats_options=options
+                range(n), model=model, balance_type=balance, stats_options=options, **sketch
             )
         elif kind.startswith(("func", "opacus")):
             params = dict(model.named_parameters())
@@ -210,6 +219,7 @@ class Loop:
         self.step: Callable[[], None] = {
             "plain": self.plain_step,
             "hook": self.plain_step,
+            "sketch": self.plain_step,
             "func": self.func_step,
             "opacus": self.opacus_step,
         }[kind.partition("-")[0]]
@@ -405,8 +415,8 @@ def run_workload(workload: str, args: argparse.Namespace, kinds: list[str]) -> N
         {k: loop.step for k, loop in loops.items()}, rounds=rounds, inner=inner
     )
     for loop in loops.values():
-        if loop.kind.startswith("hook"):
-            loop.sampler.stats.close()
+        if loop.sampler is not None and loop.kind.startswith(("hook", "sketch")):
+            loop.sampler.close()
     memory = {k: peak_memory(workload, k, args.threads) for k in kinds}
     params = sum(p.numel() for p in fresh().parameters())
     print(
@@ -764,6 +774,25 @@ def run_identity(args: argparse.Namespace) -> None:
             )
 
 
+def count_ops(workload: str, args: argparse.Namespace, kinds: list[str]) -> None:
+    """Tensor operations and Python calls per step of each contender (``op_count``)."""
+    from benchmarks.op_count import count_step
+
+    fresh, (batches, n, source) = build(workload, synthetic=args.quick, rounds=24)
+    print(f"\n### {workload}: operations per step (data: {source}; median of 3 steps after 10)\n")
+    print("| contender | tensor ops / step | in sampler.step() | Python calls / step | in step() |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in kinds:
+        loop = Loop(kind, fresh(), n, batches)
+        _, totals = count_step(loop.step, loop.sampler)
+        if loop.sampler is not None:
+            loop.sampler.close()
+        print(
+            f"| {kind} | {totals['ops']:g} | {totals['sampler_ops']:g} | {totals['calls']:g} | "
+            f"{totals['sampler_calls']:g} |"
+        )
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="bench_stats", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds on random data")
@@ -781,6 +810,9 @@ def main(argv: list[str]) -> None:
         "plain,hook-pair,hook-mean for an A/B of the hook path between two checkouts; also "
         "hook-pair-nocheck, hook-mean-nocheck, hook-mean-stale, hook-mean-stale-nocheck",
     )
+    parser.add_argument(
+        "--count-ops", action="store_true", help="count tensor ops and Python calls per step"
+    )
     parser.add_argument("--memory-child", nargs=2, metavar=("WORKLOAD", "KIND"))
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -788,6 +820,11 @@ def main(argv: list[str]) -> None:
         return
     torch.set_num_threads(args.threads)
     print(machine_description())
+    if args.count_ops:
+        kinds = COUNTED_KINDS if args.contenders is None else args.contenders.split(",")
+        for workload in (args.workloads or "mlp").split(","):
+            count_ops(workload, args, list(kinds))
+        return
     kinds = ["plain", "hook-pair", "hook-mean", "func-pair", "func-mean"]
     wanted = None if args.contenders is None else {"plain", *args.contenders.split(",")}
     kinds += sorted(k for k in wanted or () if k not in kinds and k in OPT_IN_KINDS)
