@@ -51,9 +51,26 @@ def _deliver(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out.copy_(result)
 
 
+# dtype -> compute dtype: a dict read, not a tensor operation, for every factor of every step
+_COMPUTE_DTYPES: dict[torch.dtype, torch.dtype] = {}
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Statistics accumulate in at least float32 (half / bfloat16 activations under autocast)."""
-    return torch.promote_types(dtype, torch.float32)
+    found = _COMPUTE_DTYPES.get(dtype)
+    if found is None:
+        found = _COMPUTE_DTYPES[dtype] = torch.promote_types(dtype, torch.float32)
+    return found
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Whether each ``t[i]`` is contiguous (``t[0].is_contiguous()`` without making a view)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,7 +138,8 @@ class PerExampleFactor:
     ) -> None:
         self.batch_size = grads.shape[0]
         self.param_shape = torch.Size(param_shape)
-        self.grads = as_dtype(grads.reshape(self.batch_size, -1), compute_dtype(grads.dtype))
+        rows = grads if grads.dim() == 2 else grads.reshape(self.batch_size, -1)  # (B, n)
+        self.grads = as_dtype(rows, compute_dtype(grads.dtype))
         self._output_of = output_of
         self.positions = positions
         self.terms = terms
@@ -147,8 +165,8 @@ class PerExampleFactor:
         accumulating into it where its rows can be viewed flat in the factors' dtype."""
         k = weights.shape[1]
         w = as_dtype(weights, self.grads.dtype).T  # (k, B)
-        if k and target.dtype == self.grads.dtype and target[0].is_contiguous():
-            target.view(k, -1).addmm_(w, self.grads)
+        if k and target.dtype == self.grads.dtype and _rows_contiguous(target):
+            (target if target.dim() == 2 else target.view(k, -1)).addmm_(w, self.grads)
         else:
             target.add_((w @ self.grads).reshape(target.shape).to(target.dtype))
 
@@ -186,7 +204,9 @@ class OuterProductFactor:
     """g_i = sum_t D[i, t] A[i, t]^T per group: the weight of a Linear or an unfolded Conv.
 
     Args:
-        inputs: A, (B, T, G, p) layer inputs (unfolded patches for a convolution).
+        inputs: A, (B, T, G, p) layer inputs (unfolded patches for a convolution); or (B, p)
+            for one position and one group (a Linear on plain vectors), with (B, q)
+            ``output_grads``: held as they are, the (B, 1, 1, f) forms made only when read.
         output_grads: D, (B, T, G, q) gradients of the layer's outputs.
         param_shape: the parameter's shape; its elements, read in order, are the (G, q, p) blocks.
         strategy: ``"auto"`` (the cheaper form below, per read), ``"ghost"`` or ``"materialise"``.
@@ -212,24 +232,46 @@ class OuterProductFactor:
         output_grads: torch.Tensor,
         param_shape: torch.Size,
         strategy: str = "auto",
-        *,
-        flat: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if strategy not in _STRATEGIES:
             raise ValueError(f"`strategy` should be one of {_STRATEGIES}, but got {strategy!r}")
         self.strategy = strategy
-        dtype = compute_dtype(torch.promote_types(inputs.dtype, output_grads.dtype))
-        self.inputs = as_dtype(inputs, dtype)
-        self.output_grads = as_dtype(output_grads, dtype)
-        self.batch_size, self.positions, self.groups, self.in_features = inputs.shape
+        dtype = inputs.dtype
+        if output_grads.dtype != dtype:
+            dtype = torch.promote_types(dtype, output_grads.dtype)
+        dtype = compute_dtype(dtype)
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
         self._output_gram: torch.Tensor | None = None
         self._kept_grads: torch.Tensor | None = None  # see _per_example_grads
-        # (N, p) and (N, q) views, kept once made (``flat``: the caller's own 2-D tensors)
-        self._flat_views = None
-        if flat is not None and flat[0].dtype == dtype and flat[1].dtype == dtype:
-            self._flat_views = flat
+        # (N, p) and (N, q) views, kept once made (or the caller's own 2-D tensors)
+        self._flat_views: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._inputs: torch.Tensor | None = None
+        self._output_grads: torch.Tensor | None = None
+        if inputs.dim() == 2:  # one position, one group: the (B, 1, 1, f) views made if read
+            self.batch_size, self.in_features = inputs.shape
+            self.positions = self.groups = 1
+            self._flat_views = (as_dtype(inputs, dtype), as_dtype(output_grads, dtype))
+            return
+        self._inputs = as_dtype(inputs, dtype)
+        self._output_grads = as_dtype(output_grads, dtype)
+        self.batch_size, self.positions, self.groups, self.in_features = inputs.shape
+
+    @property
+    def inputs(self) -> torch.Tensor:
+        """A, (B, T, G, p)."""
+        if self._inputs is None:
+            a = self._flat_views[0]
+            self._inputs = a.view(self.batch_size, 1, 1, self.in_features)
+        return self._inputs
+
+    @property
+    def output_grads(self) -> torch.Tensor:
+        """D, (B, T, G, q)."""
+        if self._output_grads is None:
+            d = self._flat_views[1]
+            self._output_grads = d.view(self.batch_size, 1, 1, self.out_features)
+        return self._output_grads
 
     # -- helpers ---------------------------------------------------------------------------------
     def _use_ghost(self, pairs: int) -> bool:
@@ -316,7 +358,7 @@ class OuterProductFactor:
                 f"{self.positions} positions and {self.groups} groups"
             )
         if self._output_gram is None:
-            d = self.output_grads.reshape(self.batch_size, self.out_features)
+            d = self._flat()[1]  # (B, q): one row per example here
             self._output_gram = torch.mm(d, d.T)
         return self._output_gram
 
@@ -324,7 +366,7 @@ class OuterProductFactor:
         b, t = self.batch_size, self.positions
         if self._use_ghost(b * b):
             if self.groups == 1 and t == 1:
-                a = self.inputs.reshape(b, self.in_features)
+                a = self._flat()[0]  # (B, p)
                 return torch.mm(a, a.T).mul_(self.output_gram())  # (B, B)
             if self.groups == 1:
                 a, d = self._flat()  # (N, p), (N, q)
@@ -341,22 +383,23 @@ class OuterProductFactor:
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        v = as_dtype(vectors, self.inputs.dtype).reshape(k, g, q, p)  # a view, not a copy
+        a, d = self._flat() if g == 1 else (None, None)  # (N, p), (N, q)
+        vectors = as_dtype(vectors, (self.inputs if a is None else a).dtype)
         kept = self._per_example_grads()
+        if g == 1 and k == 1 and kept is None:  # one GEMM, contracting the wider side first
+            v = vectors.reshape(q, p)  # a view, not a copy
+            if p <= q:
+                per_row = torch.mm(d, v).mul_(a).sum(dim=1, keepdim=True)  # (N, 1)
+            else:
+                per_row = torch.mm(a, v.T).mul_(d).sum(dim=1, keepdim=True)
+            return self._per_example(per_row)
+        v = vectors.reshape(k, g, q, p)  # a view, not a copy
         if kept is not None:  # (B, q p) @ (q p, k)
             return torch.mm(kept.reshape(self.batch_size, -1), v.reshape(k, q * p).T)
-        if g == 1 and k == 1:  # one GEMM, contracting the wider side first
-            a, d = self._flat()  # (N, p), (N, q)
-            if p <= q:
-                per_row = torch.mm(d, v[0, 0]).mul_(a).sum(dim=1, keepdim=True)  # (N, 1)
-            else:
-                per_row = torch.mm(a, v[0, 0].T).mul_(d).sum(dim=1, keepdim=True)
-            return self._per_example(per_row)
         if g == 1 and q <= p and v.is_contiguous():
             # One GEMM for all k: A [V_1; ..; V_k]^T -> (N, k q), then contract with D. (Rows
             # cut from a longer flat vector are not contiguous; the batched forms below read
             # them in place rather than copying them.)
-            a, d = self._flat()
             projected = torch.mm(a, v.reshape(k * q, p).T)
             return self._per_example((projected.view(-1, k, q) * d.unsqueeze(1)).sum(dim=-1))
         a = self._rows(self.inputs)  # (G, N, p)
@@ -453,9 +496,13 @@ class OuterProductFactor:
         if out is not None and not (out.is_contiguous() and out.dtype == total.dtype):
             return None
         q, p = self.out_features, self.in_features
-        d = self.output_grads.index_select(0, rows).reshape(-1, q)  # (|rows| T, q)
-        a = self.inputs.index_select(0, rows).reshape(-1, p)  # (|rows| T, p)
-        base = total.reshape(q, p)
+        if self.positions == 1:  # one row per example: pick from the (B, f) views
+            flat_a, flat_d = self._flat()
+            d, a = flat_d.index_select(0, rows), flat_a.index_select(0, rows)
+        else:
+            d = self.output_grads.index_select(0, rows).reshape(-1, q)  # (|rows| T, q)
+            a = self.inputs.index_select(0, rows).reshape(-1, p)  # (|rows| T, p)
+        base = total if total.shape == (q, p) else total.reshape(q, p)
         if out is None:
             out = torch.empty(1, *self.param_shape, dtype=total.dtype, device=total.device)
         target = out.view(q, p)

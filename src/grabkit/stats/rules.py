@@ -193,13 +193,15 @@ class LinearRule(LayerRule):
         _require_batched(module, layer_input, 2)
         out: dict[str, ParameterFactor] = {}
         if "weight" in wanted:
-            flat = (layer_input, output_grad) if output_grad.dim() == 2 else None  # (B, f) already
-            out["weight"] = OuterProductFactor(
-                _as_sequence(layer_input, module.in_features),
-                _as_sequence(output_grad, module.out_features),
-                module.weight.shape,
-                flat=flat,
-            )
+            if output_grad.dim() == 2:  # (B, f) already: held as they are
+                weight = OuterProductFactor(layer_input, output_grad, module.weight.shape)
+            else:
+                weight = OuterProductFactor(
+                    _as_sequence(layer_input, module.in_features),
+                    _as_sequence(output_grad, module.out_features),
+                    module.weight.shape,
+                )
+            out["weight"] = weight
         if "bias" in wanted:
             weight = out.get("weight") if output_grad.dim() == 2 else None  # the same (B, q)
             out["bias"] = _bias_factor(output_grad, module.bias.shape, output_of=weight)

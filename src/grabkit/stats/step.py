@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype
+from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype, compute_dtype
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.transfer import host_values, to_device, to_host
 
@@ -74,7 +74,7 @@ class StepStatistics:
         self.scale = float(scale)
         self.dtype = dtype
         self.device = device
-        self.stat_dtype = torch.promote_types(dtype, torch.float32)
+        self.stat_dtype = compute_dtype(dtype)
         self._gram: torch.Tensor | None = None
         self._norms: torch.Tensor | None = None
         # parameters whose signed sums pay to take from the batch gradient (see _two_valued)
@@ -161,10 +161,10 @@ class StepStatistics:
             if self._gram is not None:
                 self._norms = self._gram.diagonal().clone()
             else:
-                total = self._zeros(self.batch_size)
-                for _, factor in self._present:
-                    total.add_(as_dtype(factor.norms_squared(), self.stat_dtype))
-                self._norms = total.mul_(self.scale**2)
+                norms = [
+                    as_dtype(factor.norms_squared(), self.stat_dtype) for _, factor in self._present
+                ]
+                self._norms = self._summed(norms, (self.batch_size,), self.scale**2)
         return self._norms
 
     @torch.no_grad()
@@ -185,22 +185,36 @@ class StepStatistics:
     def gram(self) -> torch.Tensor:
         """(B, B) <g_i, g_j>."""
         if self._gram is None:
-            total = self._zeros(self.batch_size, self.batch_size)
-            for _, factor in self._present:
-                total.add_(as_dtype(factor.gram(), self.stat_dtype))
-            self._gram = total.mul_(self.scale**2)
+            grams = [as_dtype(factor.gram(), self.stat_dtype) for _, factor in self._present]
+            self._gram = self._summed(grams, (self.batch_size, self.batch_size), self.scale**2)
         return self._gram
 
     @torch.no_grad()
     def dot_stacked(self, vectors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """(B, k) <g_i, v_j> for k vectors given as name -> (k, *shape); absent names are zero."""
         k = next(iter(vectors.values())).shape[0] if vectors else 1
-        total = self._zeros(self.batch_size, k)
-        for name, factor in self._present:
-            v = vectors.get(name)
-            if v is not None:
-                total.add_(as_dtype(factor.dot(v), self.stat_dtype))
-        return total.mul_(self.scale)
+        dots = [
+            as_dtype(factor.dot(vectors[name]), self.stat_dtype)
+            for name, factor in self._present
+            if name in vectors
+        ]
+        return self._summed(dots, (self.batch_size, k), self.scale)
+
+    def _summed(
+        self, parts: list[torch.Tensor], shape: tuple[int, ...], scale: float
+    ) -> torch.Tensor:
+        """``scale`` times the sum of ``parts`` (each ``shape``, in ``stat_dtype``), added in
+        order as onto zeros (the same numbers), without the zeros: the first two parts make
+        the sum, the others are added into it. The parts stay unchanged (a factor may hand
+        out a tensor it keeps)."""
+        if not parts:
+            return self._zeros(*shape)
+        if len(parts) == 1:
+            return parts[0] * scale
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
+            total.add_(part)
+        return total.mul_(scale)
 
     @torch.no_grad()
     def weighted_sum_stacked(
