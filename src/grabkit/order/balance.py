@@ -297,7 +297,8 @@ def fetch_inner_products(
     m = sum(g.shape[0] for g in groups)
     f = fixed.shape[0] if fixed is not None else (num_fixed if m else 0)
     if m:
-        xv = torch.cat([batch.dot(g).reshape(B, -1) for g in groups], dim=1)  # (B, m)
+        dots = [batch.dot(g).reshape(B, -1) for g in groups]
+        xv = dots[0] if len(dots) == 1 else torch.cat(dots, dim=1)  # (B, m)
         parts.append(xv.reshape(-1))
         if f:
             tail = groups[-1][-f:]  # the fixed vectors come last
@@ -308,7 +309,7 @@ def fetch_inner_products(
     else:
         # the norms still reveal a non-finite gradient when nothing else is requested
         parts.append(batch.norms_squared().reshape(-1))
-    flat = batch.to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one host sync
+    flat = batch.to_host(_float64_concatenated(parts))  # the one host sync
     if not np.isfinite(flat).all():
         raise ValueError(NON_FINITE_HELP)
     offset = 0
@@ -322,6 +323,15 @@ def fetch_inner_products(
     else:
         xv, fv = np.zeros((B, 0)), np.zeros((0, 0))
     return HostProducts(gram=gram, xv=xv, fv=fv)
+
+
+def _float64_concatenated(parts: list[torch.Tensor]) -> torch.Tensor:
+    """A new tensor: the 1-D ``parts`` one after another in float64 (exact: widened), cast
+    once when they share a dtype."""
+    if len({p.dtype for p in parts}) == 1:
+        joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined.to(torch.float64, copy=joined is parts[0])
+    return torch.cat([p.to(torch.float64) for p in parts])
 
 
 def run_recursion(
@@ -540,7 +550,8 @@ def _balance_with_one_gram(
 ) -> np.ndarray:
     """Signs (k,) of the (k, d) CPU vectors ``Z`` against the (1, d) running sum, which moves by
     sum_i eps_i z_i once every product was found finite."""
-    products = torch.cat([accumulators @ Z.T, Z @ Z.T]).numpy()  # (1 + k, k)
+    columns = Z.T
+    products = torch.cat([accumulators @ columns, Z @ columns]).numpy()  # (1 + k, k)
     if not np.isfinite(products).all():
         raise ValueError(NON_FINITE_HELP)
     uniforms = rule.uniforms(Z.shape[0])

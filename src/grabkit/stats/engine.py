@@ -118,6 +118,12 @@ class _WeakHook:
         return (_WeakHook, (_no_engine, self._method))
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach()``, or ``t`` itself where it takes part in no graph (a tensor operation
+    saved in every hook: most gradients and a model's input do not require grad)."""
+    return t.detach() if t.requires_grad else t
+
+
 def _no_engine() -> None:
     """The engine of a copied hook: none."""
     return None
@@ -1018,7 +1024,7 @@ class PerSampleStats(StatisticsSource):
                     f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
                     f"take; give the input an explicit batch dim (expand it to (B, ...))."
                 )
-            layer_input = layer_input.detach()  # a reference, not a copy
+            layer_input = _detached(layer_input)  # a reference, not a copy
         if layer.rule.whole_call:
             layer_input = _detached_call(args, kwargs)
         return layer_input, expanded
@@ -1112,7 +1118,7 @@ class PerSampleStats(StatisticsSource):
         if grad is None:
             return
         task = self._backwards.output_gradient()
-        grad = (grad if grad.shape == shape else grad.reshape(shape)).detach()
+        grad = _detached(grad if grad.shape == shape else grad.reshape(shape))
         previous = call.grads.get(task)
         call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
@@ -1164,7 +1170,7 @@ class PerSampleStats(StatisticsSource):
         # A copy: autograd may adopt this very tensor as .grad and later change it in place
         # (accumulation, clipping), which must not change this step's total.
         previous = self._param_grads.get(name)
-        grad = grad.detach()
+        grad = _detached(grad)
         if previous is not None:
             self._param_grads[name] = previous + grad
             return

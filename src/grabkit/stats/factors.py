@@ -153,7 +153,8 @@ class PerExampleFactor:
         return self.grads @ self.grads.T
 
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
-        flat = as_dtype(vectors.reshape(vectors.shape[0], -1), self.grads.dtype)  # (k, n)
+        rows = vectors if vectors.dim() == 2 else vectors.reshape(vectors.shape[0], -1)
+        flat = as_dtype(rows, self.grads.dtype)  # (k, n)
         return self.grads @ flat.T
 
     def weighted_sum(self, weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +240,8 @@ class OuterProductFactor:
         dtype = inputs.dtype
         if output_grads.dtype != dtype:
             dtype = torch.promote_types(dtype, output_grads.dtype)
-        dtype = compute_dtype(dtype)
+        #: of ``inputs`` and ``output_grads``: the compute dtype of both
+        self.dtype = dtype = compute_dtype(dtype)
         self.out_features = output_grads.shape[-1]
         self.param_shape = torch.Size(param_shape)
         self._output_gram: torch.Tensor | None = None
@@ -315,7 +317,7 @@ class OuterProductFactor:
         """(B, T, G, f) -> (G, B T, f): one row per (example, position), grouped first."""
         return t.reshape(-1, self.groups, t.shape[-1]).transpose(0, 1)
 
-    def _flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def flat_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For one group: (B T, p) inputs and (B T, q) output gradients, as 2-D views.
 
         Plain matrix products on these run as single GEMMs, without the batched-matmul
@@ -358,7 +360,7 @@ class OuterProductFactor:
                 f"{self.positions} positions and {self.groups} groups"
             )
         if self._output_gram is None:
-            d = self._flat()[1]  # (B, q): one row per example here
+            d = self.flat_rows()[1]  # (B, q): one row per example here
             self._output_gram = torch.mm(d, d.T)
         return self._output_gram
 
@@ -366,10 +368,10 @@ class OuterProductFactor:
         b, t = self.batch_size, self.positions
         if self._use_ghost(b * b):
             if self.groups == 1 and t == 1:
-                a = self._flat()[0]  # (B, p)
+                a = self.flat_rows()[0]  # (B, p)
                 return torch.mm(a, a.T).mul_(self.output_gram())  # (B, B)
             if self.groups == 1:
-                a, d = self._flat()  # (N, p), (N, q)
+                a, d = self.flat_rows()  # (N, p), (N, q)
                 pairs = torch.mm(a, a.T).mul_(torch.mm(d, d.T))  # (N, N)
             else:
                 a = self._rows(self.inputs)  # (G, N, p)
@@ -383,8 +385,8 @@ class OuterProductFactor:
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        a, d = self._flat() if g == 1 else (None, None)  # (N, p), (N, q)
-        vectors = as_dtype(vectors, (self.inputs if a is None else a).dtype)
+        a, d = self.flat_rows() if g == 1 else (None, None)  # (N, p), (N, q)
+        vectors = as_dtype(vectors, self.dtype)
         kept = self._per_example_grads()
         if g == 1 and k == 1 and kept is None:  # one GEMM, contracting the wider side first
             v = vectors.reshape(q, p)  # a view, not a copy
@@ -427,7 +429,7 @@ class OuterProductFactor:
             return _deliver((lhs @ rhs).reshape(1, *self.param_shape), out)
         if g == 1 and q <= p:
             # One GEMM for all k: [w_1 D, .., w_k D]^T A -> (k q, p), already in parameter layout.
-            a, d = self._flat()
+            a, d = self.flat_rows()
             scaled = (d.unsqueeze(1) * w.unsqueeze(-1)).reshape(-1, k * q)
             return _deliver((scaled.T @ a).reshape(k, *self.param_shape), out)
         a = self._rows(self.inputs)  # (G, N, p)
@@ -442,7 +444,7 @@ class OuterProductFactor:
     def _row_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """(B, k) weights per example -> (N, k) per (example, position) row, in the factors'
         dtype."""
-        w = as_dtype(weights, self.inputs.dtype)
+        w = as_dtype(weights, self.dtype)
         if self.positions > 1:
             w = w.repeat_interleave(self.positions, dim=0)
         return w
@@ -450,7 +452,7 @@ class OuterProductFactor:
     def _single_sum_operands(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(q, N) and (N, p) whose product is sum_n w_n D_n A_n^T, for (N, 1) row weights ``w``
         (one group): the narrower side carries the weights."""
-        a, d = self._flat()  # (N, p), (N, q)
+        a, d = self.flat_rows()  # (N, p), (N, q)
         if self.out_features <= self.in_features:
             return (d * w).T, a
         return d.T, a * w
@@ -464,7 +466,7 @@ class OuterProductFactor:
         if (
             self.groups == 1
             and weights.shape[1] == 1
-            and target.dtype == self.inputs.dtype
+            and target.dtype == self.dtype
             and target.is_contiguous()
             and self._per_example_grads() is None
         ):
@@ -491,13 +493,13 @@ class OuterProductFactor:
         ordinary weighted sum) for grouped layers and when ``total`` or ``out`` is not a
         contiguous tensor in the factors' dtype.
         """
-        if self.groups != 1 or total.dtype != self.inputs.dtype:
+        if self.groups != 1 or total.dtype != self.dtype:
             return None
         if out is not None and not (out.is_contiguous() and out.dtype == total.dtype):
             return None
         q, p = self.out_features, self.in_features
         if self.positions == 1:  # one row per example: pick from the (B, f) views
-            flat_a, flat_d = self._flat()
+            flat_a, flat_d = self.flat_rows()
             d, a = flat_d.index_select(0, rows), flat_a.index_select(0, rows)
         else:
             d = self.output_grads.index_select(0, rows).reshape(-1, q)  # (|rows| T, q)

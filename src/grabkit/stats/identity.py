@@ -765,7 +765,7 @@ def _outer_product(
         products = _cached_mv(cache, d, row.cut(d)).mul(x_b)
         x = x.transpose(1, 2)  # (B, T, p) for the magnitude
     elif groups == 1:
-        x, d = f._flat()
+        x, d = f.flat_rows()
         d, x = row.narrow(d, 1), col.narrow(x, 1)
         products = _cached_mv(cache, d, row.cut(d)).mul(torch.mv(x, col.cut(x)))
     else:  # the rows' block may span groups: the masked row vector, group by group

@@ -198,11 +198,13 @@ class KroneckerMap:
         sketch, when the factor is one position of one group (a plain Linear): two
         (B, f) @ (f, k) products and one fused outer product. Returns False, doing nothing,
         for any other factor."""
-        b, t, g, p = factor.inputs.shape
-        if t * g != 1 or factor.out_features != self.rows or p != self.cols:
+        b, p = factor.batch_size, factor.in_features
+        one_row = factor.positions == 1 and factor.groups == 1
+        if not one_row or factor.out_features != self.rows or p != self.cols:
             return False
-        left = torch.mm(factor.output_grads.reshape(b, self.rows), self.p_out_t)  # (B, k_out)
-        right = torch.mm(factor.inputs.reshape(b, p), self.p_in_t)  # (B, k_in)
+        inputs, output_grads = factor.flat_rows()  # (B, p), (B, q)
+        left = torch.mm(output_grads, self.p_out_t)  # (B, k_out)
+        right = torch.mm(inputs, self.p_in_t)  # (B, k_in)
         left3, right3 = left.view(b, self.k_out, 1), right.view(b, 1, self.k_in)
         out3 = out.view(b, self.k_out, self.k_in)
         if overwrite:
@@ -536,23 +538,27 @@ class GradientSketch:
     ) -> None:
         """Add the CountSketches of several parameters' (B, n) per-example gradients into
         ``out`` with one scatter-add."""
-        buckets, signs = self._counted_maps(tuple(n for n, _ in counted), out.device, out.dtype)
+        names = tuple(n for n, _ in counted)
+        buckets, signs = self._counted_maps(names, out.device, out.dtype, scale)
         grads = [g for _, g in counted]
-        signs = signs * scale if scale != 1.0 else signs
         signed = torch.cat(grads, dim=1).mul_(signs) if len(grads) > 1 else grads[0] * signs
         out.index_add_(1, buckets, signed)  # (an alpha would take a slow path)
 
     def _counted_maps(
-        self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype
+        self, names: tuple[str, ...], device: torch.device, dtype: torch.dtype, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CountSketch buckets (N,) and signs (N,) of several parameters side by side (N
-        their sizes added), built once per set of names, device and dtype."""
-        key = (names, device, dtype)
+        """The CountSketch buckets (N,) and signs (N,) times ``scale`` of several parameters
+        side by side (N their sizes added), built once per set of names, device, dtype and
+        scale (the loss's B: the same every step)."""
+        key = (names, device, dtype, scale)
         if key not in self._concatenated:
+            if len(self._concatenated) >= 16:  # many batch sizes: keep the cache small
+                self._concatenated.clear()
             maps = [self._map_on(name, device, dtype) for name in names]
+            signs = torch.cat([m.signs for m in maps])
             self._concatenated[key] = (
                 torch.cat([m.buckets for m in maps]),
-                torch.cat([m.signs for m in maps]),
+                signs * scale if scale != 1.0 else signs,
             )
         return self._concatenated[key]
 
@@ -662,7 +668,7 @@ class SketchedStats(StatisticsSource):
                     self.engine.param_shapes, self.dim, self.sketch.seed,
                     canonical_names=self._canonical,
                 )  # fmt: skip
-            dtype = torch.promote_types(self.engine.dtype, torch.float32)
+            dtype = compute_dtype(self.engine.dtype)
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
             )
