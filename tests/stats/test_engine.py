@@ -439,3 +439,22 @@ def test_total_added_in_place_equals_total():
         torch.testing.assert_close(target, batch.total() + 1)
         with pytest.raises(ValueError, match="`target` should have shape"):
             batch.add_total_to(torch.zeros(1, batch.dim))
+
+
+def test_total_added_in_place_into_kept_and_strided_targets():
+    """A kept target (its per-parameter views cut once) and a strided one (every other number of
+    a longer buffer) both receive the total exactly, in place, and nothing else changes."""
+    model = mlp()
+    with PerSampleStats(model) as stats:
+        step(model)
+        batch = stats.gradient_batch()
+        kept = torch.ones(batch.dim)
+        buffer = torch.full((2 * batch.dim,), 7.0)
+        strided = buffer[::2]
+        strided.fill_(1.0)
+        for _ in range(2):  # the second time through the kept views
+            batch.add_total_to(kept)
+            batch.add_total_to(strided)
+        torch.testing.assert_close(kept, 1 + 2 * batch.total())
+        assert torch.equal(buffer[::2], kept)  # the same additions, number by number
+        assert (buffer[1::2] == 7.0).all()

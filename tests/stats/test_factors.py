@@ -149,6 +149,40 @@ def test_linear_bias_shares_the_output_gram_of_its_weight():
         OuterProductFactor(a.expand(5, 2, 1, 4), d.expand(5, 2, 1, 3), (3, 4)).output_gram()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_plain_vectors_held_as_rows_read_as_their_4d_form(dtype):
+    """A factor of one position and one group built from (B, p) and (B, q) tensors gives every
+    read bitwise as the same factor built from their (B, 1, 1, f) forms."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(6, 4, generator=gen).to(dtype)
+    d = torch.randn(6, 3, generator=gen).to(dtype)
+    rows = OuterProductFactor(a, d, torch.Size([3, 4]))
+    full = OuterProductFactor(a.reshape(6, 1, 1, 4), d.reshape(6, 1, 1, 3), torch.Size([3, 4]))
+    assert rows.inputs.shape == (6, 1, 1, 4) and rows.output_grads.shape == (6, 1, 1, 3)
+    assert rows.dtype == full.dtype == torch.promote_types(dtype, torch.float32)
+    vectors = torch.randn(2, 3, 4, generator=gen, dtype=rows.dtype)
+    weights = torch.randn(6, 2, generator=gen, dtype=rows.dtype)
+    total = torch.randn(3, 4, generator=gen, dtype=rows.dtype)
+    index = torch.tensor([1, 4])
+    reads = [
+        lambda f: f.norms_squared(),
+        lambda f: f.gram(),
+        lambda f: f.output_gram(),
+        lambda f: f.dot(vectors[:1]),
+        lambda f: f.dot(vectors),
+        lambda f: f.weighted_sum(weights[:, :1]),
+        lambda f: f.weighted_sum(weights),
+        lambda f: f.two_valued_sum(index, -2.0, total, 1.0),
+    ]
+    for read in reads:
+        assert torch.equal(read(rows), read(full))
+    for k in (1, 2):
+        targets = [torch.ones(k, 3, 4, dtype=rows.dtype) for _ in range(2)]
+        rows.add_weighted_sum_to(weights[:, :k], targets[0])
+        full.add_weighted_sum_to(weights[:, :k], targets[1])
+        assert torch.equal(targets[0], targets[1])
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_weighted_sums_added_in_place(k):
     """``add_weighted_sum_to`` adds into views of a flat buffer, touching nothing else."""

@@ -164,3 +164,16 @@ def test_two_valued_sum_declines_what_it_cannot_do():
     assert plain.two_valued_sum(torch.arange(2), 1.0, single, 1.0) is None
     strided = torch.zeros(1, 5, 8)[:, :, :4]
     assert plain.two_valued_sum(torch.arange(2), 1.0, torch.zeros(5, 4), 1.0, strided) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_host_weights_scaled_as_torch_scales_them(dtype):
+    """The signed-sum shortcut's host copy of the scaled weights (read without a tensor
+    operation where numpy has the dtype) holds the numbers torch's product gives, bitwise."""
+    gen = torch.Generator().manual_seed(6)
+    weights = (torch.randn(64, 2, generator=gen) * 3).to(dtype)
+    for scale in (1.0, 64.0, 3001.0, 0.1, 1 / 3):
+        expected = (weights[:, 0] * scale).to(torch.float64).numpy()
+        column = step_module._scaled_column(weights, scale)
+        assert column.dtype == expected.dtype
+        assert (column.view("int64") == expected.view("int64")).all()

@@ -383,7 +383,8 @@ def flat_to_named(flat: torch.Tensor, shapes: Mapping[str, torch.Size]) -> dict[
 class FlatLayout:
     """Where each parameter's numbers sit in the flat layout of ``shapes`` (name -> shape).
 
-    ``views(flat)`` cuts a (k, d) buffer into name -> (k, *shape) views. The views of the last
+    ``views(flat)`` cuts a (k, d) buffer into name -> (k, *shape) views (a (d,) one into
+    (*shape) views). The views of the last
     few buffers cut are kept while those buffers live: running sums and fixed vectors are cut
     the same way at every step, and their cuts then cost nothing.
 
@@ -392,8 +393,8 @@ class FlatLayout:
         dim: d, the total number of entries.
     """
 
-    #: how many buffers' views are kept (a running sum, a fixed vector and a spare)
-    KEPT = 4
+    #: how many buffers' views are kept (running sums, fixed vectors, an epoch's sum, a spare)
+    KEPT = 6
 
     def __init__(self, shapes: Mapping[str, torch.Size]) -> None:
         self.entries: list[tuple[str, torch.Size, int, int]] = []
@@ -407,12 +408,12 @@ class FlatLayout:
         self._cuts: list[tuple[weakref.ref[torch.Tensor], tuple, dict[str, torch.Tensor]]] = []
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """name -> (k, *shape) pieces of the rows of a (k, d) tensor: views (no copy) when its
-        last dim has stride 1, else reshaped copies."""
-        k = flat.shape[0]
+        """name -> (k, *shape) pieces of the rows of a (k, d) tensor (or (*shape) pieces of a
+        (d,) one): views (no copy) when its last dim has stride 1, else reshaped copies."""
+        lead = flat.shape[:-1]  # (k,) or ()
         if flat.stride(-1) != 1:
             return {
-                name: flat[:, offset : offset + n].reshape(k, *shape)
+                name: flat[..., offset : offset + n].reshape(*lead, *shape)
                 for name, shape, offset, n in self.entries
             }
         key = (flat.data_ptr(), flat.shape, flat.stride(), flat.dtype, flat.device)
@@ -420,7 +421,7 @@ class FlatLayout:
             if ref() is flat and cut_key == key:
                 return views
         views = {
-            name: flat[:, offset : offset + n].view(k, *shape)
+            name: flat[..., offset : offset + n].view(*lead, *shape)
             for name, shape, offset, n in self.entries
         }
         self._cuts = [(weakref.ref(flat, self._forget), key, views), *self._cuts[: self.KEPT - 1]]

@@ -130,9 +130,13 @@ class StepStatistics:
     def add_total_to(self, target: torch.Tensor) -> None:
         """In place: ``target`` (d,) += sum_i g_i in the flat layout, one pass per parameter
         (no (d,) temporary: a running sum of batch gradients reads each stored gradient once)."""
-        for name, _, offset, n in self.layout.entries:
-            piece = target[offset : offset + n]
-            piece.add_(self.batch_gradients[name].reshape(-1), alpha=self.scale)
+        if target.stride(0) != 1:  # a strided vector: its slices, changed in place
+            for name, _, offset, n in self.layout.entries:
+                piece = target[offset : offset + n]
+                piece.add_(self.batch_gradients[name].reshape(-1), alpha=self.scale)
+            return
+        for name, piece in self.layout.views(target).items():  # views kept for a kept target
+            piece.add_(self.batch_gradients[name], alpha=self.scale)
 
     @torch.no_grad()
     def total_named(self) -> dict[str, torch.Tensor]:
@@ -243,7 +247,7 @@ class StepStatistics:
             if host_weights is None:
                 column = to_host(w[:, 0].to(torch.float64))  # B numbers: a sync on a device
             else:  # the same numbers, computed on the host
-                column = host_values((host_weights[:, 0] * self.scale).to(torch.float64))
+                column = _scaled_column(host_weights, self.scale)
             two_valued = self._two_valued(column, w.device)
         sums: dict[str, torch.Tensor] = {}
         for name, shape in self.param_shapes.items():
@@ -308,3 +312,13 @@ class StepStatistics:
         else:
             rows, a, b = np.flatnonzero(is_first), float(first), float(second)
         return to_device(torch.from_numpy(rows), device), a, b
+
+
+def _scaled_column(host: torch.Tensor, scale: float) -> np.ndarray:
+    """(B,) float64 values of ``host[:, 0] * scale`` for (B, k) CPU weights, multiplied in
+    their own dtype as torch multiplies them (float32 or float64: one IEEE product, in numpy
+    as in torch), without a tensor operation."""
+    numpy_dtype = _NUMPY_DTYPES.get(host.dtype) if host.dtype != torch.float16 else None
+    if numpy_dtype is None:  # half precisions: torch multiplies in float32, then rounds
+        return host_values((host[:, 0] * scale).to(torch.float64))
+    return (host_values(host)[:, 0] * numpy_dtype(scale)).astype(np.float64)
