@@ -3,6 +3,8 @@ sums updated in place, against the dense path on the same gradients."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import weakref
 
 import numpy as np
@@ -10,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grabkit.order import GraBSampler
 from grabkit.order.balance import FixedGram, apply_update, fetch_inner_products
+from grabkit.order.orderings.centred import _CentreRow
 from grabkit.stats import PerSampleStats
 from grabkit.stats.gradient_batch import DenseGradientBatch
 
@@ -95,3 +99,46 @@ def test_hook_products_with_a_kept_centre_gram_are_those_formed_each_batch():
             kept = fetch_inner_products(hook, sums, fixed=centre, fixed_gram=gram)
             for a, b in [(fresh.gram, kept.gram), (fresh.xv, kept.xv), (fresh.fv, kept.fv)]:
                 np.testing.assert_array_equal(a, b)
+
+
+def test_centre_row_kept_for_a_centre_seen_twice_and_never_for_one_made_per_batch():
+    rows = _CentreRow()
+    centre = torch.randn(9)
+    first = rows(centre)
+    assert torch.equal(first, centre.reshape(1, -1))
+    kept = rows(centre)
+    assert rows(centre) is kept  # the same view object: its per-parameter cuts are kept
+    centre.mul_(2.0)
+    assert torch.equal(rows(centre), centre.reshape(1, -1))  # a view: sees in-place changes
+    made = torch.randn(9)  # a centre made for one batch (an EMA): not held
+    rows(made)
+    held = weakref.ref(made)
+    del made
+    assert held() is None
+    rows(centre)
+    rows(centre)
+    held = weakref.ref(centre)
+    assert copy.deepcopy(rows)._row is None and pickle.loads(pickle.dumps(rows))._row is None
+    rows.clear()
+    del centre, first, kept
+    assert held() is None  # cleared: the centre is freed
+
+
+def test_hook_mode_stale_mean_frees_the_rolled_centre():
+    """The previous epoch's mean is freed when the next one rolls in (nothing keeps it)."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    sampler = GraBSampler(range(8), model=model, balance_type="mean", batch_size=4)
+    held = None
+    for _ in range(3):
+        for batch in torch.tensor(list(sampler)).split(4):
+            F.cross_entropy(model(x[batch]), y[batch]).backward()
+            sampler.step()
+            model.zero_grad()
+        mean = sampler.ordering.mean.value
+        if held is not None:
+            assert held() is None  # the centre of two epochs ago
+        held = None if mean is None else weakref.ref(mean)
+        del mean
+    sampler.close()

@@ -7,6 +7,7 @@ the next order is the GraB front/back placement of this epoch's signs.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,42 @@ class StaleMean(Stateful):
         self.running_sum, self.count = None, 0
 
 
+class _CentreRow:
+    """``m.reshape(1, -1)``, the same view object while the centre m is the same tensor.
+
+    Hook statistics cut a fixed vector into per-parameter views, kept while that vector object
+    lives (``FlatLayout.views``): a new (1, d) view per batch would be cut anew every batch. The
+    view is kept only from the second batch with the same centre (a stale mean), so a centre
+    made anew for every batch (an EMA) is never held here, and ``clear()`` lets go of it before
+    the centre is replaced (a new epoch, a load).
+    """
+
+    def __init__(self) -> None:
+        self._seen: weakref.ref[torch.Tensor] | None = None  # the last centre, weakly
+        self._row: torch.Tensor | None = None  # its (1, d) view, once seen twice
+
+    def __call__(self, m: torch.Tensor) -> torch.Tensor:
+        row = self._row
+        if row is not None and row._base is m and row.shape == (1, m.numel()):
+            return row
+        self._row = None
+        seen = None if self._seen is None else self._seen()
+        self._seen = weakref.ref(m)
+        row = m.reshape(1, -1)
+        if seen is m and row._base is m:  # a view (not a copy) of the same centre again
+            self._row = row
+        return row
+
+    def clear(self) -> None:
+        self._seen = self._row = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle starts empty
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.clear()
+
+
 class CentredBalance(Ordering):
     """Balance T(x_i) - m against one running sum; subclasses set the centre and transform.
 
@@ -82,6 +119,7 @@ class CentredBalance(Ordering):
         self.add_state("acc", None)
         self.add_state("placement", FrontBackOrder())
         self._centre_gram = FixedGram()  # <m, m> once per centre, not per batch (not state)
+        self._centre_row = _CentreRow()  # its (1, d) view, the same while m is (not state)
 
     # -- hooks for subclasses -------------------------------------------------------------
     def transform(self, batch: GradientBatch) -> GradientBatch:
@@ -104,15 +142,20 @@ class CentredBalance(Ordering):
     # -- Ordering --------------------------------------------------------------------------
     def start_epoch(self, epoch: int) -> None:
         self.placement.clear()
+        self._centre_row.clear()  # before a subclass rolls its centre: the old one is freed
         if self.acc is not None:
             self.acc.zero_()
+
+    def after_load(self) -> None:
+        super().after_load()
+        self._centre_row.clear()
 
     def observe(self, batch: GradientBatch, indices: torch.Tensor) -> None:
         vectors = self.transform(batch)
         if self.acc is None:
             self.acc = torch.zeros(1, vectors.dim, dtype=vectors.dtype, device=vectors.device)
         m = self.centre(batch)
-        fixed = None if m is None else m.reshape(1, -1)
+        fixed = None if m is None else self._centre_row(m)
         fixed_weights = None if m is None else np.ones((batch.size, 1))
         signs, _ = balance_combinations(
             vectors,
