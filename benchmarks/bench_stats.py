@@ -37,9 +37,11 @@ the first step) minus its RSS before them, i.e. what the training steps themselv
 Engine costs: one backward's hook statistics read cold (norms, Gram, dot with 2 vectors, weighted
 sum with 1 and 2 weight columns), as a fraction of the plain step.
 
-Operation counts (``--count-ops``, ``benchmarks/op_count.py``): instead of timing, the tensor
-operations and Python calls of one warmed-up step of each contender (by default
-``COUNTED_KINDS``), in all and inside ``sampler.step()``: deterministic where times are noisy.
+Operation counts (``--count-ops``, ``benchmarks/op_count.py``): instead of the timings above,
+the tensor operations and Python calls of one warmed-up step of each contender (by default
+``COUNTED_KINDS``), in all and inside ``sampler.step()``: deterministic where times are noisy;
+beside them the thread CPU time of ``sampler.step()`` alone (``--rounds`` steps, default 40),
+each step followed by a plain step timed for the ratio.
 
 Usage: ``python benchmarks/run.py stats [--quick] [--threads=N] [--workloads=mlp,lm,gpt]
 [--contenders=plain,hook-pair,hook-mean] [--rounds=N] [--count-ops]`` (default 1 torch thread;
@@ -779,18 +781,54 @@ def count_ops(workload: str, args: argparse.Namespace, kinds: list[str]) -> None
     from benchmarks.op_count import count_step
 
     fresh, (batches, n, source) = build(workload, synthetic=args.quick, rounds=24)
-    print(f"\n### {workload}: operations per step (data: {source}; median of 3 steps after 10)\n")
-    print("| contender | tensor ops / step | in sampler.step() | Python calls / step | in step() |")
-    print("|---|---:|---:|---:|---:|")
+    steps = args.rounds or 40
+    print(
+        f"\n### {workload}: operations per step (data: {source}; median of 3 steps after 10), "
+        f"and the thread CPU time of sampler.step() (median of {steps}, each beside a plain "
+        "step)\n"
+    )
+    print(
+        "| contender | tensor ops / step | in sampler.step() | Python calls / step | in step() "
+        "| step() CPU ms | x plain step |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    plain = Loop("plain", fresh(), n, batches)
     for kind in kinds:
         loop = Loop(kind, fresh(), n, batches)
         _, totals = count_step(loop.step, loop.sampler)
+        timed = "- | -"
         if loop.sampler is not None:
+            own, beside = _sampler_cpu(loop, plain, steps)
+            timed = f"{own * 1e3:.3f} | {own / beside:.3f}"
             loop.sampler.close()
         print(
             f"| {kind} | {totals['ops']:g} | {totals['sampler_ops']:g} | {totals['calls']:g} | "
-            f"{totals['sampler_calls']:g} |"
+            f"{totals['sampler_calls']:g} | {timed} |"
         )
+
+
+def _sampler_cpu(loop: Loop, plain: Loop, steps: int) -> tuple[float, float]:
+    """(median thread CPU seconds of ``loop``'s ``sampler.step()``, median of a plain step),
+    the plain step run after each of ``steps`` steps of ``loop`` (the same cache state)."""
+    inner, own, beside = loop.sampler.step, [], []
+
+    def timed(*args, **kwargs):
+        start = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            own.append(time.thread_time() - start)
+
+    loop.sampler.step = timed
+    try:
+        for _ in range(steps):
+            loop.step()
+            start = time.thread_time()
+            plain.step()
+            beside.append(time.thread_time() - start)
+    finally:
+        del loop.sampler.step
+    return statistics.median(own), statistics.median(beside)
 
 
 def main(argv: list[str]) -> None:
