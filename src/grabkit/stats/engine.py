@@ -487,11 +487,11 @@ class PerSampleStats(StatisticsSource):
             ``WARMUP_STEPS`` and of the first ones after the step's structure changed (its layer
             calls, its declared batch terms, the trainable set), then randomly chosen steps at
             the rate that keeps the check within ``BUDGET`` (0.3%) of the step's time,
-            measured as it runs (under 1% of a plain step); "always": every step (on a small
-            MLP 12-19% of a plain step; cost in ``benchmarks/RESULTS.md``). Turning it off
-            (False) is for a user who knows the difference is intended: the statistics may then
-            silently describe another loss (a penalty counted into some example, a weight use
-            the hooks did not see).
+            measured as it runs (1.5-1.7% of a small MLP's plain step); "always": every step
+            (on a small MLP 12-19% of a plain step; cost in ``benchmarks/RESULTS.md``). Turning
+            it off (False) is for a user who knows the difference is intended: the statistics
+            may then silently describe another loss (a penalty counted into some example, a
+            weight use the hooks did not see).
         functional_uses: record ``F.linear`` / ``F.embedding`` / ``matmul`` uses of tracked
             weights outside their layers, made inside the model's forward (a tied head), as
             extra calls (``grabkit.stats.functional``). Watching a forward costs a Python call

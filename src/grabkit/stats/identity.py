@@ -73,7 +73,7 @@ that parameter passes, and the statistics pass through as computed (each example
 well be finite), for their consumers to reject or use.
 
 **Schedule.** Checking every step costs a few small tensor operations per parameter: on a
-small MLP about 12% of a plain step on the CPU, on a small GPT about 4%. By default
+small MLP 12-19% of a plain step on the CPU, on a small GPT 5-6%. By default
 (``check_identity=True``) the check is spent where a misread step is likely to first appear:
 
 * every step of the first ``WARMUP_STEPS`` (8) after the engine attaches, and again after every
@@ -85,9 +85,11 @@ small MLP about 12% of a plain step on the CPU, on a small GPT about 4%. By defa
   runs: the check's own code, and the step from its first delivered gradient to the next
   step's, less the check; CPU time, so that other processes on the machine do not move the
   rate; the steps between are not timed), drawn from a private generator, so that
-  the check takes about ``BUDGET`` (0.3%) of the training step's time: the step with the
-  statistics read costs 1.2-2.5x a plain step on the benchmarks, so under 1% of a plain step;
-  a model whose check costs less than that is checked at every step.
+  the checked steps take about ``BUDGET`` (0.3%) of the training step's time: the step with
+  the statistics read costs 1.2-2.5x a plain step on the benchmarks, so under 1% of a plain
+  step, and with every step's decision (some 30 us in a training loop) 1.5-1.7% of the small
+  MLP's plain step and 0.5-1.1% of the small GPT's (``benchmarks/RESULTS.md``); a model whose
+  check costs less than that is checked at every step.
 
 A mismatch that persists (a penalty in the loss, a tied weight used outside its layer, a gradient
 hook) is caught on the first checked step after it appears: on the benchmarks' small MLP under GraB
@@ -141,9 +143,9 @@ FULL_SUPPORT_ENTRIES = 1 << 15
 #: the tail constant of the tolerance (see the module docstring)
 LAMBDA = 6.0
 
-#: the share of the training step's measured time the scheduled check may take (see
+#: the share of the training step's measured time the checked steps may take (see
 #: "Schedule"): a step with statistics read costs up to about 2.5x a plain one on the
-#: benchmarks, so this keeps the check below 1% of a plain step, its decisions included
+#: benchmarks, so this keeps the check under 2% of a plain step, its decisions included
 BUDGET = 0.003
 
 #: steps checked in a row after attaching and after every change of the step's structure
