@@ -1,0 +1,89 @@
+"""Hook-mode GraB step / plain step on the MNIST-shaped MLP, through the public API only, so the
+same script times any revision of grabkit (its ``src`` on ``PYTHONPATH``).
+
+The MLP 784-784-64-10 on random inputs (B = 64), SGD; a plain loop and a hook-mode
+``GraBSampler(balance_type="pair")`` loop (exact, or sketched with k = 1024), alternated in
+blocks of 8 steps, thread CPU time; prints the median and mean of the per-block ratios.
+
+    PYTHONPATH=<checkout>/src python benchmarks/hook_step_ab.py exact 40
+    PYTHONPATH=<checkout>/src python benchmarks/hook_step_ab.py sketch 40
+
+Run it alternately on the two checkouts being compared (the machine's load moves both alike).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grabkit.order import GraBSampler
+
+STEPS_PER_BLOCK, EXAMPLES, BATCH = 8, 64 * 40, 64
+
+
+def training_step(hooked: bool, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One SGD step of the MLP per call, drawing batches from rr or from a hook-mode sampler."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(784, 784), nn.ReLU(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sampler = None
+    if hooked:
+        extra = {"statistics": "sketch", "sketch_dim": 1024} if mode == "sketch" else {}
+        sampler = GraBSampler(
+            range(EXAMPLES), model=model, balance_type="pair", batch_size=BATCH, **extra
+        )
+    order: list[int] = []
+
+    def step() -> None:
+        if not order:
+            order.extend(iter(sampler) if sampler else torch.randperm(EXAMPLES).tolist())
+        idx = order[:BATCH]
+        del order[:BATCH]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        if sampler is not None:
+            sampler.step()
+        opt.step()
+
+    return step
+
+
+def main(argv: list[str]) -> None:
+    mode = argv[0] if argv else "exact"
+    blocks = int(argv[1]) if len(argv) > 1 else 40
+    if mode not in ("exact", "sketch"):
+        raise ValueError(f"mode should be 'exact' or 'sketch', but got {mode!r}")
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(EXAMPLES, 784, generator=gen)
+    y = torch.randint(0, 10, (EXAMPLES,), generator=gen)
+    plain, hook = training_step(False, mode, x, y), training_step(True, mode, x, y)
+    for _ in range(20):
+        plain()
+        hook()
+    ratios = []
+    for _ in range(blocks):
+        start = time.thread_time()
+        for _ in range(STEPS_PER_BLOCK):
+            plain()
+        plain_seconds = time.thread_time() - start
+        start = time.thread_time()
+        for _ in range(STEPS_PER_BLOCK):
+            hook()
+        ratios.append((time.thread_time() - start) / plain_seconds)
+    print(
+        f"{mode}: hook / plain median {statistics.median(ratios):.3f}, "
+        f"mean {statistics.fmean(ratios):.3f} ({blocks} blocks of {STEPS_PER_BLOCK} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
