@@ -37,10 +37,10 @@ class ArgumentTypeError(TypeError, ValueError):
     ``except ValueError`` (PyTorch's samplers raise ValueError for both)."""
 
 
-def _number(name: str, value: Any) -> float:
+def _number(name: str, value: Any, hint: str = "") -> float:
     """``value`` as a float; ArgumentTypeError for anything but a real Python number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(f"`{name}` should be a number, but got {name}={value!r}")
+        raise ArgumentTypeError(f"`{name}` should be a number{hint}, but got {name}={value!r}")
     return float(value)
 
 
@@ -89,11 +89,14 @@ def check_non_negative_int(name: str, value: Any) -> int:
     return value
 
 
-def check_positive(name: str, value: Any) -> float:
-    """``value`` as a float if it is a finite number > 0."""
-    number = _number(name, value)
+def check_positive(name: str, value: Any, hint: str = "") -> float:
+    """``value`` as a float if it is a finite number > 0; ``hint`` (" (what it means)") is
+    added to the messages after what was expected."""
+    number = _number(name, value, hint)
     if not (math.isfinite(number) and number > 0):
-        raise ValueError(f"`{name}` should be a positive finite number, but got {name}={value!r}")
+        raise ValueError(
+            f"`{name}` should be a positive finite number{hint}, but got {name}={value!r}"
+        )
     return number
 
 

@@ -10,7 +10,6 @@ built and, once, how they combine with the sampler's ordering, transforms and ra
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
@@ -27,7 +26,7 @@ from grabkit.stats.gradient_batch import (
     named_to_flat,
 )
 from grabkit.stats.source import StatisticsSource
-from grabkit.validation import ArgumentTypeError
+from grabkit.validation import check_positive
 
 __all__ = [
     "GradientSource",
@@ -67,17 +66,12 @@ def loss_scale(grad_scale: float | LossScaler) -> float:
     positive finite number, or the scale of a ``torch.amp.GradScaler`` (``get_scale()``)."""
     get_scale = getattr(grad_scale, "get_scale", None)
     value = get_scale() if callable(get_scale) else grad_scale
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(
-            f"`grad_scale` should be the factor the loss was multiplied by (a number, or a "
-            f"GradScaler, whose get_scale() is read), but got {value!r}"
-        )
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"`grad_scale` should be the positive finite factor the loss was multiplied by "
-            f"(a GradScaler's get_scale(), or the GradScaler itself), but got {value!r}"
-        )
-    return float(value)
+    return check_positive(
+        "grad_scale",
+        value,
+        " (the factor the loss was multiplied by: a GradScaler's get_scale(), or the GradScaler "
+        "itself)",
+    )
 
 
 class GradientSource(ABC):
