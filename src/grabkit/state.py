@@ -29,9 +29,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Stateful", "check_state_keys"]
+__all__ = ["Stateful", "check_state_keys", "setting_differences"]
 
 _KEEP = object()  # add_state without a default: the attribute is set elsewhere
+
+
+def setting_differences(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """Each setting that differs between a saved state and this object, as "key: saved ...,
+    here ..." joined by commas ("" when none does)."""
+    differing = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
+    return ", ".join(f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}" for k in differing)
 
 
 def check_state_keys(where: str, state: Mapping[str, Any], expected: set[str]) -> None:
@@ -134,12 +141,8 @@ class Stateful:
 
     def check_config(self, saved: Mapping[str, Any]) -> None:
         """Refuse settings that differ from the declared ones, naming each difference."""
-        mine = self.config()
-        differing = sorted(k for k in set(mine) | set(saved) if saved.get(k) != mine.get(k))
-        if differing:
-            detail = ", ".join(
-                f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}" for k in differing
-            )
+        detail = setting_differences(saved, self.config())
+        if detail:
             raise ValueError(
                 f"{self.state_owner}: the state was written with another configuration "
                 f"({detail}); build it with the saved options (the same blocks and settings) "

@@ -55,6 +55,7 @@ from grabkit.accumulate.distributed import (
 )
 from grabkit.integrations.wiring import check_wiring
 from grabkit.sharding import gradient_layout_of, local
+from grabkit.state import setting_differences
 from grabkit.validation import check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper", "WindowObserver"]
@@ -700,11 +701,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 f"this wrapper uses {mine['controller']!r}: a different controller's state "
                 "cannot continue this run"
             )
-        differing = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        if differing:
-            detail = ", ".join(
-                f"{k}: saved {saved.get(k)!r}, here {mine.get(k)!r}" for k in differing
-            )
+        detail = setting_differences(saved, mine)
+        if detail:
             raise ValueError(
                 f"the checkpoint's configuration differs from this wrapper's ({detail}); build "
                 "the wrapper with the checkpoint's options to resume"
