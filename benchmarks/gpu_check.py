@@ -126,7 +126,9 @@ class SmallGpt(nn.Module):
         self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, vocab)
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        # positions with an explicit batch dim: with B == T a (T,) input is ambiguous to the hooks
+        positions = torch.arange(idx.shape[1], device=idx.device).expand(idx.shape[0], -1)
+        x = self.wte(idx) + self.wpe(positions)
         return self.head(self.ln(self.blocks(x)))
 
 

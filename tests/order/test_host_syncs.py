@@ -3,11 +3,14 @@ update reads its +1 / -1 rows from the host decision instead of reading the weig
 
 On the CPU every read of a floating-point (or boolean) tensor's values by the host is counted
 (``numpy``, ``item``, ``tolist``, ``bool``, ``float``): on a device each is a synchronisation.
-On a GPU ``torch.cuda.set_sync_debug_mode`` counts the real ones.
+On a GPU ``torch.cuda.set_sync_debug_mode`` counts the real ones. A send to the device is a
+sync too unless it goes from pinned memory without blocking (``transfer.to_device``): on the CPU
+every explicit move to a device made elsewhere is counted.
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -52,6 +55,39 @@ class HostReads:
                 self.on_host = False
 
         return read
+
+
+class DeviceSends:
+    """Counts tensors sent to an explicit device (``x.to(device)``, ``torch.tensor(...,
+    device=...)``) anywhere but in ``grabkit.stats.transfer``: on a GPU each one from pageable
+    host memory waits for the device."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sites: list[str] = []
+        to = torch.Tensor.to
+        monkeypatch.setattr(torch.Tensor, "to", self._counting(to, self._to_names_device))
+        for name in ("tensor", "as_tensor"):
+            made = getattr(torch, name)
+            monkeypatch.setattr(torch, name, self._counting(made, self._keyword_device))
+
+    @staticmethod
+    def _to_names_device(args, kwargs) -> bool:
+        return "device" in kwargs or any(
+            isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:]
+        )
+
+    @staticmethod
+    def _keyword_device(args, kwargs) -> bool:
+        return kwargs.get("device") is not None
+
+    def _counting(self, original, sends):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if sends(args, kwargs) and "grabkit" in caller and not caller.endswith("transfer.py"):
+                self.sites.append(f"{caller}:{sys._getframe(1).f_lineno}")
+            return original(*args, **kwargs)
+
+        return call
 
 
 def _setup(device: str = "cpu"):
@@ -124,3 +160,31 @@ def test_a_loss_scale_divided_out_adds_no_host_read(kind, monkeypatch):
                 monkeypatch.undo()
                 monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
                 assert reads.calls == ["numpy"], (kind, epoch, start, reads.calls)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"balance_type": "mean"},
+        {"balance_type": "pair"},
+        {"balance_type": "mean", "stats_options": {"check_identity": "always"}},
+        {"balance_type": "pair", "statistics": "sketch", "sketch_dim": 64},
+    ],
+    ids=["mean", "pair", "mean-checked", "sketch-pair"],
+)
+def test_a_hook_step_sends_to_the_device_only_without_waiting(options, monkeypatch):
+    # on the CPU nothing waits; what is counted is each send that would wait on a GPU
+    monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
+    model, x, y = _setup()
+    with GraBSampler(range(48), model=model, batch_size=8, **options) as sampler:
+        for _ in range(2):
+            order = list(sampler)
+            for start in range(0, 48, 8):
+                idx = order[start : start + 8]
+                model.zero_grad()
+                sends = DeviceSends(monkeypatch)
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                sampler.step()
+                monkeypatch.undo()
+                monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
+                assert sends.sites == [], sends.sites

@@ -175,14 +175,16 @@ class LSTMTrainer:
 
     def _mean_loss(self, source: torch.Tensor) -> float:
         hidden = self.model.init_hidden(source.shape[1])
-        total, tokens = 0.0, 0
+        # summed in float64 on the device and read once (one host sync per split, not per chunk):
+        # the same sequence of double additions as summing each chunk's ``.item()``
+        total, tokens = torch.zeros((), dtype=torch.float64, device=self.device), 0
         with torch.no_grad():
             for i in range(len(source) // self.s["bptt"]):
                 ids, targets = self._chunk(source, i)
                 log_probs, hidden = self.model(ids, hidden)
-                total += nn.functional.nll_loss(log_probs, targets, reduction="sum").item()
+                total += nn.functional.nll_loss(log_probs, targets, reduction="sum").double()
                 tokens += targets.numel()
-        return total / tokens
+        return total.item() / tokens
 
     def evaluate(self) -> dict[str, float]:
         """Per-token training loss; validation and test perplexity (``test_metric``)."""

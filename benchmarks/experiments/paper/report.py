@@ -317,16 +317,20 @@ def build(out: Path, tasks: Sequence[str]) -> list[str]:
         (out / f"{task}.md").write_text(text)
         sections.append(f"- [{TASK_TITLES[task]}]({task}.md)")
         summary += sentences
+    # a results folder made elsewhere (a GPU host) says how in its NOTES.md, which replaces the
+    # commands of the CPU runs
+    notes = out / "NOTES.md"
+    settings = "SETTINGS.md" if (out / "SETTINGS.md").exists() else f"../{RESULTS.name}/SETTINGS.md"
     readme = (
         "# GraB at its authors' settings\n\n"
-        "Settings, their sources and how grabkit's defaults differ: [SETTINGS.md](SETTINGS.md). "
+        f"Settings, their sources and how grabkit's defaults differ: [SETTINGS.md]({settings}). "
         "Rebuild from the run records (`runs/<task>/<ordering>-seed<k>.json`, one per run, "
         "rewritten after every epoch): `python -m benchmarks.experiments.paper --report`.\n\n"
         + "\n".join(f"- {line}" for line in summary)
         + "\n\nPer task:\n\n"
         + "\n".join(sections)
         + "\n\n"
-        + COMMANDS
+        + (notes.read_text() if notes.exists() else COMMANDS)
     )
     (out / "README.md").write_text(readme)
     print(readme)

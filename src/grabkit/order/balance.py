@@ -291,9 +291,7 @@ def fetch_inner_products(
     parts: list[torch.Tensor] = []
     if need_gram:
         parts.append(batch.gram().reshape(-1))
-    groups = [
-        g.to(device=batch.device, dtype=batch.dtype) for g in (vectors, fixed) if g is not None
-    ]
+    groups = [to_device(g.to(batch.dtype), batch.device) for g in (vectors, fixed) if g is not None]
     m = sum(g.shape[0] for g in groups)
     f = fixed.shape[0] if fixed is not None else (num_fixed if m else 0)
     if m:
@@ -428,9 +426,8 @@ def apply_update(
     else:
         accumulators += batch.weighted_sum(w).to(accumulators.dtype).reshape(accumulators.shape)
     if fixed is not None and fixed_weights is not None and fixed_weights.size:
-        fw = torch.from_numpy(np.ascontiguousarray(fixed_weights)).to(
-            accumulators.device, accumulators.dtype
-        )
+        fw = torch.from_numpy(np.ascontiguousarray(fixed_weights)).to(accumulators.dtype)
+        fw = to_device(fw, accumulators.device)
         accumulators.addmm_(fw, fixed.to(accumulators.dtype).reshape(fw.shape[1], -1))
 
 

@@ -124,7 +124,7 @@ from grabkit.stats.factors import (
     SumFactor,
 )
 from grabkit.stats.rows import RowsFactor
-from grabkit.stats.transfer import to_host
+from grabkit.stats.transfer import to_device, to_host
 
 __all__ = [
     "BUDGET",
@@ -226,7 +226,7 @@ class _Axis:
         key = (t.get_device(), t.dtype)
         moved = self.moved.get(key)
         if moved is None:
-            moved = self.moved[key] = self.cpu.to(t.device, t.dtype)
+            moved = self.moved[key] = to_device(self.cpu.to(t.dtype), t.device)
         return moved
 
     def cut(self, t: torch.Tensor) -> torch.Tensor:
@@ -569,9 +569,8 @@ class _Comparison:
         if coefficients is None:
             if len(coefficient_cache) > 64:  # shapes that vary step to step: keep a few
                 coefficient_cache.clear()
-            coefficients = coefficient_cache[key] = torch.tensor(
-                key[2:], dtype=self.dtype, device=self.device
-            )
+            host = torch.tensor(key[2:], dtype=self.dtype)
+            coefficients = coefficient_cache[key] = to_device(host, self.device)
         self.coefficients = coefficients
 
     def _constants(self, low_precision: Mapping[str, float]) -> list[float]:
@@ -588,7 +587,7 @@ class _Comparison:
         segments = self.segments
         if len(segments) == len(self.names) and all(s.index == k for k, s in enumerate(segments)):
             return per_segment
-        index = torch.tensor([s.index for s in segments], device=self.device)
+        index = to_device(torch.tensor([s.index for s in segments]), self.device)
         return per_segment.new_zeros(len(self.names)).index_add_(0, index, per_segment)
 
     def numbers(self) -> torch.Tensor:
@@ -632,7 +631,7 @@ class _Comparison:
         flat = torch.cat(products)
         index = torch.repeat_interleave(
             torch.arange(len(products), device=self.device),
-            torch.tensor([p.numel() for p in products], device=self.device),
+            to_device(torch.tensor([p.numel() for p in products]), self.device),
         )
         sums = torch.zeros(len(products), dtype=self.dtype, device=self.device)
         absolute = torch.zeros_like(sums)

@@ -75,6 +75,7 @@ from grabkit.stats.gradient_batch import DenseGradientBatch
 from grabkit.stats.names import canonical_parameter_names
 from grabkit.stats.rows import ItemLayout, RowsFactor
 from grabkit.stats.source import StatisticsSource
+from grabkit.stats.transfer import to_device
 
 __all__ = [
     "CountSketchMap",
@@ -172,8 +173,8 @@ class KroneckerMap:
         self.p_in_t = self.p_in.T.contiguous()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> KroneckerMap:
-        self.p_out = self.p_out.to(device=device, dtype=dtype)
-        self.p_in = self.p_in.to(device=device, dtype=dtype)
+        self.p_out = to_device(self.p_out.to(dtype), device)
+        self.p_in = to_device(self.p_in.to(dtype), device)
         self._transpose()
         return self
 
@@ -282,8 +283,8 @@ class CountSketchMap:
         self.signs = torch.randint(0, 2, (numel,), generator=gen).float() * 2 - 1
 
     def to(self, device: torch.device, dtype: torch.dtype) -> CountSketchMap:
-        self.buckets = self.buckets.to(device=device)
-        self.signs = self.signs.to(device=device, dtype=dtype)
+        self.buckets = to_device(self.buckets, device)
+        self.signs = to_device(self.signs.to(dtype), device)
         return self
 
     def dense(self, grads: torch.Tensor) -> torch.Tensor:

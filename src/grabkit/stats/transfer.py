@@ -29,7 +29,9 @@ def host_values(tensor: torch.Tensor) -> np.ndarray:
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``. To a CUDA device the copy goes from pinned memory and does
-    not block the host: the device runs it in order, before any kernel that reads the result."""
-    if device.type != "cuda":
+    not block the host: the device runs it in order, before any kernel that reads the result
+    (a plain ``.to(device)`` from pageable memory waits for the device: a hidden host sync).
+    A tensor already on a device is moved as ``.to`` would."""
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
