@@ -441,7 +441,8 @@ class GrabkitTrainer(Trainer):
         if self.noise_scale is not None:
             items = None if num_items_in_batch is None else float(num_items_in_batch)
             last = self.accelerator.sync_gradients  # the window's last microbatch: before clipping
-            self.noise_scale.microbatch(model, count, weighting, items, last)
+            scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
+            self.noise_scale.microbatch(model, count, weighting, items, last, scaler)
         return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -13,6 +13,11 @@ follows it. Trainer weights the microbatches of a window in one of two ways (``t
   counted in examples and the estimate is **per example**. A window whose microbatches differ in
   size is not weighted by size, so it is left out (``discard_step``).
 
+Under ``fp16=True`` Trainer multiplies each loss by its ``GradScaler``'s scale before the
+backward and unscales the gradients only at the optimizer step, after the window was measured:
+the scale is divided out of every microbatch's norms (it changes between windows, growth and
+back-off), and an overflowing window (gradients not finite, the update skipped) is skipped.
+
 One process: ``AccumulationNoiseScale`` (microbatch norms against the window's; needs
 ``gradient_accumulation_steps >= 2``). Several processes: ``DDPNoiseScale`` on the DDP-wrapped
 model (each rank's local window gradient against the all-reduced one, measured in DDP's
@@ -67,13 +72,18 @@ class TrainerNoiseScale:
 
     def microbatch(
         self, model: nn.Module, count: float, weighting: str, window_items: float | None,
-        last: bool,
+        last: bool, grad_scaler: Any = None,
     ) -> None:  # fmt: skip
         """After microbatch ``count``'s backward; ``last``: the window's synchronising one.
 
         ``window_items``: Trainer's ``num_items_in_batch`` (with ``"items"`` weighting).
+        ``grad_scaler``: the ``torch.amp.GradScaler`` that scaled this backward's loss
+        (Trainer's ``fp16=True``: ``accelerator.scaler``), read before its ``update()``; its
+        scale is divided out of the measured norms (a ``grad_scaler`` in the options wins).
         """
         self.attach(model)
+        if "grad_scaler" not in self.options:
+            self.estimator.grad_scaler = grad_scaler
         self._counts.append(float(count))
         if isinstance(self.estimator, AccumulationNoiseScale):
             self.estimator.end_microbatch(count)
