@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
-from tests.integrations.test_huggingface import arguments  # noqa: E402
+from tests.integrations.test_huggingface import arguments, gnts  # noqa: E402
 from tests.integrations.tiny import B, N, batch, dataset, params, tiny_bert  # noqa: E402
 
 import grabkit.integrations.huggingface as huggingface  # noqa: E402
 from grabkit.integrations.huggingface import GrabkitTrainer  # noqa: E402
 from grabkit.noise import AccumulationNoiseScale  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
+from grabkit.stats import IdentityCheckError  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -86,6 +87,38 @@ def test_bf16_grab_balances_the_per_example_gradients_autograd_gives(tmp_path, m
         for _ in range(N // B):
             reference.step(next(batches))
     assert trainer.grab_sampler.orders_history == reference.orders_history
+
+
+def test_grab_trains_a_bf16_model(tmp_path):
+    """A model loaded in bf16 (torch_dtype=torch.bfloat16), with bf16=True: the identity check
+    once took the bf16 gradients autograd delivers for float32 ones and raised at the first step."""
+    options = {"record_orders": True, "stats_options": {"check_identity": "always"}}
+    trainer = GrabkitTrainer(
+        tiny_bert().to(BF16), bf16_arguments(tmp_path), train_dataset=dataset(), grab=options
+    )
+    trainer.train()
+    assert trainer.grab_sampler.state_dict()["live"]["stepped"] == N
+    assert len(trainer.grab_sampler.orders_history) == 2
+
+
+class _Penalised(GrabkitTrainer):
+    """A loss with an L2 penalty on the classifier: not a sum over examples."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss + model.classifier.weight.float().square().sum()
+
+
+def test_bf16_grab_refuses_a_loss_that_is_not_a_sum_over_examples(tmp_path):
+    """The penalty's gradient is about twice the data's: caught under bf16 autocast (it once
+    passed, and GraB balanced the per-example gradients of another loss)."""
+    trainer = _Penalised(
+        tiny_bert(), bf16_arguments(tmp_path, num_train_epochs=1), train_dataset=dataset(),
+        grab={"stats_options": {"check_identity": "always"}},
+    )  # fmt: skip
+    trainer.model_accepts_loss_kwargs = False
+    with pytest.raises(IdentityCheckError, match=r"(?s)'classifier\.weight'.*batch_term"):
+        trainer.train()
 
 
 # -- noise_scale= ----------------------------------------------------------------------------------
@@ -198,5 +231,56 @@ def test_a_loss_scale_is_divided_out_of_grab(tmp_path):
     plain, scaled = run(tmp_path / "plain", False), run(tmp_path / "scaled", True)
     assert scaled.accelerator.scaler.get_scale() == 2.0 ** (10 + N // B)
     assert scaled.grab_sampler.orders_history == plain.grab_sampler.orders_history
+    for name, value in params(scaled.model).items():
+        assert torch.equal(value, params(plain.model)[name]), name
+
+
+# -- accumulation= ---------------------------------------------------------------------------------
+def _adaptive_args(out, **overrides):
+    options = dict(
+        gradient_accumulation_steps=1, max_grad_norm=0.1, lr_scheduler_type="linear",
+        max_steps=12, train_sampling_strategy="sequential",
+    )  # fmt: skip
+    return arguments(out, **{**options, **overrides})
+
+
+def test_bf16_adaptive_accumulation_equals_the_plain_autocast_loop(tmp_path):
+    from transformers import get_linear_schedule_with_warmup
+
+    trainer = GrabkitTrainer(
+        tiny_bert(), _adaptive_args(tmp_path, bf16=True), train_dataset=dataset(), accumulation=gnts
+    )
+    trainer.train()
+    model, data = tiny_bert(), dataset()
+    wrapper = gnts(torch.optim.SGD(model.parameters(), lr=0.1))
+    wrapper.clip_grad_norm = 0.1
+    schedule = get_linear_schedule_with_warmup(wrapper, 0, 12)
+    for step in range(12):
+        with torch.autocast("cpu", dtype=BF16):
+            loss = model(**batch(data, [(step * B + i) % N for i in range(B)])).loss
+        loss.float().backward()
+        wrapper.step(count=B)
+        if step == 11:
+            wrapper.flush()
+        schedule.step()
+    assert 0 < wrapper.num_steps == trainer._adaptive_wrapper().num_steps < 12
+    for name, value in params(model).items():
+        torch.testing.assert_close(params(trainer.model)[name], value, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_scale_leaves_adaptive_accumulation_unchanged(tmp_path):
+    """The scaler unscales before the wrapper folds each microbatch in (AcceleratedOptimizer:
+    scaler.step(wrapper)), so a scale that changes every microbatch changes nothing."""
+
+    def run(out, scaled):
+        trainer = GrabkitTrainer(
+            tiny_bert(), _adaptive_args(out), train_dataset=dataset(), accumulation=gnts
+        )
+        (_scaled(trainer) if scaled else trainer).train()
+        return trainer
+
+    plain, scaled = run(tmp_path / "plain", False), run(tmp_path / "scaled", True)
+    assert scaled.accelerator.scaler.get_scale() == 2.0 ** (10 + 12)
+    assert scaled._adaptive_wrapper().num_steps == plain._adaptive_wrapper().num_steps
     for name, value in params(scaled.model).items():
         assert torch.equal(value, params(plain.model)[name]), name

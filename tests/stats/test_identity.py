@@ -340,3 +340,33 @@ def test_a_persistent_mismatch_is_caught_by_the_scheduled_check():
 def test_check_identity_takes_true_false_or_always():
     with pytest.raises(ValueError, match="'always'"):
         PerSampleStats(mlp(), check_identity="sometimes")
+
+
+# -- low precision ---------------------------------------------------------------------------------
+def test_under_bf16_autocast_a_penalty_as_large_as_the_gradient_is_caught():
+    """bf16 rounds each operand and the delivered gradient once (at most u_low of each entry, a
+    bound with no random tail): once that rounding was counted with the tail of accumulated
+    float32 errors too, and a penalty whose gradient was as large as the data's passed."""
+    model = mlp()
+    x, y = data(b=32)
+    with PerSampleStats(model, check_identity="always") as stats:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        (per_example_loss(out.float(), y).mean() + 0.1 * l2(model)).backward()  # |penalty| ~ |G|
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            stats.norms_squared()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_bf16_parameters_are_no_false_alarm(autocast):
+    """A model in bf16 (as loaded with torch_dtype=torch.bfloat16): autograd delivers its
+    gradients rounded to bf16, which the tolerance once took for float32's and raised."""
+    model = mlp(width=64).to(torch.bfloat16)
+    with PerSampleStats(model, check_identity="always") as stats:
+        for step in range(4):
+            model.zero_grad()
+            x, y = data(b=32, seed=step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x.to(torch.bfloat16))
+            per_example_loss(out.float(), y).mean().backward()
+            assert torch.isfinite(stats.norms_squared()).all()

@@ -34,7 +34,8 @@ What it wires, and why plain callbacks cannot:
   ``grabkit/optimizer_updates``.
 * ``noise_scale``: the gradient noise scale of Trainer's accumulation windows, closed after each
   window's last backward, *before* Trainer clips, logged as ``noise_scale/*``. Trainer's loss
-  scaling is left as it is (measuring never changes training); the microbatches are weighted as
+  scaling is left as it is (measuring never changes training; under ``fp16`` its GradScaler's
+  scale is divided out of each microbatch's norms); the microbatches are weighted as
   Trainer weights them, so the estimate is per label token for models whose loss Trainer
   normalizes by ``num_items_in_batch`` (causal LMs) and per example otherwise
   (``grabkit.integrations.trainer_noise``). One process: ``gradient_accumulation_steps >= 2``;

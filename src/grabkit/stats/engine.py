@@ -1421,24 +1421,36 @@ class PerSampleStats(StatisticsSource):
                 low[full] = max(low.get(full, 0.0), rounding)
 
     def _low_precision(self, call: _Call, grad: Any) -> float:
-        """The unit roundoff of a precision below the parameters' that the call's operands were
-        rounded to (bf16 / fp16 under autocast), or 0."""
+        """The unit roundoff of a precision below the statistics' arithmetic (at least float32)
+        that the call's operands or the delivered gradient were rounded to (bf16 / fp16 under
+        autocast, or bf16 / fp16 parameters, whose gradients autograd delivers rounded), or 0."""
         captured = call.captured
         if type(captured) is torch.Tensor and type(grad) is torch.Tensor:
             if captured.dtype is self.dtype and grad.dtype is self.dtype:
-                return 0.0  # the usual case: nothing rounded below the parameters' precision
+                return self._parameter_roundoff()  # the usual case: the parameters' own dtype
             found = {captured.dtype, grad.dtype}
         else:
             found = set()
             _dtypes(captured, found)
             _dtypes(grad, found)
+        coarsest = max((unit_roundoff(d) for d in found), default=0.0)
+        return max(coarsest if coarsest > self._own_roundoff() else 0.0, self._parameter_roundoff())
+
+    def _own_roundoff(self) -> float:
+        """The unit roundoff of the statistics' arithmetic: the parameters' dtype, at least
+        float32's."""
         own = _OWN_ROUNDOFF.get(self.dtype)
         if own is None:
             own = _OWN_ROUNDOFF[self.dtype] = unit_roundoff(
                 torch.promote_types(self.dtype, torch.float32)
             )
-        coarsest = max((unit_roundoff(d) for d in found), default=0.0)
-        return coarsest if coarsest > own else 0.0
+        return own
+
+    def _parameter_roundoff(self) -> float:
+        """The unit roundoff of low-precision parameters (bf16 / fp16: their delivered
+        gradients are rounded to it), or 0 for float32 / float64 ones."""
+        own = unit_roundoff(self.dtype)
+        return own if own > self._own_roundoff() else 0.0
 
     def _batch_term_gradient_sides(self) -> dict[str, torch.Tensor]:
         """name -> the identity probe of the declared batch terms' gradients, as scaled."""
