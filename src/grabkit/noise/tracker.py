@@ -195,7 +195,6 @@ class NoiseScaleTracker(Stateful):
         )
 
 
-
 class TrackedEstimator(NoiseEstimator, Stateful):
     """Base of the estimators that fold per-step (|G|^2, tr Sigma) into a ``NoiseScaleTracker``.
 
