@@ -10,12 +10,12 @@ every explicit move to a device made elsewhere is counted.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.device_sends import DeviceSends
 from torch import nn
 
 from grabkit import GraBSampler
@@ -55,39 +55,6 @@ class HostReads:
                 self.on_host = False
 
         return read
-
-
-class DeviceSends:
-    """Counts tensors sent to an explicit device (``x.to(device)``, ``torch.tensor(...,
-    device=...)``) anywhere but in ``grabkit.stats.transfer``: on a GPU each one from pageable
-    host memory waits for the device."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.sites: list[str] = []
-        to = torch.Tensor.to
-        monkeypatch.setattr(torch.Tensor, "to", self._counting(to, self._to_names_device))
-        for name in ("tensor", "as_tensor"):
-            made = getattr(torch, name)
-            monkeypatch.setattr(torch, name, self._counting(made, self._keyword_device))
-
-    @staticmethod
-    def _to_names_device(args, kwargs) -> bool:
-        return "device" in kwargs or any(
-            isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:]
-        )
-
-    @staticmethod
-    def _keyword_device(args, kwargs) -> bool:
-        return kwargs.get("device") is not None
-
-    def _counting(self, original, sends):
-        def call(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if sends(args, kwargs) and "grabkit" in caller and not caller.endswith("transfer.py"):
-                self.sites.append(f"{caller}:{sys._getframe(1).f_lineno}")
-            return original(*args, **kwargs)
-
-        return call
 
 
 def _setup(device: str = "cpu"):
