@@ -57,14 +57,15 @@ u_low of its entry, so they need no random tail: an operand rounded by E_n (|E_n
 moves G by sum_n D_n E_n^T, and the rounding of G by at most u_low |G| entrywise; both have a
 Frobenius norm of at most u_low (1 + u_low)^2 R, and the probe turns a Frobenius norm into at most
 kappa times it. Under bf16 that term dominates: the check catches differences of about
-kappa u_low R and more (in the tests, a loss term whose gradient is as large as the data's; one
-a tenth of that passes), not small ones. For per-example factors (biases,
-normalisation layers) the terms are the per-position contributions their rule summed, whose norms
-the rule reports (``PerExampleFactor(terms=...)``; without it each example's row is taken as one
-term); a normalisation layer's rule recomputes xhat, whose rounding is relative to
-(|x| + |mean|) / sqrt(var + eps) rather than to |xhat| (they differ where x - mean cancels), and
-reports its terms on that scale. Measured differences sit at most 1/500 of this bound (training
-steps of the MLP and the small GPT of the benchmarks, float32), at most 1/10 under bf16
+kappa u_low R and more, R summing the examples' own gradient norms (a loss term whose gradient
+is 2 to 5 times the data's, ``benchmarks/identity_margins.py``), not small ones.
+
+For per-example factors (biases, normalisation layers) the terms are the per-position contributions
+their rule summed, whose norms the rule reports (``PerExampleFactor(terms=...)``; without it each
+example's row is taken as one term); a normalisation layer's rule recomputes xhat, whose rounding
+is relative to (|x| + |mean|) / sqrt(var + eps) rather than to |xhat| (they differ where x - mean
+cancels), and reports its terms on that scale. Measured differences sit at most 1/500 of this bound
+(training steps of the MLP and the small GPT of the benchmarks, float32), at most 1/9 under bf16
 (tiny BERT, GPT-2 and Llama under bf16 autocast, float32 or bf16 parameters); it is not tuned to
 anything.
 
