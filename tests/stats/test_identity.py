@@ -343,6 +343,7 @@ def test_check_identity_takes_true_false_or_always():
 
 
 # -- low precision ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_under_bf16_autocast_a_penalty_as_large_as_the_gradient_is_caught():
     """bf16 rounds each operand and the delivered gradient once (at most u_low of each entry, a
     bound with no random tail): once that rounding was counted with the tail of accumulated
@@ -357,6 +358,7 @@ def test_under_bf16_autocast_a_penalty_as_large_as_the_gradient_is_caught():
             stats.norms_squared()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast", [False, True])
 def test_bf16_parameters_are_no_false_alarm(autocast):
     """A model in bf16 (as loaded with torch_dtype=torch.bfloat16): autograd delivers its
