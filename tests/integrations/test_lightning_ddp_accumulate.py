@@ -21,7 +21,13 @@ L = pytest.importorskip("lightning.pytorch")
 from tests.integrations.lightning_hooks import SaveAfterBatch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
-from grabkit import OptimizerWrapperGNS, OptimizerWrapperGNTS, OptimizerWrapperSBC  # noqa: E402
+from grabkit.accumulate import (  # noqa: E402
+    OptimizerWrapperGNS,
+    OptimizerWrapperGNTS,
+    OptimizerWrapperSBC,
+    ValueSchedule,
+    get_norm_threshold_cosine_annealing_with_warmup,
+)
 from grabkit.integrations.lightning import (  # noqa: E402
     AdaptiveAccumulationCallback,
     batch_count,
@@ -56,7 +62,7 @@ def network() -> torch.nn.Module:
 
 def wrap(kind: str, optimizer: torch.optim.Optimizer):
     """The wrappers probed, by name (``ddp_spawn`` pickles the module, so no lambdas)."""
-    if kind == "gnts":
+    if kind in ("gnts", "gnts_cosine"):
         return OptimizerWrapperGNTS(optimizer, max_batch_draws=3, norm_threshold=THRESHOLD)
     if kind == "masked":
         return OptimizerWrapperGNTS(optimizer, max_batch_draws=3, norm_threshold=0.0)
@@ -65,6 +71,14 @@ def wrap(kind: str, optimizer: torch.optim.Optimizer):
     return OptimizerWrapperSBC(
         optimizer, physical_batch_size=W * B, initial_logical_batch_size=3 * W * B
     )
+
+
+def threshold_schedule(kind: str, wrapper) -> ValueSchedule | None:
+    """``gnts_cosine``: the norm threshold from 0.4 to 0.65 over 4 real updates (its decisions
+    mix full windows, the threshold and an open window at the end)."""
+    if kind != "gnts_cosine":
+        return None
+    return get_norm_threshold_cosine_annealing_with_warmup(wrapper, 1, 4, 0.4, 0.65, 1.0)
 
 
 class Classifier(L.LightningModule):
@@ -90,7 +104,14 @@ class Classifier(L.LightningModule):
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return wrap(self.kind, torch.optim.SGD(self.parameters(), lr=LR))
+        wrapper = wrap(self.kind, torch.optim.SGD(self.parameters(), lr=LR))
+        schedule = threshold_schedule(self.kind, wrapper)
+        if schedule is None:
+            return wrapper
+        return {"optimizer": wrapper, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:  # a knob schedule, not an LR one
+        scheduler.step()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.reasons.append(self.trainer.optimizers[0].last_reason)
@@ -172,12 +193,15 @@ def hand_gnts(clip: float | None) -> tuple[dict, int]:
 
 
 def one_process(kind: str) -> tuple[dict, int]:
-    """One process stepping the same wrapper on every global microbatch, then ``flush``."""
+    """One process stepping the same wrapper on every global microbatch, its schedule after
+    every real update, then ``flush``."""
     net = network()
     wrapper = wrap(kind, torch.optim.SGD(net.parameters(), lr=LR))
+    schedule = threshold_schedule(kind, wrapper)
     for x, y in global_microbatches():
         F.cross_entropy(net(x), y).backward()
-        wrapper.step(count=len(x))
+        if wrapper.step(count=len(x)) and schedule is not None:
+            schedule.step()
     wrapper.flush()
     return {k: v.detach() for k, v in net.named_parameters()}, wrapper.num_steps
 
@@ -217,7 +241,7 @@ def test_norm_threshold_under_ddp_is_the_hand_loop_over_global_microbatches(
         assert rank["num_batches"] == EPOCHS * N // (W * B)
 
 
-@pytest.mark.parametrize("kind", ["gns", "sbc"])
+@pytest.mark.parametrize("kind", ["gns", "sbc", "gnts_cosine"])
 def test_noise_scale_and_scheduled_wrappers_under_ddp_equal_one_process(tmp_path, spawnable, kind):
     ranks = fit(tmp_path, kind)
     assert_ranks_equal(ranks)
@@ -228,13 +252,14 @@ def test_noise_scale_and_scheduled_wrappers_under_ddp_equal_one_process(tmp_path
     assert all(rank["open_draws"] == 0 for rank in ranks)
 
 
-def test_a_checkpoint_inside_a_window_resumes_to_the_uninterrupted_run(tmp_path, spawnable):
-    """SBC closes a window every 3 global microbatches: saved after the 2nd, every rank loads
-    rank 0's window (the same on every rank: it holds all-reduced gradients)."""
+@pytest.mark.parametrize("kind", ["sbc", "gnts_cosine"])
+def test_a_checkpoint_inside_a_window_resumes_to_the_uninterrupted_run(tmp_path, spawnable, kind):
+    """Saved after the 2nd global microbatch, inside the first window: every rank loads rank
+    0's window (the same on every rank: it holds all-reduced gradients) and schedule."""
     pytest.importorskip("torchdata")
-    full = fit(tmp_path / "full", "sbc", stateful=True, save_after=1)
-    assert full[0]["reasons"][1] == "accumulating"
-    resumed = fit(tmp_path / "resumed", "sbc", tmp_path / "full" / "mid_window.ckpt", True)
+    full = fit(tmp_path / "full", kind, stateful=True, save_after=1)
+    assert full[0]["reasons"][:2] == ["accumulating"] * 2
+    resumed = fit(tmp_path / "resumed", kind, tmp_path / "full" / "mid_window.ckpt", True)
     assert_ranks_equal(resumed)
     for rank, again in zip(full, resumed, strict=True):
         assert again["num_steps"] == rank["num_steps"]
