@@ -3,9 +3,12 @@
 Each rank trains its ``DistributedSampler`` share (rank r: rows r, r + W, ...; no shuffling) in
 local microbatches of B rows, so global microbatch k is rows ``k W B .. (k + 1) W B - 1``. Both
 ranks must take the same decisions and end with bitwise-equal parameters, equal to one process
-over the global microbatches: a hand loop for the norm threshold (with clipping), the
-one-process wrapper for the noise-scale and scheduled rules; the window open at train end is
-applied on every rank; a checkpoint inside a window resumes to the uninterrupted run.
+over the global microbatches: a hand loop for the norm threshold (with and without Lightning's
+``gradient_clip_val``), the one-process wrapper for the noise-scale, scheduled-batch, metric and
+cosine-scheduled threshold rules; the window open at train end is applied on every rank; a
+checkpoint inside a window (``StatefulDataLoader``) or with a window open across an epoch's end
+(plain ``DataLoader``) resumes to the uninterrupted run. Ranks that count different weights for a
+microbatch (DDP averages their gradients with equal weights) are refused before it runs.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 from grabkit.accumulate import (  # noqa: E402
     OptimizerWrapperGNS,
     OptimizerWrapperGNTS,
+    OptimizerWrapperMHT,
     OptimizerWrapperSBC,
     ValueSchedule,
     get_norm_threshold_cosine_annealing_with_warmup,
@@ -66,6 +70,8 @@ def wrap(kind: str, optimizer: torch.optim.Optimizer):
         return OptimizerWrapperGNTS(optimizer, max_batch_draws=3, norm_threshold=THRESHOLD)
     if kind == "masked":
         return OptimizerWrapperGNTS(optimizer, max_batch_draws=3, norm_threshold=0.0)
+    if kind == "mht":  # decides on the loss Lightning's closure returns
+        return OptimizerWrapperMHT(optimizer, 0.8, 0.1, max_batch_draws=4)
     if kind == "gns":
         return OptimizerWrapperGNS(optimizer, noise_multiplier=2.0, max_batch_draws=4)
     return OptimizerWrapperSBC(
@@ -134,18 +140,24 @@ class Classifier(L.LightningModule):
 
 def fit(
     out: Path, kind: str, ckpt_path: Path | None = None, stateful: bool = False,
-    save_after: int | None = None, **options,
+    save_after: int | str | None = None, **options,
 ) -> list[dict]:  # fmt: skip
     """One ``ddp_spawn`` fit of two CPU processes; what each rank ended with, by rank."""
     out.mkdir(parents=True, exist_ok=True)
     counting = trained_rows if kind == "masked" else batch_count
     callbacks = [AdaptiveAccumulationCallback(count_fn=counting)]
-    if save_after is not None:
+    if save_after == "epoch":  # Lightning's recipe for a plain DataLoader
+        callbacks.append(
+            L.callbacks.ModelCheckpoint(
+                dirpath=str(out), filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True
+            )
+        )
+    elif save_after is not None:  # after that batch of the run: inside a window
         callbacks.append(SaveAfterBatch(save_after, out / "mid_window.ckpt"))
     settings = dict(
         accelerator="cpu", devices=W, strategy="ddp_spawn", max_epochs=EPOCHS, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=False, default_root_dir=str(out), callbacks=callbacks,
+        enable_checkpointing=save_after == "epoch", default_root_dir=str(out), callbacks=callbacks,
         use_distributed_sampler=False,
     )  # fmt: skip
     settings.update(options)
@@ -192,18 +204,24 @@ def hand_gnts(clip: float | None) -> tuple[dict, int]:
     return {k: v.detach() for k, v in net.named_parameters()}, steps
 
 
-def one_process(kind: str) -> tuple[dict, int]:
+def one_process(kind: str) -> tuple[dict, int, str]:
     """One process stepping the same wrapper on every global microbatch, its schedule after
     every real update, then ``flush``."""
     net = network()
     wrapper = wrap(kind, torch.optim.SGD(net.parameters(), lr=LR))
     schedule = threshold_schedule(kind, wrapper)
     for x, y in global_microbatches():
-        F.cross_entropy(net(x), y).backward()
-        if wrapper.step(count=len(x)) and schedule is not None:
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        metric = loss.detach() if kind == "mht" else None
+        if wrapper.step(count=len(x), metric=metric) and schedule is not None:
             schedule.step()
     wrapper.flush()
-    return {k: v.detach() for k, v in net.named_parameters()}, wrapper.num_steps
+    return (
+        {k: v.detach() for k, v in net.named_parameters()},
+        wrapper.num_steps,
+        wrapper.last_reason,
+    )
 
 
 @pytest.fixture
@@ -241,14 +259,14 @@ def test_norm_threshold_under_ddp_is_the_hand_loop_over_global_microbatches(
         assert rank["num_batches"] == EPOCHS * N // (W * B)
 
 
-@pytest.mark.parametrize("kind", ["gns", "sbc", "gnts_cosine"])
+@pytest.mark.parametrize("kind", ["gns", "sbc", "gnts_cosine", "mht"])
 def test_noise_scale_and_scheduled_wrappers_under_ddp_equal_one_process(tmp_path, spawnable, kind):
     ranks = fit(tmp_path, kind)
     assert_ranks_equal(ranks)
-    params, steps = one_process(kind)
+    params, steps, last_reason = one_process(kind)
     assert ranks[0]["num_steps"] == steps
     assert_params_close(ranks[0]["params"], params)
-    assert ranks[0]["last_reason"] == "flushed"  # 10 microbatches: the last window was open
+    assert ranks[0]["last_reason"] == last_reason  # "flushed": the last window was open
     assert all(rank["open_draws"] == 0 for rank in ranks)
 
 
@@ -280,3 +298,19 @@ def test_ranks_counting_different_weights_are_refused_before_anything_is_folded(
     refusal = r"ValueError: AdaptiveAccumulationCallback.*counted different weights.*Distributed"
     with pytest.raises(Exception, match=refusal):  # ddp_spawn re-raises the ranks' error
         fit(tmp_path, "masked")
+
+
+def test_a_window_open_across_an_epoch_end_checkpoint_resumes_to_the_uninterrupted_run(
+    tmp_path, spawnable
+):
+    """A plain DataLoader, saved at epoch 0's end (5 microbatches, SBC windows of 3): the open
+    window of 2 global microbatches continues into epoch 1 on every rank."""
+    full = fit(tmp_path / "full", "sbc", save_after="epoch")
+    assert full[0]["reasons"][4] == "accumulating"
+    resumed = fit(tmp_path / "resumed", "sbc", tmp_path / "full" / "epoch=0.ckpt")
+    assert_ranks_equal(resumed)
+    for rank, again in zip(full, resumed, strict=True):
+        assert again["num_steps"] == rank["num_steps"]
+        assert again["reasons"] == rank["reasons"][5:]
+        for name, value in rank["params"].items():
+            assert torch.equal(again["params"][name], value), name
