@@ -17,13 +17,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn.functional import cross_entropy
 
-from benchmarks.common import machine_description, time_side_by_side
+from benchmarks.common import DATA, machine_description, time_side_by_side
 from grabkit.accumulate import (
     OptimizerWrapperGNS,
     OptimizerWrapperGNTS,
@@ -31,7 +30,7 @@ from grabkit.accumulate import (
     get_norm_threshold_cosine_annealing_with_warmup,
 )
 
-PTB = Path(__file__).resolve().parents[2] / "shared" / "data" / "ptb"
+PTB = DATA / "ptb"
 WINDOW = 4
 
 

@@ -16,14 +16,13 @@ import argparse
 import statistics
 import tarfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from benchmarks.common import machine_description, synchronize, time_side_by_side
+from benchmarks.common import DATA, machine_description, synchronize, time_side_by_side
 from grabkit.group import (
     AnnotatedModule,
     DataCollection,
@@ -35,7 +34,7 @@ from grabkit.group import (
     plan_groups,
 )
 
-IMDB = Path(__file__).resolve().parents[2] / "shared" / "data" / "imdb" / "aclImdb_labeled.tar.gz"
+IMDB = DATA / "imdb" / "aclImdb_labeled.tar.gz"
 
 
 class MaxPoolModel(nn.Module):

@@ -28,12 +28,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine_description, time_side_by_side
+from benchmarks.common import DATA, machine_description, time_side_by_side
 from grabkit.order import GraBSampler, herding_bound
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "order.md"
-MNIST = HERE.parents[1] / "shared" / "data" / "mnist"
+MNIST = DATA / "mnist"
 COMMAND = ".venv/bin/python benchmarks/run.py order"
 
 GRAB_SAMPLER_INSTALL = (

@@ -39,13 +39,13 @@ import torch.nn.functional as F
 
 from benchmarks.bench_order import mnist_logistic_gradients
 from benchmarks.bench_stats import Loop, build, make_mlp, per_example_loss, timed_side_by_side
-from benchmarks.common import machine_description
+from benchmarks.common import DATA, machine_description
 from benchmarks.experiments import data as datasets
 from grabkit.order import GraBSampler, herding_bound
 from grabkit.stats.sketch import GradientSketch
 
 HERE = Path(__file__).resolve().parent
-MNIST = HERE.parents[1] / "shared" / "data" / "mnist"
+MNIST = DATA / "mnist"
 RESULTS = HERE / "results" / "sketch.md"
 WARMUP_STEPS = 20
 COMMAND = "python benchmarks/run.py sketch"

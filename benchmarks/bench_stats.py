@@ -71,11 +71,10 @@ from torch.func import functional_call, grad, vmap
 if __package__ in (None, ""):  # run as a script (the memory subprocesses)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine_description, time_side_by_side
+from benchmarks.common import DATA, machine_description, time_side_by_side
 from grabkit.order import GraBSampler
 from grabkit.stats import HookGradientBatch, PerSampleStats
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 MEMORY_STEPS = 4
 WARMUP = 2
 STALE_EPOCH = 640  # examples per epoch of the ``hook-mean-stale`` contenders

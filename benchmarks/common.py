@@ -6,12 +6,18 @@ interleaved round by round, and reports medians and ratios rather than absolute 
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+#: the real datasets (formats in that folder's README): ``../shared/data`` beside the checkout,
+#: or the folder ``GRABKIT_DATA`` names (a machine where the checkout has no such neighbour)
+DATA = Path(os.environ.get("GRABKIT_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

@@ -1,4 +1,4 @@
-"""The GPU check: the CUDA test tier and the GPU benchmarks, in about 8 minutes, one command.
+"""The GPU check: the CUDA test tier and the GPU benchmarks, within 8 minutes, one command.
 
     python -m benchmarks.gpu_check [--out FILE] [--budget SECONDS]
 

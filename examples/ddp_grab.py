@@ -37,9 +37,7 @@ def main() -> None:
     dataset = TensorDataset(x, y)
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DistributedDataParallel(
-        nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2))
-    )
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 2)))
     # num_replicas and rank come from the process group; the hooks go on DDP's inner module
     sampler = GraBSampler(dataset, model=model, balance_type="pair", statistics="sketch",
                           sketch_dim=256, batch_size=16)  # fmt: skip

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+#: ``../shared/data`` beside the checkout, or the folder ``GRABKIT_DATA`` names
+SHARED_DATA = Path(
+    os.environ.get("GRABKIT_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data")
+)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """Path to ``../shared/data``; skips the test when the folder is absent."""
+    """Path to the real datasets (``SHARED_DATA``); skips the test when the folder is absent."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real datasets not found at {SHARED_DATA}")
     return SHARED_DATA

@@ -17,10 +17,7 @@ import numpy as np
 import torch
 
 from benchmarks.bench_order import read_idx
-
-#: the real datasets: ``../shared/data`` beside the checkout, or ``GRABKIT_DATA`` (a machine where
-#: the checkout has no such neighbour, a GPU host say)
-DATA = Path(os.environ.get("GRABKIT_DATA", Path(__file__).resolve().parents[3] / "shared" / "data"))
+from benchmarks.common import DATA
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
@@ -41,7 +38,10 @@ class DataMissing(FileNotFoundError):
 
 def _require(path: Path) -> Path:
     if not path.exists():
-        raise DataMissing(f"{path} not found (the experiments read ../shared/data; see its README)")
+        raise DataMissing(
+            f"{path} not found (the experiments read ../shared/data, or the folder GRABKIT_DATA "
+            "names; see its README)"
+        )
     return path
 
 

@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 from tests.noise.helpers import Z_LIMIT, linear_losses, per_example_loss, problem, z_score
+from tests.support.device_sends import DeviceSends
 
 from grabkit.noise import AccumulationNoiseScale, MicrobatchNoiseScale
 
@@ -95,6 +96,18 @@ def test_cuda_gradients_give_the_cpu_result():
     on_cpu, on_cuda = results
     torch.testing.assert_close(on_cuda.block_trace_sigma.cpu(), on_cpu.block_trace_sigma)
     torch.testing.assert_close(on_cuda.block_grad_norm_sq.cpu(), on_cpu.block_grad_norm_sq)
+
+
+def test_an_accumulation_step_sends_to_the_device_only_without_waiting(monkeypatch):
+    # on a GPU a send from pageable memory waits for the device; on the CPU each is counted
+    prob = problem(10)
+    index = torch.arange(24)
+    with AccumulationNoiseScale(prob.model, update_rate=1.0) as gns:
+        for _ in range(2):
+            sends = DeviceSends(monkeypatch)
+            _hooked_step(prob.model, gns, prob.x[index], prob.y[index], [7, 12, 5])
+            monkeypatch.undo()
+            assert sends.sites == [], sends.sites
 
 
 def test_two_backward_passes_in_one_microbatch_are_rejected():

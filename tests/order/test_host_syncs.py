@@ -10,12 +10,12 @@ every explicit move to a device made elsewhere is counted.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.device_sends import DeviceSends
 from torch import nn
 
 from grabkit import GraBSampler
@@ -57,39 +57,6 @@ class HostReads:
         return read
 
 
-class DeviceSends:
-    """Counts tensors sent to an explicit device (``x.to(device)``, ``torch.tensor(...,
-    device=...)``) anywhere but in ``grabkit.stats.transfer``: on a GPU each one from pageable
-    host memory waits for the device."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.sites: list[str] = []
-        to = torch.Tensor.to
-        monkeypatch.setattr(torch.Tensor, "to", self._counting(to, self._to_names_device))
-        for name in ("tensor", "as_tensor"):
-            made = getattr(torch, name)
-            monkeypatch.setattr(torch, name, self._counting(made, self._keyword_device))
-
-    @staticmethod
-    def _to_names_device(args, kwargs) -> bool:
-        return "device" in kwargs or any(
-            isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:]
-        )
-
-    @staticmethod
-    def _keyword_device(args, kwargs) -> bool:
-        return kwargs.get("device") is not None
-
-    def _counting(self, original, sends):
-        def call(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if sends(args, kwargs) and "grabkit" in caller and not caller.endswith("transfer.py"):
-                self.sites.append(f"{caller}:{sys._getframe(1).f_lineno}")
-            return original(*args, **kwargs)
-
-        return call
-
-
 def _setup(device: str = "cpu"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 3)).to(device)
@@ -118,12 +85,22 @@ def test_an_exact_hook_step_reads_the_device_once(kind, monkeypatch):
                 assert reads.calls == ["numpy"], (kind, epoch, start, reads.calls)
 
 
+#: the hook-mode steps whose GPU synchronisations are counted: exact (the second epoch balances
+#: against a stale mean), the identity check on every step, sketched
+HOOK_STEPS = {
+    "mean": {"balance_type": "mean"},
+    "pair": {"balance_type": "pair"},
+    "mean-checked": {"balance_type": "mean", "stats_options": {"check_identity": "always"}},
+    "sketch-pair": {"balance_type": "pair", "statistics": "sketch", "sketch_dim": 64},
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["mean", "pair"])
-def test_an_exact_hook_step_synchronises_with_the_gpu_once(kind, monkeypatch):
+@pytest.mark.parametrize("kind", list(HOOK_STEPS))
+def test_a_hook_step_synchronises_with_the_gpu_once(kind, monkeypatch):
     monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
     model, x, y = _setup("cuda")
-    with GraBSampler(range(48), model=model, balance_type=kind, batch_size=8) as sampler:
+    with GraBSampler(range(48), model=model, batch_size=8, **HOOK_STEPS[kind]) as sampler:
         for _ in range(2):
             order = list(sampler)
             for start in range(0, 48, 8):
@@ -162,21 +139,12 @@ def test_a_loss_scale_divided_out_adds_no_host_read(kind, monkeypatch):
                 assert reads.calls == ["numpy"], (kind, epoch, start, reads.calls)
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"balance_type": "mean"},
-        {"balance_type": "pair"},
-        {"balance_type": "mean", "stats_options": {"check_identity": "always"}},
-        {"balance_type": "pair", "statistics": "sketch", "sketch_dim": 64},
-    ],
-    ids=["mean", "pair", "mean-checked", "sketch-pair"],
-)
-def test_a_hook_step_sends_to_the_device_only_without_waiting(options, monkeypatch):
+@pytest.mark.parametrize("kind", list(HOOK_STEPS))
+def test_a_hook_step_sends_to_the_device_only_without_waiting(kind, monkeypatch):
     # on the CPU nothing waits; what is counted is each send that would wait on a GPU
     monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
     model, x, y = _setup()
-    with GraBSampler(range(48), model=model, batch_size=8, **options) as sampler:
+    with GraBSampler(range(48), model=model, batch_size=8, **HOOK_STEPS[kind]) as sampler:
         for _ in range(2):
             order = list(sampler)
             for start in range(0, 48, 8):

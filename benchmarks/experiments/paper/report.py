@@ -305,6 +305,13 @@ def _cumulative(values: list[float]):
         yield total
 
 
+def _siblings(out: Path) -> str:
+    """Links to the other results folders beside ``out`` (runs made elsewhere, a GPU say)."""
+    others = sorted(p.name for p in out.parent.iterdir() if p != out and (p / "runs").is_dir())
+    links = ", ".join(f"[{name}](../{name}/README.md)" for name in others)
+    return f"\n\nOther results folders: {links}." if others else ""
+
+
 def build(out: Path, tasks: Sequence[str]) -> list[str]:
     """Write every task's section and figure and the summary; returns the summary lines."""
     summary, sections = [], []
@@ -329,6 +336,7 @@ def build(out: Path, tasks: Sequence[str]) -> list[str]:
         + "\n".join(f"- {line}" for line in summary)
         + "\n\nPer task:\n\n"
         + "\n".join(sections)
+        + _siblings(out)
         + "\n\n"
         + (notes.read_text() if notes.exists() else COMMANDS)
     )

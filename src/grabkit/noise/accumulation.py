@@ -39,6 +39,7 @@ from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.windows import combine, gather_terms, rank_terms
 from grabkit.sharding import gradient_layout_of, local, world_size
 from grabkit.state import Stateful
+from grabkit.stats.transfer import to_device
 from grabkit.taps import GradientTaps
 from grabkit.validation import check_positive
 
@@ -284,7 +285,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
                 for g in grads
             ]
         )
-        counts = torch.tensor(self._micro_counts, dtype=torch.float64, device=self._device)
+        counts = to_device(torch.tensor(self._micro_counts, dtype=torch.float64), self._device)
         # the increment is d_k = (n_k / B_r) g_k: losses scaled by their share of this rank's
         # batch, and the ranks averaged
         weights = counts / counts.sum() / self._world()
@@ -313,7 +314,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
 
     def _true_squares(self) -> torch.Tensor:
         """(K, P) squares of the closed microbatches with each one's loss scale divided out."""
-        scale_sq = torch.tensor(self._micro_scales_sq, dtype=torch.float64, device=self._device)
+        scale_sq = to_device(torch.tensor(self._micro_scales_sq, dtype=torch.float64), self._device)
         return self._squares[: self._row] / scale_sq[:, None]
 
     def _fold(
@@ -354,8 +355,8 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             index = self._block_of.get(p)
             if index is not None:
                 step[index] = _square_norm(mean).to(torch.float64)
-        counts = torch.tensor(self._micro_counts, dtype=torch.float64, device=self._device)
-        window = torch.tensor(self._window_counts, dtype=torch.float64, device=self._device)
+        counts = to_device(torch.tensor(self._micro_counts, dtype=torch.float64), self._device)
+        window = to_device(torch.tensor(self._window_counts, dtype=torch.float64), self._device)
         # each microbatch's gradient is its own mean; the window weighs the ranks' average of
         # microbatch k by its agreed count c_k
         weights = window / window.sum() / self._world()

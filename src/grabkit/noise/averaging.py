@@ -11,6 +11,7 @@ import math
 import torch
 
 from grabkit.state import Stateful
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_probability
 
 __all__ = ["BiasCorrectedEMA"]
@@ -50,7 +51,7 @@ class BiasCorrectedEMA(Stateful):
         decay = math.pow(1.0 - self.update_rate, weight)
         if self._mean is None:
             self._mean = torch.zeros_like(x)
-        self._mean = decay * self._mean + (1.0 - decay) * x.to(self._mean.device)
+        self._mean = decay * self._mean + (1.0 - decay) * to_device(x, self._mean.device)
         self._decay_product *= decay
         return self.value
 

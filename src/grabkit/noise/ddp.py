@@ -27,6 +27,7 @@ from grabkit.noise.blocks import named_trainable_parameters
 from grabkit.noise.identities import loss_scale_squared, two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import TrackedEstimator
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_positive
 
 __all__ = ["DDPNoiseScale"]
@@ -104,7 +105,7 @@ class DDPNoiseScale(TrackedEstimator):
         index = self._index_cache.get(key)
         if index is None:
             blocks = [self._block_of[id(p)] for p in params]
-            index = self._index_cache[key] = torch.tensor(blocks, device=self._device)
+            index = self._index_cache[key] = to_device(torch.tensor(blocks), self._device)
         return index
 
     # no annotations: DDP compares them to the real classes, and postponed ones are strings
@@ -156,7 +157,7 @@ class DDPNoiseScale(TrackedEstimator):
                 "forward and backward of accumulated microbatches inside no_sync()"
             )
         scale_sq = loss_scale_squared(self.grad_scaler)
-        extra = torch.tensor([1.0 / count, count], dtype=torch.float64, device=self._device)
+        extra = to_device(torch.tensor([1.0 / count, count], dtype=torch.float64), self._device)
         summed = torch.cat([local, extra])
         work = dist.all_reduce(summed, group=self.process_group, async_op=True)
         self._fold_pending()

@@ -22,6 +22,7 @@ import torch
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import TrackedEstimator
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_positive
 
 __all__ = ["MicrobatchNoiseScale"]
@@ -106,7 +107,7 @@ class MicrobatchNoiseScale(TrackedEstimator):
             return None
         stacked = torch.cat([n.to(norms[0].device) for n in norms])  # (K, P)
         total = sum(counts)
-        weights = torch.tensor(counts, dtype=torch.float64, device=stacked.device) / total
+        weights = to_device(torch.tensor(counts, dtype=torch.float64), stacked.device) / total
         small = (weights[:, None] * stacked).sum(0)
         big = torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1).to(small.device)
         if big.shape != small.shape:

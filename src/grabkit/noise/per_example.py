@@ -148,4 +148,3 @@ class PerExampleNoiseScale(TrackedEstimator):
                 f"model's parameters {names}; build it with PerExampleNoiseScale.for_stats(stats)"
             )
         return self.observe(stats.norms_squared(), mean_sq.sum(), grad_scale)
-

@@ -19,6 +19,7 @@ from grabkit.noise.averaging import BiasCorrectedEMA
 from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.state import Stateful
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_positive, check_positive_int, check_probability
 
 __all__ = ["NoiseScaleTracker", "TrackedEstimator", "ratio_interval"]
@@ -136,7 +137,7 @@ class NoiseScaleTracker(Stateful):
             examples: number of examples the step used (the weight when window="examples").
         """
         g = torch.as_tensor(grad_norm_sq, dtype=torch.float64).reshape(-1)
-        t = torch.as_tensor(trace_sigma, dtype=torch.float64).reshape(-1).to(g.device)
+        t = to_device(torch.as_tensor(trace_sigma, dtype=torch.float64).reshape(-1), g.device)
         if g.numel() != len(self.block_names) or t.numel() != len(self.block_names):
             raise ValueError(
                 f"expected {len(self.block_names)} block values {self.block_names}, but got "
@@ -193,7 +194,6 @@ class NoiseScaleTracker(Stateful):
             observations=self.observations,
             examples=self.examples,
         )
-
 
 
 class TrackedEstimator(NoiseEstimator, Stateful):

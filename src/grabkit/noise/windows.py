@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.sharding import GradientLayout
+from grabkit.stats.transfer import to_device
 
 __all__ = ["combine", "gather_terms", "rank_terms"]
 
@@ -63,7 +64,7 @@ def rank_terms(
             (weights / counts).sum(),
             (weights.square() / counts).sum(),
             counts.sum(),
-            torch.tensor(float(len(counts)), dtype=torch.float64, device=counts.device),
+            to_device(torch.tensor(float(len(counts)), dtype=torch.float64), counts.device),
         ]
     )
     small = (weights[:, None] * norms_sq).sum(0)

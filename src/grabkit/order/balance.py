@@ -387,16 +387,20 @@ def _run_flat_recursion(
     ``pending[l]`` is <s, z_l> with every decision so far folded in: deciding z_i adds
     eps_i <z_i, z_l> to each later entry (one vectorised row update, in the same order as a
     scalar loop, so the same floating-point numbers), and each decision reads one ready number.
+    A sign is +1 or -1, so the update adds or subtracts the row in place (no product, no
+    temporary: the same numbers, since x + (-y) is x - y in floating point).
     """
     k = values.shape[0]
     pending = np.array(values, dtype=np.float64)
     draws = [None] * k if uniforms is None else uniforms.tolist()
+    decide = rule.decide
     chosen = []
     for i in range(k):
-        eps = rule.decide(float(pending[i]), draws[i])
+        eps = decide(pending.item(i), draws[i])
         chosen.append(eps)
         if i + 1 < k:
-            pending[i + 1 :] += eps * kernel[i, i + 1 :]
+            later = pending[i + 1 :]
+            (np.add if eps > 0 else np.subtract)(later, kernel[i, i + 1 :], out=later)
     signs = np.array(chosen, dtype=np.float64).reshape(k, 1)
     return signs, np.zeros(k, dtype=np.int64), signs.T.copy()
 
