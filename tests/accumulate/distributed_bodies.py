@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from tests.accumulate.helpers import make_microbatches, make_model, mean_loss
@@ -109,11 +111,30 @@ def disagreement_run(rank: int) -> list[str]:
     return events
 
 
+def unequal_counts_warnings(rank: int, world_size: int) -> list[bool]:
+    """Under DDP: equal counts, then a microbatch whose counts differ by rank, then equal again.
+    Whether each step warned that DDP's equal-weight average may misweight the window."""
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gns", ddp.parameters(), noise_multiplier=0.3)
+    warned = []
+    for i, (x, y) in enumerate(make_microbatches([4, 4, 4, 4], seed=5)):
+        xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        mean_loss(ddp, xs, ys).backward()
+        count = len(xs) + (rank if i == 1 else 0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrapper.step(count=count)
+        warned.append(any("counted different weights" in str(w.message) for w in caught))
+    return warned
+
+
 def body(rank: int, world_size: int, payload: dict) -> dict:
     torch.manual_seed(0)
     result = {"adversarial": adversarial_decisions(rank), "disagreement": disagreement_run(rank)}
     result["sharded"] = sharded_run(rank, world_size, payload["sharded_grads"])
     if payload.get("ddp_sizes"):
         result["ddp"] = ddp_run(rank, world_size, payload["ddp_sizes"])
+        result["unequal_counts"] = unequal_counts_warnings(rank, world_size)
     dist.barrier()
     return result

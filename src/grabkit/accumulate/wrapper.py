@@ -377,8 +377,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             return _Microbatch(
                 count, global_count, None if metric is None else metric.to(device), norm_sq
             )
-        head = torch.zeros(7, dtype=torch.float64, device=device)
+        head = torch.zeros(8, dtype=torch.float64, device=device)
         head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
+        head[7] = head[0].square()  # summed: tells whether the ranks counted alike
         if metric is not None:
             head[1] = head[0] * metric.to(device)
         if found_inf is not None:
@@ -387,15 +388,17 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
         head[4] = float(not pending)
         if squares is not None and self._compares_replicas():
-            head[5:] = replica_fingerprint(squares, self._indices_of(pending, device))
+            head[5:7] = replica_fingerprint(squares, self._indices_of(pending, device))
         head[5] += float(held)  # sharded: the ranks whose gradient fully_shard holds back
         self._reducer.sum(head)
-        overflow, invalid, empty, fingerprint, fingerprint_sq = head[2:].tolist()  # host reads
+        total, _, overflow, invalid, empty, fingerprint, fingerprint_sq, count_sq = head.tolist()
         if self._reducer.gradient_layout == "sharded" and fingerprint > 0:
             _refuse_unreduced_shards(int(fingerprint), world)
         reason = self._drop_reason(count, overflow, invalid, empty)
         if reason is not None:
             return reason
+        if world > 1 and world * count_sq > total * total * (1.0 + 1e-12):
+            self._warn_unequal_counts(count, total, world)
         inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal()
         weight = head[0] if inverse_scale is None else head[0] * inverse_scale
         metric = None if metric is None else head[1] / head[0]
@@ -425,6 +428,31 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             "microbatches. no_sync() saves nothing here (the wrapper decides after every "
             "microbatch, so each one is reduced): leave it out and let DDP overlap the "
             "all-reduce with the backward",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _warn_unequal_counts(self, count: float | torch.Tensor, total: float, world: int) -> None:
+        """The ranks counted different weights for one microbatch (sum c_r^2 > (sum c_r)^2 / W).
+
+        DDP (and ``fully_shard``) average the ranks' gradients with equal weights, while the
+        window weighs the microbatch by the summed count: exact when each rank's loss was
+        normalised by the global count, misweighted when each rank's loss is its own mean. The
+        wrapper cannot tell the two apart, so it says so once.
+        """
+        if getattr(self, "_warned_unequal_counts", False):
+            return
+        self._warned_unequal_counts = True
+        shown = float(count) if isinstance(count, torch.Tensor) else count
+        warnings.warn(
+            f"the ranks counted different weights for one microbatch (this rank {shown:g}, "
+            f"the mean {total / world:g} over {world} ranks). DistributedDataParallel and "
+            "fully_shard average the ranks' gradients with equal weights, so the window holds "
+            "the global microbatch's gradient only if each rank's loss was divided by the "
+            "global count (as Hugging Face's Trainer does with num_items_in_batch); if each "
+            "rank's loss is its own mean, the window is misweighted. Fix: equal local batches "
+            "(DistributedSampler pads them), or scale each rank's loss by count * world_size / "
+            "global count; or, when the weights differ only in the last batch, drop_last=True",
             RuntimeWarning,
             stacklevel=4,
         )
