@@ -1,10 +1,12 @@
-"""Lightning callbacks the resume tests share: a checkpoint at any batch, the estimates per step."""
+"""What the Lightning resume tests share: a checkpoint at any batch, the estimates per step, and
+each rank's loader of a DDP run."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning.pytorch as L
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from grabkit.integrations.lightning import NoiseScaleCallback
 
@@ -35,3 +37,14 @@ def triple(result) -> tuple | None:
     if result is None:
         return None
     return result.grad_norm_sq, result.trace_sigma, result.observations
+
+
+def rank_loader(dataset: Dataset, world: int, rank: int, batch: int, stateful: bool) -> DataLoader:
+    """This rank's share of ``dataset`` in order; ``stateful``: a ``StatefulDataLoader``, whose
+    position is in Lightning's checkpoint (an exact mid-epoch resume)."""
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dataset, batch_size=batch, sampler=sampler)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
-from tests.integrations.lightning_hooks import SaveAfterBatch  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from tests.integrations.lightning_hooks import SaveAfterBatch, rank_loader  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.accumulate import (  # noqa: E402
     OptimizerWrapperGNS,
@@ -96,12 +96,7 @@ class Classifier(L.LightningModule):
         self.reasons: list[str] = []
 
     def train_dataloader(self) -> DataLoader:
-        sampler = DistributedSampler(data(), num_replicas=W, rank=self.global_rank, shuffle=False)
-        if self.stateful:  # its position is in Lightning's checkpoint: exact mid-epoch resume
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            return StatefulDataLoader(data(), batch_size=B, sampler=sampler)
-        return DataLoader(data(), batch_size=B, sampler=sampler)
+        return rank_loader(data(), W, self.global_rank, B, self.stateful)
 
     def training_step(self, batch, batch_idx):
         x, y, trained = batch
@@ -238,6 +233,17 @@ def assert_ranks_equal(ranks: list[dict]) -> None:
             assert torch.equal(other["params"][name], value), name  # bitwise
 
 
+def assert_resumed_equal(full: list[dict], resumed: list[dict], done: int) -> None:
+    """Each rank of the resumed run ends as the uninterrupted one, bitwise, having made the
+    decisions that followed the first ``done`` microbatches."""
+    assert_ranks_equal(resumed)
+    for rank, again in zip(full, resumed, strict=True):
+        assert again["num_steps"] == rank["num_steps"]
+        assert again["reasons"] == rank["reasons"][done:]
+        for name, value in rank["params"].items():
+            assert torch.equal(again["params"][name], value), name
+
+
 def assert_params_close(got: dict, want: dict) -> None:
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-10, atol=1e-12, msg=name)
@@ -278,12 +284,7 @@ def test_a_checkpoint_inside_a_window_resumes_to_the_uninterrupted_run(tmp_path,
     full = fit(tmp_path / "full", kind, stateful=True, save_after=1)
     assert full[0]["reasons"][:2] == ["accumulating"] * 2
     resumed = fit(tmp_path / "resumed", kind, tmp_path / "full" / "mid_window.ckpt", True)
-    assert_ranks_equal(resumed)
-    for rank, again in zip(full, resumed, strict=True):
-        assert again["num_steps"] == rank["num_steps"]
-        assert again["reasons"] == rank["reasons"][2:]
-        for name, value in rank["params"].items():
-            assert torch.equal(again["params"][name], value), name
+    assert_resumed_equal(full, resumed, done=2)
 
 
 def test_ranks_counting_different_weights_are_refused_before_anything_is_folded(
@@ -308,9 +309,4 @@ def test_a_window_open_across_an_epoch_end_checkpoint_resumes_to_the_uninterrupt
     full = fit(tmp_path / "full", "sbc", save_after="epoch")
     assert full[0]["reasons"][4] == "accumulating"
     resumed = fit(tmp_path / "resumed", "sbc", tmp_path / "full" / "epoch=0.ckpt")
-    assert_ranks_equal(resumed)
-    for rank, again in zip(full, resumed, strict=True):
-        assert again["num_steps"] == rank["num_steps"]
-        assert again["reasons"] == rank["reasons"][5:]
-        for name, value in rank["params"].items():
-            assert torch.equal(again["params"][name], value), name
+    assert_resumed_equal(full, resumed, done=5)

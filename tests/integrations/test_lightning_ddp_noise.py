@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
-from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, rank_loader  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import NoiseScaleCallback  # noqa: E402
 from grabkit.noise import MicrobatchNoiseScale  # noqa: E402
@@ -49,12 +49,7 @@ class Classifier(L.LightningModule):
         self.net, self.out, self.stateful = network(), out, stateful
 
     def train_dataloader(self) -> DataLoader:
-        sampler = DistributedSampler(data(), num_replicas=W, rank=self.global_rank, shuffle=False)
-        if self.stateful:  # its position is in Lightning's checkpoint: exact mid-epoch resume
-            from torchdata.stateful_dataloader import StatefulDataLoader
-
-            return StatefulDataLoader(data(), batch_size=B, sampler=sampler)
-        return DataLoader(data(), batch_size=B, sampler=sampler)
+        return rank_loader(data(), W, self.global_rank, B, self.stateful)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
