@@ -235,6 +235,40 @@ def test_a_loss_scale_is_divided_out_of_grab(tmp_path):
         assert torch.equal(value, params(plain.model)[name]), name
 
 
+def test_a_loss_scale_is_divided_out_of_the_logged_per_example_norms(tmp_path):
+    """Once logged as backpropagated: each norm times a scale that doubles every step."""
+
+    def run(out, scaled):
+        norms = huggingface.ExampleGradientNormsCallback()
+        kept = []
+        trainer = GrabkitTrainer(
+            tiny_bert(), arguments(out, num_train_epochs=1), train_dataset=dataset(),
+            callbacks=[norms],
+        )  # fmt: skip
+        original = norms.after_backward
+
+        def keep(scaler):
+            original(scaler)
+            kept.append(norms.norms.take())
+
+        norms.after_backward = keep
+        (_scaled(trainer) if scaled else trainer).train()
+        return trainer, torch.cat(kept)
+
+    (_, plain), (trainer, scaled) = run(tmp_path / "plain", False), run(tmp_path / "s", True)
+    assert trainer.accelerator.scaler.get_scale() > 2.0**10  # it scaled, more each step
+    torch.testing.assert_close(scaled, plain, rtol=1e-5, atol=0.0)
+
+
+def test_per_example_norms_under_fp16_need_the_grabkit_trainer(tmp_path):
+    """A plain Trainer gives callbacks no access to its GradScaler: raised, not logged scaled."""
+    norms = huggingface.ExampleGradientNormsCallback()
+    args = arguments(tmp_path, num_train_epochs=1)
+    args.fp16 = True  # what the callback reads; fp16 itself needs a GPU
+    with pytest.raises(ValueError, match=r"fp16=True.*GrabkitTrainer"):
+        norms.on_train_begin(args, None, None, model=tiny_bert())
+
+
 # -- accumulation= ---------------------------------------------------------------------------------
 def _adaptive_args(out, **overrides):
     options = dict(

@@ -17,6 +17,11 @@ run scaled alike. On a model that already carries hook statistics (a hook-mode `
 ``sampler.stats``), pass them as ``stats``: one set of hooks serves both. A sketching sampler's
 ``SketchedStats`` give the norms of the (B, k) sketches, unbiased estimates of |g_i|^2 with a
 relative error of about sqrt(2 / k) (0.044 at k = 1024), not exact norms.
+
+Under fp16 mixed precision each loss is multiplied by a ``GradScaler``'s scale before its
+backward, and the scale changes during training; ``grad_scaler`` (set by the callbacks to the
+framework's scaler) has it divided out of each backward's norms, read before the scaler's next
+``update()`` (the norms of a whole accumulation window share one scale).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class ExampleGradientNorms:
         self._owns = stats is None
         self.stats = stats if stats is not None else PerSampleStats(model, loss_reduction)
         self.scale = 1.0  # undoes a framework's factor on every loss (Lightning's 1 / accumulation)
+        self.grad_scaler: torch.amp.GradScaler | None = None  # fp16: its scale divided out
         self._kept: list[torch.Tensor] = []
         self.subscription = self.stats.subscribe(self.capture)
 
@@ -87,6 +93,9 @@ class ExampleGradientNorms:
             return
         squares = batch.norms_squared()
         norms = squares.detach().clamp(min=0).sqrt().cpu()
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            norms = norms / float(scaler.get_scale())  # the scale of this backward's loss
         self._kept.append(norms * self.scale)
 
     def take(self) -> torch.Tensor:

@@ -149,7 +149,10 @@ class ExampleGradientNormsCallback(TrainerCallback):
     receives them; with a plain ``Trainer`` they reach ``state.log_history`` and the callbacks
     after this one (Trainer runs its reporters first). Under several processes each rank measures
     its own examples and rank 0's are reported. A GraB sampler's statistics on the model are
-    shared (one set of hooks; a sketching sampler's give estimated norms).
+    shared (one set of hooks; a sketching sampler's give estimated norms). Under ``fp16=True``
+    the GradScaler's scale is divided out of each backward's norms, which needs a
+    ``GrabkitTrainer`` (it hands the callback the scaler after each backward; a plain ``Trainer``
+    exposes no scaler to callbacks, so there it raises rather than log scaled norms).
 
     Args:
         quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
@@ -160,13 +163,29 @@ class ExampleGradientNormsCallback(TrainerCallback):
     ) -> None:
         self.quantiles, self.loss_reduction = tuple(quantiles), loss_reduction
         self.norms: ExampleGradientNorms | None = None
+        self.scaler_handed = False  # a GrabkitTrainer hands the GradScaler after each backward
         ExampleGradientNorms.check_quantiles(self.quantiles)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+        if getattr(args, "fp16", False) and not self.scaler_handed:
+            raise ValueError(
+                "ExampleGradientNormsCallback under fp16=True: Trainer multiplies each loss by "
+                "its GradScaler's scale, which changes during training, and a plain Trainer "
+                "gives callbacks no access to it, so the logged norms would be scaled. Use "
+                "grabkit.integrations.huggingface.GrabkitTrainer (it divides the scale out), "
+                "or bf16=True."
+            )
         if self.norms is None:
             sampler = grab_sampler_of(train_dataloader)
             stats = None if sampler is None else sampler.stats
             self.norms = ExampleGradientNorms(model, stats, self.loss_reduction, self.quantiles)
+
+    def after_backward(self, grad_scaler: Any) -> None:
+        """Keep this backward's norms now, before the optimizer step updates ``grad_scaler``
+        (Trainer's fp16 GradScaler, or None), whose scale is divided out."""
+        if self.norms is not None:
+            self.norms.grad_scaler = grad_scaler
+            self.norms.capture()
 
     def summary(self) -> dict[str, float]:
         return {} if self.norms is None else self.norms.summary()
@@ -346,6 +365,9 @@ class GrabkitTrainer(Trainer):
             noise_path = os.path.join(folder, NOISE_FILE)
             if self.noise_scale is not None and os.path.isfile(noise_path):
                 self.noise_scale.load_state_dict(torch.load(noise_path, weights_only=True))
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ExampleGradientNormsCallback):
+                callback.scaler_handed = True  # training_step: after_backward(scaler)
         if self.grouping_options is not None:
             if any(
                 isinstance(c, ExampleGradientNormsCallback) for c in self.callback_handler.callbacks
@@ -436,6 +458,10 @@ class GrabkitTrainer(Trainer):
         if wrapper is not None:
             wrapper.default_count = count  # the weight of the step() Trainer calls next
         loss = super().training_step(model, inputs, num_items_in_batch)
+        scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, ExampleGradientNormsCallback):
+                callback.after_backward(scaler)
         if self.grab_sampler is not None:
             # this microbatch's examples, with their own gradients (fp16: the scale divided out)
             step_sampler(self.grab_sampler, getattr(self.accelerator, "scaler", None))

@@ -596,6 +596,8 @@ class ExampleGradientNormsCallback(Callback):
         module = self.module if self.module is not None else pl_module
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
         self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
+        # 16-mixed: the loss scale divided out (every capture runs before the scaler's update)
+        self.norms.grad_scaler = getattr(trainer.precision_plugin, "scaler", None)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         norms = self.norms.take()
