@@ -372,3 +372,45 @@ def test_bf16_parameters_are_no_false_alarm(autocast):
                 out = model(x.to(torch.bfloat16))
             per_example_loss(out.float(), y).mean().backward()
             assert torch.isfinite(stats.norms_squared()).all()
+
+
+def _fp16_bert_step(stats, model, loss_scale: float, penalty: float) -> None:
+    """One backward of a tiny float16 BERT's classification loss (times ``loss_scale``, as a
+    GradScaler scales it), plus ``penalty`` x |query weight|^2 (not a sum over examples)."""
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(
+        0, model.config.vocab_size, (8, model.config.max_position_embeddings), generator=gen
+    )
+    labels = torch.randint(0, model.config.num_labels, (8,), generator=gen)
+    model.zero_grad()
+    loss = F.cross_entropy(model(input_ids=ids).logits.float(), labels)
+    weight = model.bert.encoder.layer[0].attention.self.query.weight
+    (loss_scale * (loss + penalty * weight.float().square().sum())).backward()
+    stats.norms_squared()
+
+
+def test_float16_gradients_that_underflow_are_no_false_alarm():
+    """Without a loss scale a float16 BERT's attention gradients underflow (entries near 1e-8,
+    below float16's smallest normal): rounded by a fixed amount, not in proportion, which the
+    tolerance once left out and raised on its query and key weights."""
+    pytest.importorskip("transformers")
+    from tests.integrations.tiny import tiny_bert
+
+    torch.manual_seed(0)
+    model = tiny_bert().half()
+    with PerSampleStats(model, check_identity="always") as stats:
+        for _ in range(2):
+            _fp16_bert_step(stats, model, loss_scale=1.0, penalty=0.0)
+
+
+def test_float16_with_a_loss_scale_still_catches_a_penalty():
+    """Scaled as a GradScaler scales it, nothing underflows, and an undeclared penalty raises."""
+    pytest.importorskip("transformers")
+    from tests.integrations.tiny import tiny_bert
+
+    torch.manual_seed(0)
+    model = tiny_bert().half()
+    with PerSampleStats(model, check_identity="always") as stats:
+        _fp16_bert_step(stats, model, loss_scale=2.0**12, penalty=0.0)
+        with pytest.raises(IdentityCheckError, match=r"query\.weight"):
+            _fp16_bert_step(stats, model, loss_scale=2.0**12, penalty=1e-3)

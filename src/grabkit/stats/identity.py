@@ -60,12 +60,19 @@ kappa times it. Under bf16 that term dominates: the check catches differences of
 kappa u_low R and more, R summing the examples' own gradient norms (a loss term whose gradient
 is 2 to 5 times the data's, ``benchmarks/identity_margins.py``), not small ones.
 
+Below a dtype's smallest normal a rounding is absolute, not relative: a float16 gradient entry
+under 6.1e-5 (no loss scale: a small model's attention gradients) is off by up to 2^-25 whatever
+its size. Each delivered gradient therefore adds ``underflow_rounding(dtype)`` times the number
+of probed entries (|a_i b_j| <= 1) to its parameter's bound: about 3e-5 for a 32 x 32 float16
+weight, 2^-150 per entry (nothing) for float32. With a GradScaler's scale the gradients are far
+above it and the bound is the relative one.
+
 For per-example factors (biases, normalisation layers) the terms are the per-position contributions
 their rule summed, whose norms the rule reports (``PerExampleFactor(terms=...)``; without it each
 example's row is taken as one term); a normalisation layer's rule recomputes xhat, whose rounding
 is relative to (|x| + |mean|) / sqrt(var + eps) rather than to |xhat| (they differ where x - mean
 cancels), and reports its terms on that scale. Measured differences sit at most 1/500 of this bound
-(training steps of the MLP and the small GPT of the benchmarks, float32), at most 1/9 under bf16
+(training steps of the MLP and the small GPT of the benchmarks, float32), at most 0.135 under bf16
 (tiny BERT, GPT-2 and Llama under bf16 autocast, float32 or bf16 parameters); it is not tuned to
 anything.
 
@@ -194,6 +201,16 @@ class IdentityCheckError(RuntimeError):
 
 
 @functools.cache
+def underflow_rounding(dtype: torch.dtype) -> float:
+    """Half the spacing of a floating dtype's subnormals (float16: 2^-25): the absolute error a
+    rounding to it may make below its smallest normal, where the relative bound u |x| fails."""
+    if not dtype.is_floating_point:
+        return 0.0
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+@functools.cache
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = 2^-(mantissa bits + 1) of a floating dtype (float32: 2^-24); 0 for other dtypes."""
     if not dtype.is_floating_point:
@@ -307,6 +324,11 @@ class _Probe:
     def matrix(self) -> bool:
         return self.cols > 1
 
+    @property
+    def entries(self) -> int:
+        """The number of entries of G the probe reads in a step (its support)."""
+        return self.row.block * (self.col.block if self.matrix else 1)
+
     def gradient_side(self, grad: torch.Tensor) -> torch.Tensor:
         """a^T G b over this step's support, for a gradient G delivered to the parameter."""
         g = grad.detach() if grad.requires_grad else grad  # (create_graph: no graph for this)
@@ -402,6 +424,7 @@ class IdentityCheck:
         self._blocks = random.Random(seed)
         self._coefficients: dict[tuple, torch.Tensor] = {}
         self.gradient_sides: dict[str, torch.Tensor] = {}
+        self.floors: dict[str, float] = {}  # name -> the delivered gradients' underflow bound
         self.every_step = every_step
         self._structure = structure
         self._draws = random.Random(seed + 1)  # which steps the schedule checks
@@ -417,6 +440,7 @@ class IdentityCheck:
     def begin_step(self) -> None:
         self._active = None
         self.gradient_sides = {}
+        self.floors = {}
 
     @property
     def active(self) -> bool:
@@ -461,9 +485,14 @@ class IdentityCheck:
         if not self.active:
             return
         start = time.thread_time()
-        value = self.probes[name].gradient_side(grad)
+        probe = self.probes[name]
+        value = probe.gradient_side(grad)
         previous = self.gradient_sides.get(name)
         self.gradient_sides[name] = value if previous is None else previous + value
+        # each probed entry of G was rounded to grad's dtype: below its smallest normal by up to
+        # underflow_rounding, and |a_i b_j| <= 1, so the probe moves by at most entries * that
+        floor = probe.entries * underflow_rounding(grad.dtype)
+        self.floors[name] = self.floors.get(name, 0.0) + floor
         self._spent += time.thread_time() - start
 
     def gradient_side(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -506,7 +535,9 @@ class IdentityCheck:
             factor = factors.get(name)
             if factor is not None:
                 _add_segments(segments, index, self.probes[name], factor, cache)
-        comparison = _Comparison(names, segments, sides, low_precision, self._coefficients)
+        comparison = _Comparison(
+            names, segments, sides, low_precision, self._coefficients, self.floors
+        )
         pending = PendingIdentityCheck(comparison)
         self._spent += time.thread_time() - start
         if defer:
@@ -555,8 +586,10 @@ class _Comparison:
         gradient_sides: Mapping[str, torch.Tensor],
         low_precision: Mapping[str, float],
         coefficient_cache: dict[tuple, torch.Tensor],
+        floors: Mapping[str, float],
     ) -> None:
         self.names, self.segments = names, segments
+        self.floors = [floors.get(name, 0.0) for name in names]  # added to each bound
         values = list(gradient_sides.values())
         reference = values[0] if values else segments[0].products
         self.device = reference.device
@@ -626,7 +659,7 @@ class _Comparison:
         failing = [
             k
             for k, (f, g, t) in enumerate(zip(factor_side, gradient_side, tolerance, strict=True))
-            if abs(f - g) > t and math.isfinite(g)
+            if abs(f - g) > t + self.floors[k] and math.isfinite(g)
         ]
         if not failing:
             return []
@@ -655,7 +688,7 @@ class _Comparison:
         self, factor_side: tuple, gradient_side: tuple, candidates: list[int]
     ) -> list[_Outcome]:
         """The bound with R itself, for the parameters that failed the fast path."""
-        bound = dict.fromkeys(candidates, 0.0)
+        bound = {k: self.floors[k] for k in candidates}
         for constant, s in zip(self.constants, self.segments, strict=True):
             if s.index in bound:
                 bound[s.index] += constant * float(s.magnitude())
