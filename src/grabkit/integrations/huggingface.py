@@ -464,11 +464,10 @@ class GrabkitTrainer(Trainer):
                 callback.after_backward(scaler)
         if self.grab_sampler is not None:
             # this microbatch's examples, with their own gradients (fp16: the scale divided out)
-            step_sampler(self.grab_sampler, getattr(self.accelerator, "scaler", None))
+            step_sampler(self.grab_sampler, scaler)
         if self.noise_scale is not None:
             items = None if num_items_in_batch is None else float(num_items_in_batch)
             last = self.accelerator.sync_gradients  # the window's last microbatch: before clipping
-            scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
             self.noise_scale.microbatch(model, count, weighting, items, last, scaler)
         return loss
 
