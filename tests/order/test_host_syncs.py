@@ -65,13 +65,24 @@ def _setup(device: str = "cpu"):
     return model, x, y
 
 
-@pytest.mark.parametrize("kind", ["mean", "pair"])
-def test_an_exact_hook_step_reads_the_device_once(kind, monkeypatch):
+#: the hook-mode steps whose GPU synchronisations are counted: exact (the second epoch balances
+#: against a stale mean), the identity check on every step, sketched
+HOOK_STEPS = {
+    "mean": {"balance_type": "mean"},
+    "pair": {"balance_type": "pair"},
+    "mean-checked": {"balance_type": "mean", "stats_options": {"check_identity": "always"}},
+    "sketch-pair": {"balance_type": "pair", "statistics": "sketch", "sketch_dim": 64},
+}
+
+
+@pytest.mark.parametrize("kind", list(HOOK_STEPS))
+def test_a_hook_step_reads_the_device_once(kind, monkeypatch):
     # every Linear weight takes its signed sum from the batch gradient: the path that used to
-    # send the +-1 weights to the device and read them back
+    # send the +-1 weights to the device and read them back; the identity check's numbers and
+    # the sketches' products share the one read
     monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
     model, x, y = _setup()
-    with GraBSampler(range(48), model=model, balance_type=kind, batch_size=8) as sampler:
+    with GraBSampler(range(48), model=model, batch_size=8, **HOOK_STEPS[kind]) as sampler:
         for epoch in range(2):  # the second epoch balances against a stale mean too
             order = list(sampler)
             for start in range(0, 48, 8):
@@ -85,21 +96,14 @@ def test_an_exact_hook_step_reads_the_device_once(kind, monkeypatch):
                 assert reads.calls == ["numpy"], (kind, epoch, start, reads.calls)
 
 
-#: the hook-mode steps whose GPU synchronisations are counted: exact (the second epoch balances
-#: against a stale mean), the identity check on every step, sketched
-HOOK_STEPS = {
-    "mean": {"balance_type": "mean"},
-    "pair": {"balance_type": "pair"},
-    "mean-checked": {"balance_type": "mean", "stats_options": {"check_identity": "always"}},
-    "sketch-pair": {"balance_type": "pair", "statistics": "sketch", "sketch_dim": 64},
-}
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", list(HOOK_STEPS))
 def test_a_hook_step_synchronises_with_the_gpu_once(kind, monkeypatch):
     monkeypatch.setattr(step_module, "_TWO_VALUED_MIN_ENTRIES", 1)
     model, x, y = _setup("cuda")
+    with warnings.catch_warnings(record=True):  # the first switch warns "prototype feature"
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
     with GraBSampler(range(48), model=model, batch_size=8, **HOOK_STEPS[kind]) as sampler:
         for _ in range(2):
             order = list(sampler)

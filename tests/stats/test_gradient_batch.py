@@ -109,3 +109,37 @@ def test_divided_equals_the_divided_rows_on_every_read():
         torch.testing.assert_close(running, weights.T @ expected + 1)
         unit = expected / expected.norm(dim=1, keepdim=True).clamp_min(1e-300)
         torch.testing.assert_close(divided.normalized().gram(), unit @ unit.T)
+
+
+class Reads:
+    """Records the host reads and settles sent to it (what a batch's statistics would do)."""
+
+    def __init__(self) -> None:
+        self.reads, self.settles = 0, 0
+
+    def to_host(self, tensor):
+        self.reads += 1
+        return tensor.cpu().numpy()
+
+    def settle(self):
+        self.settles += 1
+
+
+def test_every_batch_derived_from_a_batch_reads_the_host_through_it():
+    # a check pending on the statistics must ride on whatever batch the consumer ends up reading
+    reads = Reads()
+    batch = DenseGradientBatch(torch.randn(6, 4), reads_through=reads)
+    derived = [
+        batch.normalized(),
+        batch.divided(2.0),
+        batch.split(2)[1],
+        batch.derived(batch.matrix[:, :2]),
+        batch.normalized().split(3)[0].divided(4.0),
+    ]
+    for piece in derived:
+        piece.to_host(torch.ones(2))
+        piece.settle()
+    assert (reads.reads, reads.settles) == (len(derived), len(derived))
+    plain = DenseGradientBatch(torch.randn(6, 4))
+    assert plain.derived(plain.matrix).reads_through is plain
+    assert plain.to_host(torch.ones(2)).tolist() == [1.0, 1.0]

@@ -66,6 +66,23 @@ def test_the_check_runs_in_sketch_mode():
             stats.sketches()
 
 
+@pytest.mark.parametrize("kind", ["exact", "sketch"])
+def test_a_pending_check_is_compared_before_any_value_reaches_the_host(kind):
+    # gradient_batch(settle=False): the check rides on the consumer's one host transfer, and
+    # a batch derived from it (normalised, cut) reads through it
+    model = mlp()
+    x, y = data()
+    make = PerSampleStats(model, "mean") if kind == "exact" else SketchedStats(model, dim=16)
+    with make as stats:
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
+        batch = stats.gradient_batch(settle=False)
+        derived = batch.normalized().split(2)[-1]
+        with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
+            derived.to_host(derived.norms_squared())
+        with pytest.raises(IdentityCheckError):  # again at every read of the step
+            batch.settle()
+
+
 @pytest.mark.parametrize("multiplier", [1.0, 8.0])
 def test_a_declared_batch_term_is_left_out_of_every_example(float64, reference_tools, multiplier):
     model = mlp()

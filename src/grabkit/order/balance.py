@@ -43,7 +43,7 @@ import torch
 
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.stats.transfer import to_device
+from grabkit.stats.transfer import to_device, to_host
 from grabkit.validation import check_bool, check_positive
 
 __all__ = [
@@ -518,6 +518,8 @@ def balance_dense_vectors(
     accumulators: torch.Tensor,
     rule: SignRule,
     policy: BlockPolicy = DEFAULT_POLICY,
+    *,
+    read: Callable[[torch.Tensor], np.ndarray] = to_host,
 ) -> np.ndarray:
     """Balance ``count`` vectors made block by block against one running sum, on the CPU.
 
@@ -527,6 +529,8 @@ def balance_dense_vectors(
             Blocks hold ``policy.block_rows(row bytes)`` vectors, so a scratch buffer of that many
             rows is enough; vectors formed one block at a time stay in cache while they are used.
         accumulators: (1, d) running signed sum, updated in place once all blocks were finite.
+        read: reads the one-Gram path's products to the host (the batch's ``to_host``, so a
+            check pending on the batch is compared in the same read).
     Returns:
         signs (count,).
 
@@ -536,7 +540,7 @@ def balance_dense_vectors(
     """
     d = accumulators.shape[1]
     if policy.one_gram(count, d):
-        return _balance_with_one_gram(vectors(0, count), accumulators, rule)
+        return _balance_with_one_gram(vectors(0, count), accumulators, rule, read)
     shape = (count, d)
     zero = np.zeros((count, 0))
     balancer = _DenseCpuBalance(
@@ -547,12 +551,15 @@ def balance_dense_vectors(
 
 
 def _balance_with_one_gram(
-    Z: torch.Tensor, accumulators: torch.Tensor, rule: SignRule
+    Z: torch.Tensor,
+    accumulators: torch.Tensor,
+    rule: SignRule,
+    read: Callable[[torch.Tensor], np.ndarray],
 ) -> np.ndarray:
     """Signs (k,) of the (k, d) CPU vectors ``Z`` against the (1, d) running sum, which moves by
     sum_i eps_i z_i once every product was found finite."""
     columns = Z.T
-    products = torch.cat([accumulators @ columns, Z @ columns]).numpy()  # (1 + k, k)
+    products = read(torch.cat([accumulators @ columns, Z @ columns]))  # (1 + k, k)
     if not np.isfinite(products).all():
         raise ValueError(NON_FINITE_HELP)
     uniforms = rule.uniforms(Z.shape[0])

@@ -121,7 +121,7 @@ def gather_rows(
     dist.all_gather(gathered, X.contiguous())
     rows = torch.stack(gathered, dim=1).reshape(X.shape[0] * W, X.shape[1])
     global_positions = (positions[:, None] * W + torch.arange(W)[None, :]).reshape(-1)
-    return DenseGradientBatch(rows), global_positions
+    return batch.derived(rows), global_positions
 
 
 def global_rows(
@@ -141,5 +141,5 @@ def global_rows(
     keep = global_positions < n  # padding repeats examples: not balanced twice
     indices = padded[global_positions[keep]]
     if not bool(keep.all()):
-        batch = DenseGradientBatch(batch.coordinates()[keep.to(batch.device)])
+        batch = batch.derived(batch.coordinates()[keep.to(batch.device)])
     return batch, indices

@@ -31,7 +31,7 @@ import torch
 from grabkit.order import distributed as collective
 from grabkit.order.projection import PROJECTION_KINDS, make_projection
 from grabkit.order.topology import Setting
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 from grabkit.validation import check_positive_int
 
 __all__ = [
@@ -131,7 +131,7 @@ class Cast(Transform):
         if X is None:
             return rows
         moved = X.to(device=self.device or X.device, dtype=self.dtype or X.dtype)
-        return replace(rows, batch=DenseGradientBatch(moved))
+        return replace(rows, batch=rows.batch.derived(moved))
 
 
 def jl_dimension(n: int, eps: float) -> int:
@@ -210,7 +210,7 @@ class Project(Transform):
                 f"the projection returned shape {tuple(Y.shape)} for a batch of {batch.size}; "
                 "it should return (B, k)."
             )
-        return replace(rows, batch=DenseGradientBatch(Y))
+        return replace(rows, batch=batch.derived(Y))
 
 
 class GatherAcrossRanks(Transform):
@@ -232,7 +232,7 @@ class GatherAcrossRanks(Transform):
         batch, positions = collective.gather_rows(batch, local, rows.start, self.num_replicas)
         keep = positions < self.n  # padding repeats examples: not balanced twice
         if not bool(keep.all()):
-            batch = DenseGradientBatch(batch.coordinates()[keep.to(batch.device)])
+            batch = batch.derived(batch.coordinates()[keep.to(batch.device)])
             positions = positions[keep]
         return Rows(batch, positions, rows.start)
 

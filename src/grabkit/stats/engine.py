@@ -1351,10 +1351,10 @@ class PerSampleStats(StatisticsSource):
         by several layers or calls gets their combination (``grabkit.stats.factors.combine``).
         With ``check_identity`` they are verified against the delivered gradients first.
         """
-        factors, batch_size, scale, _ = self._checked_factors(defer=False)
+        factors, batch_size, scale, _ = self.checked_step_factors(defer=False)
         return factors, batch_size, scale
 
-    def _checked_factors(
+    def checked_step_factors(
         self, *, defer: bool
     ) -> tuple[dict[str, ParameterFactor | None], int, float, PendingIdentityCheck | None]:
         """``step_factors()`` and, with ``defer``, the identity check left pending (its numbers
@@ -1489,7 +1489,7 @@ class PerSampleStats(StatisticsSource):
                 "batch gradient and answers step_factors() only; build it with "
                 "keep_batch_gradients=True to read norms, Gram matrices, dots and sums."
             )
-        factors, batch_size, scale, pending = self._checked_factors(defer=True)
+        factors, batch_size, scale, pending = self.checked_step_factors(defer=True)
         return StepStatistics(
             self.param_shapes, factors, self._batch_gradients(), batch_size, self.dtype,
             self.device, scale, layout=self._layout, pending_check=pending,

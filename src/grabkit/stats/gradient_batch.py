@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -31,11 +32,21 @@ __all__ = [
     "ForeignBatch",
     "GradientBatch",
     "NormalizedBatch",
+    "PendingReads",
     "ScaledBatch",
     "as_gradient_batch",
     "flat_to_named",
     "named_to_flat",
 ]
+
+
+class PendingReads(Protocol):
+    """What a derived batch reads the host through: ``to_host`` (the consumer's one transfer,
+    which compares a pending check first) and ``settle`` (compare it now)."""
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray: ...
+
+    def settle(self) -> None: ...
 
 
 class GradientBatch(ABC):
@@ -147,15 +158,26 @@ class GradientBatch(ABC):
     def settle(self) -> None:  # noqa: B027 (nothing pending by default)
         """Run a pending check of the statistics now (a host transfer where one is pending)."""
 
+    def derived(self, matrix: torch.Tensor) -> DenseGradientBatch:
+        """A dense batch of (B', d') rows computed from this batch (cast, projected, gathered,
+        centred, cut) whose host reads and ``settle`` go through this batch, so a check pending
+        here still rides on the consumer's one host transfer."""
+        return DenseGradientBatch(matrix, reads_through=self)
+
 
 class DenseGradientBatch(GradientBatch):
     """A ``GradientBatch`` backed by a dense (B, d) tensor.
 
     Args:
         matrix: (B, d) per-example gradients, one row per example.
+        reads_through: where its host reads and ``settle`` go (anything with ``to_host`` and
+            ``settle``: the batch or statistics these rows were computed from, which may hold an
+            identity check still pending); None reads directly.
     """
 
-    def __init__(self, matrix: torch.Tensor) -> None:
+    def __init__(
+        self, matrix: torch.Tensor, *, reads_through: GradientBatch | PendingReads | None = None
+    ) -> None:
         if matrix.ndim != 2:
             raise ValueError(
                 f"DenseGradientBatch expects a (B, d) matrix, but got shape {tuple(matrix.shape)}; "
@@ -165,6 +187,16 @@ class DenseGradientBatch(GradientBatch):
         self.size, self.dim = matrix.shape
         self.dtype = matrix.dtype
         self.device = matrix.device
+        self.reads_through = reads_through
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        if self.reads_through is None:
+            return to_host(tensor)
+        return self.reads_through.to_host(tensor)
+
+    def settle(self) -> None:
+        if self.reads_through is not None:
+            self.reads_through.settle()
 
     def gram(self) -> torch.Tensor:
         return self.matrix @ self.matrix.T  # (B, B)
@@ -190,17 +222,16 @@ class DenseGradientBatch(GradientBatch):
 
     def normalized(self) -> DenseGradientBatch:
         norms = torch.linalg.vector_norm(self.matrix, dim=1, keepdim=True)  # (B, 1)
-        return DenseGradientBatch(self.matrix / torch.where(norms > 0, norms, 1.0))
+        return self.derived(self.matrix / torch.where(norms > 0, norms, 1.0))
 
     def divided(self, factor: float) -> DenseGradientBatch:
-        return self if factor == 1.0 else DenseGradientBatch(self.matrix / factor)
+        return self if factor == 1.0 else self.derived(self.matrix / factor)
 
     def split(self, rows: int) -> list[GradientBatch]:
         if self.size <= rows:
             return [self]
         return [
-            DenseGradientBatch(self.matrix[start : start + rows])
-            for start in range(0, self.size, rows)
+            self.derived(self.matrix[start : start + rows]) for start in range(0, self.size, rows)
         ]
 
 

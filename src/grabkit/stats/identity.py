@@ -139,7 +139,7 @@ from grabkit.stats.factors import (
     SumFactor,
 )
 from grabkit.stats.rows import RowsFactor
-from grabkit.stats.transfer import to_device, to_host
+from grabkit.stats.transfer import NUMPY_DTYPES, to_device, to_host
 
 __all__ = [
     "BUDGET",
@@ -574,6 +574,24 @@ class PendingIdentityCheck:
         if failing:
             raise IdentityCheckError(_message(failing))
         self._comparison = None
+
+    def read_with(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor`` on the host, read in one transfer with this check's
+        numbers, which are compared first (``IdentityCheckError``: no value is returned).
+
+        A floating-point ``tensor`` rides in the check's float64 transfer (exact: widened, then
+        narrowed back to its own numpy dtype); any other tensor is read after settling.
+        """
+        if not tensor.is_floating_point():
+            self.settle()
+            return to_host(tensor)
+        count = self.numbers.numel()
+        parts = [self.numbers.reshape(-1), tensor.reshape(-1)]
+        flat = to_host(torch.cat([p.to(torch.float64) for p in parts]))  # the one transfer
+        self.settle(flat[:count])
+        values = flat[count:].reshape(tuple(tensor.shape))
+        wanted = NUMPY_DTYPES.get(tensor.dtype, np.float64)  # bfloat16: none in numpy
+        return values if values.dtype == wanted else values.astype(wanted)
 
 
 class _Comparison:

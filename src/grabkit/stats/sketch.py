@@ -59,6 +59,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -72,10 +73,11 @@ from grabkit.stats.factors import (
     compute_dtype,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch
+from grabkit.stats.identity import PendingIdentityCheck
 from grabkit.stats.names import canonical_parameter_names
 from grabkit.stats.rows import ItemLayout, RowsFactor
 from grabkit.stats.source import StatisticsSource
-from grabkit.stats.transfer import to_device
+from grabkit.stats.transfer import to_device, to_host
 
 __all__ = [
     "CountSketchMap",
@@ -645,6 +647,7 @@ class SketchedStats(StatisticsSource):
         self.dim = dim
         self.step_listeners = self.engine.step_listeners
         self._cached: tuple[int, torch.Tensor] | None = None
+        self._pending: PendingIdentityCheck | None = None
 
     @property
     def generation(self) -> int:
@@ -660,10 +663,19 @@ class SketchedStats(StatisticsSource):
         return self.engine.parameter_gradients_seen
 
     def sketches(self) -> torch.Tensor:
-        """(B, k) S g_i of the latest backward (computed on first read, then cached)."""
+        """(B, k) S g_i of the latest backward (computed on first read, then cached), after
+        the identity check of its statistics has passed."""
+        matrix = self._sketches(defer=False)
+        self.settle()
+        return matrix
+
+    def _sketches(self, *, defer: bool) -> torch.Tensor:
+        """The sketches; with ``defer`` a check of the statistics is left pending (compared by
+        ``to_host`` or ``settle``)."""
         generation = self.engine.generation
         if self._cached is None or self._cached[0] != generation:
-            factors, batch_size, scale = self.engine.step_factors()
+            self.settle()  # a check left pending by the previous backward is compared first
+            factors, batch_size, scale, pending = self.engine.checked_step_factors(defer=defer)
             if self.sketch.param_shapes != self.engine.param_shapes:  # the trainable set changed
                 self.sketch = GradientSketch(
                     self.engine.param_shapes, self.dim, self.sketch.seed,
@@ -673,13 +685,35 @@ class SketchedStats(StatisticsSource):
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
             )
-            self._cached = (generation, matrix)
+            self._cached, self._pending = (generation, matrix), pending
         return self._cached[1]
 
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        """The values of ``tensor`` on the host, in one transfer with a pending identity
+        check's numbers, which are compared first (``IdentityCheckError``: nothing returned)."""
+        pending = self._pending
+        if pending is None:
+            return to_host(tensor)
+        values = pending.read_with(tensor)
+        self._pending = None
+        return values
+
+    def settle(self) -> None:
+        """Compare a pending identity check now (a host transfer; ``IdentityCheckError`` on a
+        mismatch, again at every call until the next backward)."""
+        if self._pending is not None:
+            self._pending.settle()
+            self._pending = None
+
     def gradient_batch(self, *, settle: bool = True) -> DenseGradientBatch:
-        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers); the identity check has
-        run whatever ``settle`` says."""
-        return DenseGradientBatch(self.sketches())
+        """The sketches as a ``DenseGradientBatch`` (B rows of k numbers). ``settle=False``
+        leaves the identity check pending on the batch: it is compared in the consumer's one
+        host transfer (``batch.to_host``), before any value reaches the host."""
+        matrix = self._sketches(defer=not settle)
+        if settle:
+            self.settle()
+            return DenseGradientBatch(matrix)
+        return DenseGradientBatch(matrix, reads_through=self)
 
     def close(self) -> None:
         self.engine.close()

@@ -11,7 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["host_values", "to_device", "to_host"]
+__all__ = ["NUMPY_DTYPES", "host_values", "to_device", "to_host"]
+
+#: the numpy dtype a torch floating-point dtype reads into (bfloat16 has none: it reads widened)
+NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 
 
 def to_host(tensor: torch.Tensor) -> np.ndarray:

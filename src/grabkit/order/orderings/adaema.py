@@ -9,7 +9,7 @@ import torch
 from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import CentredBalance, dense_rows
 from grabkit.order.orderings.ema import VectorEMA, check_rate
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["AdaEMABalance"]
 
@@ -36,7 +36,7 @@ class AdaEMABalance(CentredBalance):
         X = dense_rows(batch, self.name)
         mean = X.mean(dim=0)
         m, v = self.m.peek(mean), self.v.peek(mean * mean)
-        return DenseGradientBatch((X - m) / (v.sqrt() + self.eps))
+        return batch.derived((X - m) / (v.sqrt() + self.eps))
 
     def record(self, total: torch.Tensor, count: int) -> None:
         mean = total / count

@@ -8,7 +8,7 @@ import torch
 
 from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import StaleMeanBalance, dense_rows
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["AdaMeanBalance"]
 
@@ -44,4 +44,4 @@ class AdaMeanBalance(StaleMeanBalance):
                 f"{X.shape[1]} coordinates; pass the optimiser state of the same parameters."
             )
         centred = X - self.mean.current(X[0])
-        return DenseGradientBatch(centred if self.scale is None else centred / self.scale.to(X))
+        return batch.derived(centred if self.scale is None else centred / self.scale.to(X))

@@ -61,7 +61,7 @@ class PairBalance(Ordering):
         if k == 0:
             fetch_inner_products(batch, None, need_gram=False)  # still reject NaN / Inf now
         elif self._differences_pay(batch):
-            self._place(items, self._balance_differences(batch.coordinates(), k, leftover))
+            self._place(items, self._balance_differences(batch, k, leftover))
         else:
             self._place(items, self._balance_combinations(batch, k))
         self._keep_leftover(batch, items[-1] if leftover else None)
@@ -117,9 +117,10 @@ class PairBalance(Ordering):
             and self.policy.block_rows(batch.dim * self.acc.element_size()) >= 4
         )
 
-    def _balance_differences(self, X: torch.Tensor, k: int, leftover: bool) -> np.ndarray:
-        """Signs of z_j = (first of pair j) - (second of pair j) for the k pairs of a dense batch
-        (pair 0 starts with the carried example when one waits)."""
+    def _balance_differences(self, batch: GradientBatch, k: int, leftover: bool) -> np.ndarray:
+        """Signs of z_j = (first of pair j) - (second of pair j) for the k pairs of a dense CPU
+        batch (pair 0 starts with the carried example when one waits)."""
+        X = batch.coordinates()
         if leftover and not bool(torch.isfinite(X[-1]).all()):
             raise ValueError(NON_FINITE_HELP)  # the example left waiting is checked now too
         shift = 1 if self.pending is not None else 0  # z_j = X[2j - shift] - X[2j + 1 - shift]
@@ -139,7 +140,10 @@ class PairBalance(Ordering):
             torch.sub(X[a:b:2], X[a + 1 : b + 1 : 2], out=out[out.shape[0] - (hi - lo) :])
             return out
 
-        return balance_dense_vectors(differences, k, self.acc, self.rule, self.policy)[:, None]
+        signs = balance_dense_vectors(
+            differences, k, self.acc, self.rule, self.policy, read=batch.to_host
+        )
+        return signs[:, None]
 
     def finish_epoch(self, order: torch.Tensor, next_epoch: int) -> torch.Tensor:
         return self.placement.build(order)

@@ -7,7 +7,7 @@ import torch
 from grabkit.order.balance import NON_FINITE_HELP
 from grabkit.order.orderings.base import register_ordering
 from grabkit.order.orderings.centred import StaleMeanBalance, dense_rows
-from grabkit.stats.gradient_batch import DenseGradientBatch, GradientBatch
+from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["SignBalance"]
 
@@ -25,4 +25,4 @@ class SignBalance(StaleMeanBalance):
         X = dense_rows(batch, self.name)
         if not bool(torch.isfinite(X).all()):  # sign() maps Inf to +-1: check before (host sync)
             raise ValueError(NON_FINITE_HELP)
-        return DenseGradientBatch(X.sub(self.mean.current(X[0])).sign())
+        return batch.derived(X.sub(self.mean.current(X[0])).sign())
