@@ -103,6 +103,14 @@ def _uses_group_by_length(args: Any) -> bool:
     return strategy == "group_by_length" or bool(getattr(args, "group_by_length", False))
 
 
+def _epoch_over(state: Any) -> bool:
+    """Trainer has trained its epoch's last batch: ``state.epoch`` (epoch + batches trained /
+    batches in the epoch) is whole, and a resume starts the next epoch (``global_step // steps
+    per epoch``), whether or not the loader dropped a partial last batch."""
+    epoch = state.epoch
+    return bool(epoch) and float(epoch).is_integer()
+
+
 class _CheckpointFiles(TrainerCallback):
     """Write the sampler's and the estimator's state into each Trainer checkpoint folder."""
 
@@ -113,8 +121,12 @@ class _CheckpointFiles(TrainerCallback):
         if not state.is_world_process_zero:  # every rank's state is the same (collective steps)
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if self.trainer.grab_sampler is not None:
-            torch.save(self.trainer.grab_sampler.state_dict(), os.path.join(folder, SAMPLER_FILE))
+        sampler = self.trainer.grab_sampler
+        if sampler is not None:
+            # an epoch Trainer ended before the sampler's last example (dataloader_drop_last):
+            # Trainer resumes with the next epoch, and so must the sampler
+            ended = {"ended": True} if _epoch_over(state) else {}
+            torch.save({**sampler.state_dict(), **ended}, os.path.join(folder, SAMPLER_FILE))
         if self.trainer.noise_scale is not None:
             torch.save(self.trainer.noise_scale.state_dict(), os.path.join(folder, NOISE_FILE))
 

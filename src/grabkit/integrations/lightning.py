@@ -147,6 +147,21 @@ def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
     )
 
 
+def _lightning_epoch_over(trainer: Any) -> bool:
+    """Lightning has trained its epoch's last batch, so its resume starts the next epoch.
+
+    Its epoch is ``trainer.num_training_batches`` batches (after ``limit_train_batches`` and the
+    loader's ``drop_last``), which may end before the sampler's last example; a checkpoint taken
+    after that batch (``on_train_batch_end``, ``on_validation_end``, ``on_train_epoch_end``)
+    resumes with the next epoch, whatever the sampler stepped.
+    """
+    if trainer is None:
+        return False
+    total = trainer.num_training_batches
+    trained = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    return total != float("inf") and trained >= total
+
+
 class GraBCallback(Callback):
     """Step a hook-mode ``GraBSampler`` after every backward; its state in the checkpoint.
 
@@ -167,9 +182,11 @@ class GraBCallback(Callback):
 
     Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
     stepped), at an optimizer step; a state saved after an epoch's last step is marked as ended
-    and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``; a
-    ``DataLoader(drop_last=True)`` whose last batch is partial is not covered: its resume would
-    draw the dropped rest). Lightning writes the callback state
+    and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``), and so
+    is one saved after the last batch of an epoch that Lightning ends before the sampler's last
+    example (``limit_train_batches``, a ``DataLoader(drop_last=True)`` whose last batch is
+    partial): the rest of that epoch is never trained, as in the uninterrupted run. Lightning
+    writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
     local examples, and the sketches are gathered, so the ordering state, order and position
@@ -184,8 +201,10 @@ class GraBCallback(Callback):
     def __init__(self, sampler: GraBSampler | GraBBatchSampler | None = None) -> None:
         self.sampler = None if sampler is None else _as_grab_sampler(sampler)
         self._pending: dict[str, Any] | None = None  # a state loaded before the sampler exists
+        self._trainer: Any = None  # whose epoch counter says when an epoch is over
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer = trainer
         sampler = self.sampler
         if stage == "fit" and sampler is not None and sampler.num_replicas != trainer.world_size:
             raise ValueError(_topology_error(sampler, trainer))  # the same on every rank
@@ -222,7 +241,9 @@ class GraBCallback(Callback):
         if self.sampler is None:
             return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
-        return {"sampler": rewound_state(self.sampler.state_dict(), self.sampler.num_samples)}
+        ended = _lightning_epoch_over(self._trainer)
+        state = rewound_state(self.sampler.state_dict(), self.sampler.num_samples, ended=ended)
+        return {"sampler": state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
