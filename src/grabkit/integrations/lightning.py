@@ -365,11 +365,15 @@ class AdaptiveAccumulationCallback(Callback):
 class NoiseScaleCallback(Callback):
     """Log the gradient noise scale of Lightning's optimizer steps.
 
-    Each microbatch's loss must be its mean (Lightning divides it by ``accumulate_grad_batches``,
-    so the accumulated gradient is the window's mean).
+    Each microbatch's loss must be its mean. Lightning divides it by ``accumulate_grad_batches``
+    (A), so the accumulated gradient is the window's mean when the window holds A microbatches of
+    equal size; a window that does not (the epoch's last, when its batches are not a multiple of
+    A; a partial last batch) is left out of the estimate. Under ``precision="16-mixed"`` the
+    GradScaler's scale is divided out of every measured norm (read before Lightning unscales the
+    gradients and updates the scale), and a window that overflowed is skipped.
 
     * One process: ``AccumulationNoiseScale``, the window's microbatch gradients against their
-      mean; needs ``accumulate_grad_batches >= 2``.
+      mean, closed after the window's last backward; needs ``accumulate_grad_batches >= 2``.
     * DDP (``strategy="ddp"`` / ``"ddp_spawn"``, any ``accumulate_grad_batches``):
       ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one, read in
       DDP's communication hook (so DDP's hook slot must be free), counted in each rank's local
@@ -406,6 +410,7 @@ class NoiseScaleCallback(Callback):
         self.result = None
         self._count = 0.0
         self._held: float | None = None  # DDP: the count of the last backward, not yet closed
+        self._counts: list[float] = []  # one process: the counts of the window in progress
         self._pending_state: dict | None = None
         self._open = 0  # backwards of the window in progress (checkpointed)
         self._lost_window = False  # resumed inside a window whose gradient Lightning dropped
@@ -428,6 +433,8 @@ class NoiseScaleCallback(Callback):
             )
         if self.estimator is None:
             self.estimator = AccumulationNoiseScale(pl_module, **self.options)
+        if "grad_scaler" not in self.options:  # "16-mixed": the scale divided out
+            self.estimator.grad_scaler = _loss_scaler(trainer)
         if self._pending_state is not None:
             self.estimator.load_state_dict(self._pending_state)
             self._pending_state = None
@@ -441,20 +448,40 @@ class NoiseScaleCallback(Callback):
         self._open += 1
         if self.distributed is None:
             self.estimator.end_microbatch(self._count)
+            self._counts.append(self._count)
+            if not trainer.fit_loop.epoch_loop._should_accumulate():
+                self._close_window(trainer)  # before Lightning unscales (16-mixed) and clips
             return
         if self._held is not None:  # the previous backward did not end a window
-            self.distributed.microbatch(trainer.strategy.model, self._held, "steps", None, False)
+            model, scaler = trainer.strategy.model, _loss_scaler(trainer)
+            self.distributed.microbatch(model, self._held, "steps", None, False, scaler)
         self._held = self._count
 
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self._open = 0
+    def _close_window(self, trainer) -> None:
+        """One process: measure the window whose last backward just ran, or leave it out."""
+        counts, self._counts = self._counts, []
         if self._lost_window:
             self._discard_window()
-        elif self.distributed is None:
-            self.result = self.estimator.end_step()  # before Lightning clips
+        elif _is_mean_window(counts, trainer.accumulate_grad_batches):
+            self.result = self.estimator.end_step()
+        else:
+            self.estimator.discard_step()
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        open_microbatches, self._open = self._open, 0
+        if self.distributed is None:
+            if self._counts:
+                raise RuntimeError(
+                    "NoiseScaleCallback: Lightning stepped the optimizer after a backward it was "
+                    "expected to accumulate, so the window was not measured; this Lightning "
+                    "version decides accumulation differently: report it."
+                )
+        elif self._lost_window or open_microbatches < trainer.accumulate_grad_batches:
+            self._discard_window()  # a window shorter than A is not its mean: left out
         else:
             held, self._held = self._held, None
-            self.distributed.microbatch(trainer.strategy.model, held, "steps", None, True)
+            model, scaler = trainer.strategy.model, _loss_scaler(trainer)
+            self.distributed.microbatch(model, held, "steps", None, True, scaler)
             self.result = self.distributed.result
         if self.result is not None:
             values = self.result.as_dict()
@@ -463,8 +490,9 @@ class NoiseScaleCallback(Callback):
             pl_module.log_dict({f"noise_scale/{k}": v for k, v in values.items()})
 
     def _discard_window(self) -> None:
-        """Leave out the window a mid-window checkpoint cut (on every rank: all load rank 0's
-        state, so all discard the same window; no collective runs)."""
+        """Leave out the window a mid-window checkpoint cut, or one shorter than
+        ``accumulate_grad_batches`` (on every rank: all load rank 0's state and count the same
+        windows, so all discard the same one; no collective runs)."""
         self._lost_window = False
         if self.distributed is None:
             self.estimator.discard_step()
@@ -502,6 +530,17 @@ class NoiseScaleCallback(Callback):
             self._pending_state = state_dict["estimator"]
         else:
             owner.load_state_dict(state_dict["estimator"])
+
+
+def _loss_scaler(trainer: Any) -> Any:
+    """The GradScaler that multiplies Lightning's losses ("16-mixed"), or None."""
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def _is_mean_window(counts: list[float], accumulate: int) -> bool:
+    """Whether Lightning's accumulated gradient is the mean over the window's examples: each
+    loss is divided by ``accumulate``, so the window needs that many microbatches, of one size."""
+    return len(counts) == accumulate and len(set(counts)) == 1
 
 
 def _ddp_model(trainer: Any) -> nn.Module:
