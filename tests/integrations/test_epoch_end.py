@@ -55,7 +55,7 @@ def fresh_accelerator_state():
     GradientState._reset_state()
 
 
-def accelerate_run(root, *, stop_after=None, resume=None, epochs=3):
+def accelerate_run(root, *, stop_after=None, resume=None, epochs=3, batch_size=B, drop_last=False):
     """accelerate's checkpointing recipe: ``save_state`` to ``step_<n>``; on resume
     ``load_state``, then the epoch loop from ``n // len(loader)`` (saved epoch + 1 at an epoch
     end), with no ``skip_first_batches`` (``SamplerCheckpoint`` resumes the rest of an epoch)."""
@@ -63,7 +63,7 @@ def accelerate_run(root, *, stop_after=None, resume=None, epochs=3):
     model, data = tiny_bert(), dataset()
     sampler = GraBSampler(data, model=model, seed=0, record_orders=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(data, sampler=sampler, batch_size=B)
+    loader = DataLoader(data, sampler=sampler, batch_size=batch_size, drop_last=drop_last)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
     updates, trained, first_epoch = 0, 0, 0

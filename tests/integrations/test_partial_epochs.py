@@ -15,6 +15,10 @@ import torch
 L = pytest.importorskip("lightning.pytorch")
 pytest.importorskip("transformers")
 
+from tests.integrations.test_epoch_end import (  # noqa: E402
+    accelerate_run,
+    fresh_accelerator_state,  # noqa: F401
+)
 from tests.integrations.test_huggingface import arguments  # noqa: E402
 from tests.integrations.test_lightning import Module, trainer  # noqa: E402
 from tests.integrations.tiny import dataset, params, tiny_bert  # noqa: E402
@@ -96,3 +100,17 @@ def test_trainer_resume_after_an_epoch_that_dropped_its_last_batch(tmp_path):
     assert resumed.grab_sampler.orders_history[-1] == full.grab_sampler.orders_history[-1]
     for name, value in params(resumed.model).items():
         assert torch.equal(value, params(full.model)[name]), name
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_accelerate_recipe_after_an_epoch_that_dropped_its_last_batch(tmp_path):
+    """4 batches of 5 an epoch: step 4 ends epoch 0, with 4 examples never stepped; the recipe
+    resumes with epoch step // len(loader) = 1 and calls set_epoch(1), which starts it."""
+    full_model, full_sampler, full_trained = accelerate_run(
+        tmp_path, stop_after=4, batch_size=5, drop_last=True
+    )
+    model, sampler, trained = accelerate_run(tmp_path, resume=4, batch_size=5, drop_last=True)
+    assert trained == full_trained - 4 * 5  # nothing lost, nothing repeated
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in params(model).items():
+        assert torch.equal(value, params(full_model)[name]), name

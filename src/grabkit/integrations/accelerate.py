@@ -24,8 +24,9 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   ``load_state`` the next ``iter(loader)`` yields exactly the untrained rest of the epoch. Do
   not also ``skip_first_batches``. A state saved at an epoch's last step resumes with the next
   epoch: accelerate's recipe (``load_state``, then the epoch loop from the saved epoch + 1, i.e.
-  ``step // len(loader)``) works unchanged. Under several processes rank 0's state is saved and
-  every rank loads it as its own.
+  ``step // len(loader)``) works unchanged, a ``DataLoader(drop_last=True)`` whose dropped rest
+  was never stepped included (the prepared loader says when it yielded its last batch). Under
+  several processes rank 0's state is saved and every rank loads it as its own.
 * :func:`shard_by_sampler`: several processes. Build the ``GraBSampler`` after ``Accelerator()``
   with ``statistics="sketch"`` (it splits every epoch across the ranks, and its steps gather the
   ranks' sketches) and call ``shard_by_sampler`` on the prepared loader, so that accelerate's
@@ -38,6 +39,7 @@ Nothing here imports accelerate; it works with any object that has ``.optimizer`
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -95,25 +97,54 @@ class SamplerCheckpoint:
     """A ``GraBSampler`` for ``accelerator.register_for_checkpointing``, prefetch-safe.
 
     Save right after an optimizer step (everything stepped was trained); the saved state hands
-    the examples the loader fetched ahead back to the sampler.
+    the examples the loader fetched ahead back to the sampler. A state saved after the prepared
+    loader's last batch of an epoch (accelerate's ``end_of_dataloader``) is marked as ended, so
+    the resume starts the next epoch even when the loader dropped a partial last batch whose
+    examples were never stepped (``drop_last=True``).
+
+    Args:
+        sampler: the ``GraBSampler`` (or ``GraBBatchSampler``) of the train loader.
+        loader: the prepared loader that draws from it, read for ``end_of_dataloader``; None:
+            the loader accelerate is iterating when the state is saved (a state saved after
+            the epoch loop, outside any loader, then needs ``loader=`` under ``drop_last``).
     """
 
-    def __init__(self, sampler: GraBSampler | GraBBatchSampler) -> None:
+    def __init__(self, sampler: GraBSampler | GraBBatchSampler, loader: Any = None) -> None:
         if isinstance(sampler, GraBBatchSampler):
             sampler = sampler.sampler  # the state and the steps are its sampler's
         if not isinstance(sampler, GraBSampler):
             raise TypeError(
                 f"SamplerCheckpoint needs a GraBSampler, but got {type(sampler).__name__}"
             )
-        self.sampler = sampler
+        self.sampler, self.loader = sampler, loader
+
+    def _epoch_over(self) -> bool:
+        """The loader drawing from the sampler has yielded its epoch's last batch."""
+        loaders = [self.loader] if self.loader is not None else _active_loaders()
+        return any(
+            bool(getattr(loader, "end_of_dataloader", False))
+            and grab_sampler_of(loader) is self.sampler
+            for loader in loaders
+        )
 
     def state_dict(self) -> dict[str, Any]:
-        return rewound_state(self.sampler.state_dict(), self.sampler.num_samples)
+        state, ended = self.sampler.state_dict(), self._epoch_over()
+        return rewound_state(state, self.sampler.num_samples, ended=ended)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples)  # "ended" at an epoch's end
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+
+
+def _active_loaders() -> list[Any]:
+    """The prepared loader accelerate is iterating now (its ``GradientState``), if any; read
+    only when accelerate was imported."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return []
+    gradient_state = state.GradientState()
+    return [gradient_state.active_dataloader] if gradient_state.in_dataloader else []
 
 
 def grab_sampler_of(loader: Any) -> GraBSampler | None:
