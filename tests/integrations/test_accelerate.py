@@ -42,7 +42,7 @@ def run(root, registered, *, stop_after=None, resume=False, epochs=2):
         accelerator.load_state(str(root / "state"))
     start_epoch = sampler.epoch
     for epoch in range(start_epoch, epochs):
-        sampler.set_epoch(epoch)
+        loader.set_epoch(epoch)  # the prepared loader's count: it renumbers the sampler
         for batch in loader:
             accelerator.backward(model(**batch).loss)
             sampler.step()

@@ -55,13 +55,16 @@ def fresh_accelerator_state():
     GradientState._reset_state()
 
 
-def accelerate_run(root, *, stop_after=None, resume=None, epochs=3, batch_size=B, drop_last=False):
+def accelerate_run(
+    root, *, stop_after=None, resume=None, epochs=3, batch_size=B, drop_last=False,
+    number_by="loader", **sampler_options,
+):  # fmt: skip
     """accelerate's checkpointing recipe: ``save_state`` to ``step_<n>``; on resume
     ``load_state``, then the epoch loop from ``n // len(loader)`` (saved epoch + 1 at an epoch
     end), with no ``skip_first_batches`` (``SamplerCheckpoint`` resumes the rest of an epoch)."""
     accelerator = Accelerator(cpu=True, project_dir=str(root))
     model, data = tiny_bert(), dataset()
-    sampler = GraBSampler(data, model=model, seed=0, record_orders=True)
+    sampler = GraBSampler(data, model=model, seed=0, record_orders=True, **sampler_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(data, sampler=sampler, batch_size=batch_size, drop_last=drop_last)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -71,7 +74,8 @@ def accelerate_run(root, *, stop_after=None, resume=None, epochs=3, batch_size=B
         accelerator.load_state(str(root / f"step_{resume}"))
         updates, first_epoch = resume, resume // len(loader)
     for epoch in range(first_epoch, epochs):
-        sampler.set_epoch(epoch)
+        # the prepared loader's count, with which accelerate renumbers the sampler at iter()
+        (loader if number_by == "loader" else sampler).set_epoch(epoch)
         for batch in loader:
             accelerator.backward(model(**batch).loss)
             sampler.step()
@@ -93,3 +97,26 @@ def test_accelerate_resume_recipe_at_an_epoch_end(tmp_path):
     assert sampler.orders_history == full_sampler.orders_history
     for name, value in params(model).items():
         assert torch.equal(value, params(full_model)[name]), name
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+@pytest.mark.parametrize("stop", [N // B, N // B + 2])  # epoch 0's last step; inside epoch 1
+def test_accelerate_resume_numbers_the_epochs_of_the_uninterrupted_run(tmp_path, stop):
+    """prob_balance seeds each epoch's signs with its number: loader.set_epoch keeps accelerate's
+    count (which restarts at 0 after load_state) equal to the epoch."""
+    full_model, full_sampler, _ = accelerate_run(tmp_path, stop_after=stop, prob_balance=True)
+    model, sampler, _ = accelerate_run(tmp_path, resume=stop, prob_balance=True)
+    assert sampler.epoch == full_sampler.epoch == 2
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in params(model).items():
+        assert torch.equal(value, params(full_model)[name]), name
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+def test_sampler_set_epoch_that_accelerate_renumbers_after_a_resume_is_refused(tmp_path):
+    """sampler.set_epoch(1), then accelerate's set_epoch(0) from its restarted count: raised,
+    where the epoch was silently seeded as epoch 0 again."""
+    stop = N // B
+    accelerate_run(tmp_path, stop_after=stop, number_by="sampler", prob_balance=True)
+    with pytest.raises(ValueError, match=r"set_epoch\(0\) after set_epoch\(1\).*loader\.set_epoch"):
+        accelerate_run(tmp_path, resume=stop, number_by="sampler", prob_balance=True)

@@ -183,6 +183,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
+        self._numbered: int | None = None  # set_epoch's value since the last iter()
 
     def _declare_state(self) -> None:
         """The live part of the state (shared by every ``state_dict()``, refreshed after each
@@ -292,8 +293,27 @@ class GraBSampler(Sampler[int], Stateful):
         return self._order.clone()
 
     def set_epoch(self, epoch: int) -> None:
-        """Number the next epoch ``epoch`` (seeds its random parts), like DistributedSampler."""
-        self._requested_epoch = check_non_negative_int("epoch", epoch)
+        """Number the next epoch ``epoch`` (seeds its random parts), like DistributedSampler.
+
+        Raises:
+            ValueError: another number was set since the last ``iter()``: two loops number the
+                epochs differently (accelerate's prepared loader numbers its sampler with its
+                own count, which restarts at 0 after ``load_state``), and one would silently
+                reseed the epoch with the other's number.
+        """
+        epoch = check_non_negative_int("epoch", epoch)
+        if self._numbered is not None and epoch != self._numbered:
+            raise ValueError(
+                f"GraBSampler.set_epoch({epoch}) after set_epoch({self._numbered}) with no "
+                "iter() between: two loops number this sampler's epochs differently, and the "
+                "epoch's random parts would be seeded by the last one. accelerate's prepared "
+                "DataLoader calls set_epoch with its own epoch count at each iter(), and that "
+                "count restarts at 0 after load_state (and does not advance when a loop breaks "
+                "out of an epoch); call loader.set_epoch(epoch) on the prepared loader instead "
+                "of sampler.set_epoch(epoch), so that both agree."
+            )
+        self._numbered = epoch
+        self._requested_epoch = epoch
         self._publish()
 
     def _padded_order(self) -> torch.Tensor:
@@ -329,6 +349,7 @@ class GraBSampler(Sampler[int], Stateful):
                 self._begin(e, order)
             self._yielded = 0
         self._token += 1
+        self._numbered = None
         self._publish()
         return self._iterate(self._token, self._yielded, self._local_indices().tolist())
 
@@ -466,6 +487,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._started = bool(state["started"]) or self._stepped > 0
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started and not state.get("ended", False)
+        self._numbered = None
         self.source.clear()
         self._token += 1
         self._publish()
