@@ -138,3 +138,31 @@ def body(rank: int, world_size: int, payload: dict) -> dict:
         result["unequal_counts"] = unequal_counts_warnings(rank, world_size)
     dist.barrier()
     return result
+
+
+def device_send_sites(rank: int, world_size: int, payload: None) -> list[str]:
+    """Under DDP through a GradScaler, every other backward under ``no_sync()`` (the wrapper
+    averages those over the ranks), tensor counts: where the wrapper sent host values to the
+    device outside ``grabkit.stats.transfer`` (tests/support/device_sends.py)."""
+    import contextlib
+
+    import pytest
+    from tests.support.device_sends import DeviceSends
+
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gnts", ddp.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (4 + rank))
+    sites: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no_sync() saves nothing: said once
+        for i, (x, y) in enumerate(make_microbatches([4, 6, 2, 8, 4, 6], seed=11)):
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            with ddp.no_sync() if i % 2 else contextlib.nullcontext():
+                scaler.scale(mean_loss(ddp, xs, ys)).backward()
+            with pytest.MonkeyPatch.context() as patch:
+                sends = DeviceSends(patch)
+                scaler.step(wrapper, count=torch.tensor(len(xs)))
+            sites += sends.sites
+            scaler.update()
+    return sites

@@ -19,13 +19,16 @@ dropped: nothing of it reaches the accumulator, it does not count as a draw, and
 False with reason ``"overflow_skipped"``.
 
 Decisions cost one device-to-host transfer per microbatch (the decision flag; under a GradScaler
-also the overflow flag, as GradScaler itself does). Under torch.distributed every statistic is
-all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with
-``fully_shard`` (FSDP2) parameters the gradients are shards and norms are summed over ranks.
-Replicated gradients that differ across ranks (DDP's ``no_sync()``, accelerate's
-``accumulate()``) were not reduced: the wrapper averages them over the ranks before folding
-(and warns once that ``no_sync()`` saves nothing here), so the run is that of the global
-microbatches.
+also the overflow flag, as GradScaler itself does). Host values (a number count, a metric given as
+a number, flags) reach the device through :func:`grabkit.stats.transfer.to_device`: built on the
+host and sent from pinned memory without waiting, never a hidden host synchronisation.
+
+Under torch.distributed every statistic is all-reduced first (see
+:mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with ``fully_shard`` (FSDP2)
+parameters the gradients are shards and norms are summed over ranks. Replicated gradients that
+differ across ranks (DDP's ``no_sync()``, accelerate's ``accumulate()``) were not reduced: the
+wrapper averages them over the ranks before folding (and warns once that ``no_sync()`` saves
+nothing here), so the run is that of the global microbatches.
 
 Window observers (``register_window_observer``; :class:`~grabkit.noise.AccumulationNoiseScale`
 with ``optimizer=`` is one) hear of every microbatch folded or dropped, every window discarded and
@@ -56,6 +59,7 @@ from grabkit.accumulate.distributed import (
 from grabkit.integrations.wiring import check_wiring
 from grabkit.sharding import gradient_layout_of, local
 from grabkit.state import setting_differences
+from grabkit.stats.transfer import to_device
 from grabkit.validation import check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper", "WindowObserver"]
@@ -332,10 +336,10 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         controller reads the microbatch norm or the ranks must compare their gradients."""
         if not pending or not (self.controller.needs_microbatch_norm or self._compares_replicas()):
             return None
-        squares = parameter_squares([local(g) for _, g in pending]).to(device)
+        squares = to_device(parameter_squares([local(g) for _, g in pending]), device)
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
         if grad_scale is not None:
-            squares = squares * grad_scale.double().reciprocal().to(device).square()
+            squares = squares * to_device(grad_scale.double().reciprocal(), device).square()
         return squares
 
     def _compares_replicas(self) -> bool:
@@ -373,23 +377,21 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 _refuse_unreduced_shards(1, 1)
             if not pending:
                 return "no_gradient"
-            global_count = torch.tensor(count, dtype=torch.float64, device=device)
+            global_count = to_device(torch.tensor(count, dtype=torch.float64), device)
             return _Microbatch(
-                count, global_count, None if metric is None else metric.to(device), norm_sq
+                count, global_count, None if metric is None else to_device(metric, device), norm_sq
             )
-        head = torch.zeros(8, dtype=torch.float64, device=device)
-        head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
+        head = to_device(self._host_head(count, not pending, held), device)
+        if isinstance(count, torch.Tensor):
+            head[0] = to_device(count, device)
+            head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
         head[7] = head[0].square()  # summed: tells whether the ranks counted alike
         if metric is not None:
-            head[1] = head[0] * metric.to(device)
+            head[1] = head[0] * to_device(metric, device)
         if found_inf is not None:
-            head[2] = found_inf.to(device=device, dtype=torch.float64)
-        if isinstance(count, torch.Tensor):
-            head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
-        head[4] = float(not pending)
-        if squares is not None and self._compares_replicas():
+            head[2] = to_device(found_inf, device).to(torch.float64)
+        if squares is not None and self._compares_replicas():  # never with ``held``
             head[5:7] = replica_fingerprint(squares, self._indices_of(pending, device))
-        head[5] += float(held)  # sharded: the ranks whose gradient fully_shard holds back
         self._reducer.sum(head)
         total, _, overflow, invalid, empty, fingerprint, fingerprint_sq, count_sq = head.tolist()
         if self._reducer.gradient_layout == "sharded" and fingerprint > 0:
@@ -407,14 +409,26 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self._warn_unreduced()
         averaged = average_over_ranks(self._reducer, self._params(), dict(pending), inverse_scale)
         if norm_sq is not None:  # the averaged microbatch's, the same on every rank
-            norm_sq = squared_norm([g for _, g in averaged]).to(device)
+            norm_sq = to_device(squared_norm([g for _, g in averaged]), device)
         return _Microbatch(head[0], head[0], metric, norm_sq, averaged)
 
     def _indices_of(
         self, pending: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
     ) -> torch.Tensor:
         position = {p: i for i, p in enumerate(self._params())}
-        return torch.tensor([position[p] for p, _ in pending], device=device)
+        return to_device(torch.tensor([position[p] for p, _ in pending]), device)
+
+    @staticmethod
+    def _host_head(count: float | torch.Tensor, empty: bool, held: bool) -> torch.Tensor:
+        """(8,) float64 on the host: what the host knows of the statistics vector (the count
+        when it is a number, the no-gradient flag, and under sharding whether ``fully_shard``
+        holds the gradient back), sent to the device in one copy that does not wait."""
+        head = torch.zeros(8, dtype=torch.float64)
+        if not isinstance(count, torch.Tensor):
+            head[0] = count
+        head[4] = float(empty)
+        head[5] = float(held)  # sharded: the ranks whose gradient fully_shard holds back
+        return head
 
     def _warn_unreduced(self) -> None:
         if getattr(self, "_warned_unreduced", False):
@@ -497,7 +511,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         counters.num_draws += 1
         counters.num_batches += 1
         sum_norm_sq, microbatch_norm_sq = self._agree_on_norms(
-            self._accumulator.sum_squared_norm().to(device),
+            to_device(self._accumulator.sum_squared_norm(), device),
             microbatch.norm_sq,
         )
         obs = Observation(
@@ -515,15 +529,19 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """``"accumulating"``, ``"nonfinite_skipped"`` or the reason to step now.
 
         The rule's flag and the window's finiteness (|m|^2 and the metric) travel to the host
-        together: one transfer per microbatch.
+        together: one transfer per microbatch. A flag the host already holds (a full window, or
+        a rule that decided on host numbers) is not sent to the device: only finiteness is read.
         """
         finite = torch.isfinite(obs.mean_norm_sq)
         if obs.metric is not None:
             finite = finite & torch.isfinite(obs.metric)
         at_max = self.counters.num_draws >= self.max_draws
         ready = True if at_max else self.controller.ready(obs)
-        ready = torch.as_tensor(ready, device=finite.device)
-        is_finite, is_ready = torch.stack([finite, ready.to(torch.bool)]).tolist()  # host sync
+        if isinstance(ready, torch.Tensor):
+            flags = torch.stack([finite, to_device(ready, finite.device).to(torch.bool)])
+            is_finite, is_ready = flags.tolist()  # host sync
+        else:
+            is_finite, is_ready = bool(finite), bool(ready)  # host sync
         if not is_finite:
             return "nonfinite_skipped"
         if at_max:
@@ -600,7 +618,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             return False
         total = counters.total_count
         sum_norm_sq, _ = self._agree_on_norms(
-            self._accumulator.sum_squared_norm().to(total.device), None
+            to_device(self._accumulator.sum_squared_norm(), total.device), None
         )
         obs = Observation(
             count=total,
