@@ -60,12 +60,19 @@ from grabkit.integrations.wiring import check_wiring
 from grabkit.sharding import gradient_layout_of, local
 from grabkit.state import setting_differences
 from grabkit.stats.transfer import to_device
-from grabkit.validation import check_count, check_positive, check_positive_int
+from grabkit.validation import check_choice, check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper", "WindowObserver"]
 
 _STATE_VERSION = 2
 _COUNTER_NAMES = frozenset(AccumulationCounters.names())
+_UNEQUAL_COUNTS = ("warn", "raise")
+_RAISED_BY = "AdaptiveAccumulationWrapper(unequal_counts='raise') under torch.distributed"
+_EQUAL_WEIGHTS_FIX = (
+    "or weigh microbatches as DDP does, equally (the same count on every rank); if each rank's "
+    "loss is already divided by the global count, the window is exact: pass "
+    "unequal_counts='warn'"
+)
 
 
 class WindowObserver(Protocol):
@@ -132,6 +139,14 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             :mod:`grabkit.accumulate.distributed`; by default read from the parameters
             (``fully_shard``'s ``DTensor`` parameters are sharded, plain ones replicated).
             ``FullyShardedDataParallel`` (FSDP1) parameters are refused.
+        unequal_counts: what to do when the ranks count different weights for one microbatch
+            under torch.distributed (DDP and ``fully_shard`` average the ranks' gradients with
+            equal weights, so the count-weighted window is the global microbatch's only if each
+            rank's loss was divided by the global count): ``"warn"`` once (the default: the
+            wrapper cannot tell how the losses were normalised), or ``"raise"`` a ValueError on
+            every rank before anything of that microbatch is folded or applied. Detected in the
+            all-reduce the wrapper makes anyway (no extra collective); see
+            :meth:`set_unequal_counts`.
 
     The counters (``num_batches``, ``num_steps``, ``num_draws``, ``num_skipped``,
     ``last_step_num_draws``, ``last_step_count``, ``last_reason``, ...) are the fields of
@@ -173,6 +188,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         clip_grad_norm: float | None = None,
         process_group: Any = None,
         gradient_layout: GradientLayout | None = None,
+        unequal_counts: str = "warn",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -198,6 +214,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if isinstance(self.default_count, torch.Tensor):
             raise ValueError("`default_count` should be a Python number, but got a tensor")
         self.clip_grad_norm = clip_grad_norm
+        self.set_unequal_counts(unequal_counts)
         self._reducer = StatisticsReducer(process_group, gradient_layout)
         self._accumulator = GradientAccumulator()
         self.counters = AccumulationCounters()
@@ -212,6 +229,33 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
         return handle
+
+    @property
+    def unequal_counts(self) -> str:
+        """``"warn"`` or ``"raise"``: see the constructor and :meth:`set_unequal_counts` (setting
+        it keeps the error's ``raised_by`` and ``fix``)."""
+        return self._unequal_counts
+
+    @unequal_counts.setter
+    def unequal_counts(self, mode: str) -> None:
+        self._unequal_counts = check_choice("unequal_counts", mode, _UNEQUAL_COUNTS)
+
+    def set_unequal_counts(
+        self, mode: str, *, raised_by: str | None = None, fix: str | None = None
+    ) -> None:
+        """Warn (``mode="warn"``) or raise (``"raise"``) when the ranks count different weights
+        for one microbatch.
+
+        An integration that knows how its losses are normalised sets ``"raise"`` and says who
+        refuses and how to fix it in its own terms: the ValueError starts with ``raised_by`` (by
+        default ``"AdaptiveAccumulationWrapper(unequal_counts='raise') under torch.distributed"``)
+        and ends with ``fix``, the alternative to equal local batches (by default: equal counts
+        on every rank, or ``unequal_counts='warn'`` when each rank's loss is divided by the
+        global count).
+        """
+        self._unequal_counts = check_choice("unequal_counts", mode, _UNEQUAL_COUNTS)
+        self._unequal_counts_raised_by = _RAISED_BY if raised_by is None else raised_by
+        self._unequal_counts_fix = _EQUAL_WEIGHTS_FIX if fix is None else fix
 
     # ----------------------------------------------------------------- forwarding
     def __getattr__(self, name: str) -> Any:
@@ -400,7 +444,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if reason is not None:
             return reason
         if world > 1 and world * count_sq > total * total * (1.0 + 1e-12):
-            self._warn_unequal_counts(count, total, world)
+            self._unequal_counts_found(count, total, world)
         inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal()
         weight = head[0] if inverse_scale is None else head[0] * inverse_scale
         metric = None if metric is None else head[1] / head[0]
@@ -446,18 +490,33 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             stacklevel=4,
         )
 
-    def _warn_unequal_counts(self, count: float | torch.Tensor, total: float, world: int) -> None:
+    def _unequal_counts_found(self, count: float | torch.Tensor, total: float, world: int) -> None:
         """The ranks counted different weights for one microbatch (sum c_r^2 > (sum c_r)^2 / W).
 
         DDP (and ``fully_shard``) average the ranks' gradients with equal weights, while the
         window weighs the microbatch by the summed count: exact when each rank's loss was
         normalised by the global count, misweighted when each rank's loss is its own mean. The
-        wrapper cannot tell the two apart, so it says so once.
+        wrapper cannot tell the two apart, so it says so once, or with ``unequal_counts="raise"``
+        refuses the microbatch: every rank read the same sums, so every rank raises, after the
+        backward (whose gradient stays in ``.grad``) and before anything of it is folded or any
+        update applied.
         """
+        shown = float(count) if isinstance(count, torch.Tensor) else count
+        if self._unequal_counts == "raise":
+            raise ValueError(
+                f"{self._unequal_counts_raised_by}: the ranks counted different weights for "
+                f"this microbatch (this rank {shown:g}, the mean {total / world:g} over {world} "
+                "ranks), but DistributedDataParallel and fully_shard average the ranks' "
+                "gradients with equal weights, so the count-weighted window would not be the "
+                "mean over the global microbatch's examples or tokens; nothing of this "
+                "microbatch was folded and no update applied it. Fix: give every rank "
+                "microbatches of the same count (the same local batch size: DistributedSampler "
+                "pads the last batch; or drop_last=True when only the last batch differs), "
+                f"{self._unequal_counts_fix}"
+            )
         if getattr(self, "_warned_unequal_counts", False):
             return
         self._warned_unequal_counts = True
-        shown = float(count) if isinstance(count, torch.Tensor) else count
         warnings.warn(
             f"the ranks counted different weights for one microbatch (this rank {shown:g}, "
             f"the mean {total / world:g} over {world} ranks). DistributedDataParallel and "
@@ -466,7 +525,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             "global count (as Hugging Face's Trainer does with num_items_in_batch); if each "
             "rank's loss is its own mean, the window is misweighted. Fix: equal local batches "
             "(DistributedSampler pads them), or scale each rank's loss by count * world_size / "
-            "global count; or, when the weights differ only in the last batch, drop_last=True",
+            "global count; or, when the weights differ only in the last batch, drop_last=True; "
+            "unequal_counts='raise' refuses such microbatches instead",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -686,7 +746,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """What must match for a checkpoint to continue this run exactly.
 
         ``default_count`` is not part of it: it only weighs microbatches still to come (the saved
-        window holds weighted sums), and integrations set it per call.
+        window holds weighted sums), and integrations set it per call. Nor is ``unequal_counts``:
+        a check, which changes nothing the wrapper computes, and which integrations set.
         """
         return {
             "controller": type(self.controller).__name__,
