@@ -8,6 +8,7 @@ wrapper makes outside ``grabkit.stats.transfer`` is counted instead (tests/suppo
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,31 @@ def test_a_step_under_ddp_sends_to_the_device_only_without_waiting(monkeypatch):
     monkeypatch.syspath_prepend(REPO_ROOT)  # spawned ranks unpickle the body by module name
     for sites in run_distributed(device_send_sites, 2):
         assert sites == [], sites
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("count_kind", ["number", "device tensor"])
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+def test_an_accumulation_step_synchronises_with_the_gpu_only_to_read_its_flags(kind, count_kind):
+    """One sync per microbatch (the decision flag); a tensor count adds the statistics vector,
+    read to check the count, as documented. A metric given as a host number adds none."""
+    model = make_model().cuda()
+    wrapper = WRAPPERS[kind](torch.optim.SGD(model.parameters(), lr=0.05))
+    with warnings.catch_warnings(record=True):  # the first switch warns "prototype feature"
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
+    for x, y in make_microbatches([2, 3, 2, 4, 3, 2, 3]):
+        loss = mean_loss(model, x.cuda(), y.cuda())
+        loss.backward()
+        metric = float(loss.detach()) if kind == "mht" else None
+        count = len(x) if count_kind == "number" else torch.tensor(len(x), device="cuda")
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                wrapper.step(count=count, metric=metric)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == (1 if count_kind == "number" else 2), syncs
