@@ -210,9 +210,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             del self.__dict__[f"_own_{name}"]
 
         self.controller = controller
-        self.default_count = check_count("default_count", default_count)
-        if isinstance(self.default_count, torch.Tensor):
+        if isinstance(default_count, torch.Tensor):
             raise ValueError("`default_count` should be a Python number, but got a tensor")
+        self.default_count = default_count
         self.clip_grad_norm = clip_grad_norm
         self.set_unequal_counts(unequal_counts)
         self._reducer = StatisticsReducer(process_group, gradient_layout)
@@ -239,6 +239,18 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     @unequal_counts.setter
     def unequal_counts(self, mode: str) -> None:
         self._unequal_counts = check_choice("unequal_counts", mode, _UNEQUAL_COUNTS)
+
+    @property
+    def default_count(self) -> float | torch.Tensor:
+        """The weight of a microbatch when ``step`` gets no ``count``: a positive finite number,
+        or a one-element tensor (its value checked with the step's statistics). The integrations
+        set it before each microbatch (Trainer's items, Lightning's ``count_fn``); it is checked
+        as it is set, so a zero, negative or NaN weight is refused, never folded in."""
+        return self._default_count
+
+    @default_count.setter
+    def default_count(self, value: float | torch.Tensor) -> None:
+        self._default_count = check_count("default_count", value)
 
     def set_unequal_counts(
         self, mode: str, *, raised_by: str | None = None, fix: str | None = None

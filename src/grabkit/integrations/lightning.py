@@ -326,7 +326,15 @@ class AdaptiveAccumulationCallback(Callback):
                 config.scheduler = RealUpdateSchedule(config.scheduler, wrapper)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.wrapper.default_count = self.count_fn(batch)  # the weight of this step() call
+        count = self.count_fn(batch)
+        try:
+            self.wrapper.default_count = count  # the weight of this step() call
+        except ValueError as error:  # ArgumentTypeError too: it is both
+            raise type(error)(
+                f"AdaptiveAccumulationCallback: count_fn(batch) gave {count!r} for batch "
+                f"{batch_idx}: {error}. It should return this microbatch's weight (its examples "
+                f"or tokens), a positive number"
+            ) from None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("grabkit/optimizer_updates", float(self.wrapper.num_steps))
