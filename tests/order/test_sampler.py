@@ -728,3 +728,21 @@ def test_a_hook_mode_sampler_refuses_to_be_pickled_with_the_fix():
     with pytest.raises(TypeError, match=r"setup\(\).*state_dict"):
         pickle.dumps(hooked)
     hooked.close()
+
+
+def test_two_numbers_for_the_next_epoch_are_refused():
+    """A loop's set_epoch(1) and another's set_epoch(0) (accelerate's prepared loader, whose
+    count restarts at 0 after load_state) before one iter(): raised, naming loader.set_epoch.
+    Renumbering the epoch under way (Lightning, after its loader started the epoch) is not a
+    second number."""
+    sampler = GraBSampler(range(6), balance_type="mean", seed=1)
+    sampler.set_epoch(0)
+    list(sampler)
+    sampler.set_epoch(0)  # the epoch under way
+    sampler.set_epoch(1)
+    sampler.set_epoch(1)
+    with pytest.raises(ValueError, match=r"set_epoch\(0\) after set_epoch\(1\).*loader\.set_epoch"):
+        sampler.set_epoch(0)
+    list(sampler)
+    sampler.set_epoch(2)  # a new epoch after iter(): a fresh number
+    assert sampler.epoch == 1

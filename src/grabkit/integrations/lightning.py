@@ -22,11 +22,12 @@
   ``accumulate_grad_batches=1``: the wrapper decides the window. Under DDP every rank decides
   as one process on the global microbatch; the ranks must count the same weight per microbatch
   (the wrapper raises where they do not).
-* ``NoiseScaleCallback``: the gradient noise scale of Lightning's optimizer steps, closed in
-  ``on_before_optimizer_step`` (before Lightning clips) and logged with ``pl_module.log`` as
+* ``NoiseScaleCallback``: the gradient noise scale of Lightning's optimizer steps, closed
+  before Lightning unscales ("16-mixed") and clips, and logged with ``pl_module.log`` as
   ``noise_scale/*``: one process, ``AccumulationNoiseScale`` over the
-  ``accumulate_grad_batches`` windows; under DDP (``strategy="ddp"`` / ``"ddp_spawn"``),
-  ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one.
+  ``accumulate_grad_batches`` windows (a window that is not its examples' mean left out);
+  under DDP (``strategy="ddp"`` / ``"ddp_spawn"``), ``DDPNoiseScale``, each rank's local
+  window gradient against the all-reduced one.
 * ``GroupingCallback``: the transformers models of the LightningModule run each right-padded
   batch by length groups (``GroupedForward``), with the padded run's loss and gradients.
 * ``ExampleGradientNormsCallback``: quantiles (and a TensorBoard histogram) of the per-example

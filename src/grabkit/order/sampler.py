@@ -183,7 +183,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
-        self._numbered: int | None = None  # set_epoch's value since the last iter()
+        self._numbered: int | None = None  # set_epoch's next epoch since the last iter()
 
     def _declare_state(self) -> None:
         """The live part of the state (shared by every ``state_dict()``, refreshed after each
@@ -296,8 +296,9 @@ class GraBSampler(Sampler[int], Stateful):
         """Number the next epoch ``epoch`` (seeds its random parts), like DistributedSampler.
 
         Raises:
-            ValueError: another number was set since the last ``iter()``: two loops number the
-                epochs differently (accelerate's prepared loader numbers its sampler with its
+            ValueError: another number of the next epoch was set since the last ``iter()``
+                (the number of the epoch under way aside): two loops number the epochs
+                differently (accelerate's prepared loader numbers its sampler with its
                 own count, which restarts at 0 after ``load_state``), and one would silently
                 reseed the epoch with the other's number.
         """
@@ -312,7 +313,7 @@ class GraBSampler(Sampler[int], Stateful):
                 "out of an epoch); call loader.set_epoch(epoch) on the prepared loader instead "
                 "of sampler.set_epoch(epoch), so that both agree."
             )
-        self._numbered = epoch
+        self._numbered = None if epoch == self._epoch else epoch  # the epoch under way: no-op
         self._requested_epoch = epoch
         self._publish()
 
