@@ -149,6 +149,14 @@ def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
     )
 
 
+def _is_stateful(loader: Any) -> bool:
+    """Whether Lightning saves and restores the loader's own position (torchdata's
+    ``StatefulDataLoader``, or any loader with ``state_dict`` / ``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
 def _lightning_epoch_over(trainer: Any) -> bool:
     """Lightning has trained its epoch's last batch, so its resume starts the next epoch.
 
@@ -204,6 +212,7 @@ class GraBCallback(Callback):
         self.sampler = None if sampler is None else _as_grab_sampler(sampler)
         self._pending: dict[str, Any] | None = None  # a state loaded before the sampler exists
         self._trainer: Any = None  # whose epoch counter says when an epoch is over
+        self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -231,7 +240,18 @@ class GraBCallback(Callback):
             self._load(self._pending)
 
     def on_train_start(self, trainer, pl_module) -> None:
-        message = _loader_error(trainer.train_dataloader, self.sampler)
+        loader = trainer.train_dataloader
+        message = _loader_error(loader, self.sampler)
+        if message is None and self._resumed_at_epoch_end and _is_stateful(loader):
+            message = (
+                f"GraBCallback: this run resumes from a checkpoint taken at an epoch's last step "
+                f"with a {type(loader).__name__}, whose own snapshot Lightning restores after "
+                f"the sampler's: it resumes inside the finished epoch, whose empty (or, cut by "
+                f"limit_train_batches, untrained) rest Lightning counts as the next epoch, so "
+                f"one epoch of training would be lost. Resume from a checkpoint inside an epoch, "
+                f"or train with a plain DataLoader (GraBCallback restores the GraBSampler's "
+                f"position itself, and Lightning resumes it exactly with the next epoch)."
+            )
         if message is not None:
             raise ValueError(message)
 
@@ -258,6 +278,7 @@ class GraBCallback(Callback):
         sampler = self.sampler
         state = rewound_state(state_dict["sampler"], sampler.num_samples)  # "ended" at epoch end
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        self._resumed_at_epoch_end = bool(state.get("ended"))
         self._pending = None
 
 
