@@ -181,10 +181,12 @@ class _Call:
     gradient edges (node, output number) of the hooked output tensors and their shapes, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
     layer's output alive). ``group``: the group of a grouped batch the call's rows hold
-    (``grabkit.stats.rows``), None for an ordinary batch.
+    (``grabkit.stats.rows``), None for an ordinary batch. ``weights``: for a rule that reads the
+    layer's parameters at read time (``LayerRule.reads_parameters``), each parameter the call
+    ran on and its version counter then, so that a read after an in-place update is refused.
     """
 
-    __slots__ = ("batch_size", "captured", "grads", "group", "outputs")
+    __slots__ = ("batch_size", "captured", "grads", "group", "outputs", "weights")
 
     def __init__(
         self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
@@ -194,6 +196,7 @@ class _Call:
         self.batch_size = batch_size
         self.outputs: list[tuple[GradientEdge, torch.Size]] = []
         self.group = group
+        self.weights: tuple[tuple[torch.Tensor, int], ...] = ()
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -581,6 +584,8 @@ class PerSampleStats(StatisticsSource):
         self.step_listeners: list[Callable[[], None]] = []
         self._params = list(model.named_parameters())
         self._param_list = [p for _, p in self._params]
+        #: id -> name of the model's own parameters (``fully_shard``'s sharded ones left out)
+        self._param_names = {id(p): name for name, p in self._params if not is_sharded(p)}
         self._trainable = [p.requires_grad for p in self._param_list]
         self._attach_trainable()
         self._new_step()
@@ -938,6 +943,7 @@ class PerSampleStats(StatisticsSource):
         group = self._rows.tag()
         layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
         call = _Call(layer.rule.capture(module, layer_input), group=group)
+        self._note_weights(layer, call)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         self._hook_output(call, hooked)
@@ -979,9 +985,38 @@ class PerSampleStats(StatisticsSource):
         if batch is not None:
             batch.check_batch_dim(layer.name, size, x, dim)
         call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
+        self._note_weights(layer, call)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
+
+    def _note_weights(self, layer: _TrackedLayer, call: _Call) -> None:
+        """Note the versions of the parameters a rule reads at read time (the model's own, as
+        registered: ``fully_shard``'s unsharded copies are refilled for the backward)."""
+        if layer.rule.reads_parameters:
+            names = self._param_names
+            call.weights = tuple(
+                (p, p._version) for p in layer.module.parameters() if id(p) in names
+            )
+
+    def _check_weights_unchanged(self, kept: list) -> None:
+        """Refuse a read after the parameters a rule replays the layer from changed in place
+        since the call (the statistics would be those of the new weights)."""
+        for layer, call, _ in kept:
+            changed = [
+                self._param_names[id(p)] for p, version in call.weights if p._version != version
+            ]
+            if changed:
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}): parameter(s) "
+                    f"{changed} changed in place since the forward (an optimizer.step(), a "
+                    f"weight clip or copy into the model between loss.backward() and this read), "
+                    f"and its rule recomputes the per-example gradients from the layer's current "
+                    f"weights (recurrent layers, attention, the torch.func fallback, "
+                    f"parametrized weights), so they would be those of other weights. Read the "
+                    f"statistics (sampler.step(), stats.norms_squared(), ...) after "
+                    f"loss.backward() and before optimizer.step()."
+                )
 
     def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
         """The batch a call's input is checked against: the model's input, or for a call in a
@@ -1362,6 +1397,7 @@ class PerSampleStats(StatisticsSource):
         self._check_step_is_defined()
         kept = self._kept_calls()
         self._check_gradients_came_through_layers(kept)
+        self._check_weights_unchanged(kept)
         low: dict[str, float] = {}
         if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
             calls = [
