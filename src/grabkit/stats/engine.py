@@ -67,6 +67,12 @@ from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.identity import IdentityCheck, PendingIdentityCheck, unit_roundoff
+from grabkit.stats.parametrized import (
+    ParametrizedRule,
+    is_parametrized,
+    parametrization_parameters,
+    refuse_weight_hooks,
+)
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
@@ -443,6 +449,24 @@ def _accumulate_grad_node(p: nn.Parameter) -> Any:
         return p.view_as(p).grad_fn.next_functions[0][0]
 
 
+def _no_rule_message(label: str, module: nn.Module, own: list[str], parametrized: bool) -> str:
+    """Why a layer with trainable parameters cannot be measured, and the fixes."""
+    kind = type(module).__mro__[1] if parametrized else type(module)  # parametrize's subclass
+    fallback = (
+        "(the torch.func fallback does not replay parametrizations: register a rule for "
+        f"{kind.__name__}, and its parametrized weights are pulled back through them)"
+        if parametrized
+        else "or pass torch_func_fallback=True (per-example gradients of that layer by torch.func)"
+    )
+    return (
+        f"layer {label!r} ({type(module).__name__}) owns trainable parameters {own} but "
+        f"PerSampleStats has no rule for it. Freeze those parameters, build the layer from "
+        f"supported ones (Linear, Conv1d, Conv2d, MultiheadAttention, LSTM, GRU, RNN, "
+        f"transformers Conv1D, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register "
+        f"a rule with grabkit.stats.register_rule({kind.__name__}, rule), {fallback}."
+    )
+
+
 def _inert() -> PerSampleStats:
     """An engine that records nothing (what a copied model's hooks call)."""
     stats = PerSampleStats.__new__(PerSampleStats)
@@ -620,22 +644,22 @@ class PerSampleStats(StatisticsSource):
             own = {
                 local: p for local, p in module.named_parameters(recurse=covers) if p.requires_grad
             }
+            parametrized = not covers and is_parametrized(module)
+            if parametrized:  # its weights computed from the parametrizations' parameters
+                own.update(parametrization_parameters(module))
             if not own:
                 continue
             seen.update(id(m) for m in (module.modules() if covers else [module]))
+            if parametrized:
+                seen.update(id(m) for m in module.parametrizations.modules())
             label = module_name or "<root>"
-            if rule is None and fallback:
+            if rule is None and fallback and not parametrized:
                 rule = TorchFuncFallbackRule()
+            if rule is not None and parametrized:
+                rule = ParametrizedRule(rule)
             if rule is None:
-                raise ValueError(
-                    f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
-                    f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
-                    f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
-                    f"MultiheadAttention, LSTM, GRU, RNN, transformers Conv1D, "
-                    f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
-                    f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
-                    f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
-                )
+                raise ValueError(_no_rule_message(label, module, sorted(own), parametrized))
+            refuse_weight_hooks(label, module, own)
             rule.check(module)
             params = {local: names[id(p)] for local, p in own.items()}
             layers.append(_TrackedLayer(label, module, rule, params))
@@ -1047,6 +1071,14 @@ class PerSampleStats(StatisticsSource):
         The first input is checked against the step's batch (``_ModelBatch.align``); a rule
         with ``whole_call`` keeps every input instead.
         """
+        if not args and not kwargs:
+            raise NotImplementedError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) was called without "
+                f"inputs: its output, made from its parameters alone, is shared by every "
+                f"example, and its rule has no input to tell the examples apart. Call it on the "
+                f"batch's tensor, make the parameters those of a layer that takes one (an "
+                f"nn.Embedding looked up by positions), or freeze them."
+            )
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
         batch = self._batch_for(group)
