@@ -16,6 +16,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
@@ -296,6 +297,27 @@ def test_the_deprecated_weight_hooks_are_refused_at_attach_naming_the_parametriz
         PerSampleStats(model, "sum")
     model[0].requires_grad_(False)  # frozen: nothing to measure there
     PerSampleStats(model, "sum").close()
+
+
+class TiedParametrized(nn.Module):
+    """A weight-normed embedding whose computed weight is also the output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.mix = nn.Embedding(7, 4), nn.Linear(4, 4)
+        parametrizations.weight_norm(self.wte)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.mix(self.wte(idx))), self.wte.weight)
+
+
+def test_a_parametrized_weight_read_outside_its_layer_is_refused_naming_the_parametrization():
+    torch.manual_seed(0)
+    model = TiedParametrized()
+    with PerSampleStats(model, "sum") as stats:
+        squared_loss(model, torch.randint(0, 7, (B, 5))).backward()
+        with pytest.raises(NotImplementedError, match=r"(?s)original.*belong to parametrizations"):
+            stats.norms_squared()
 
 
 # -- 3. a layer called without inputs -----------------------------------------------------------

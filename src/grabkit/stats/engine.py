@@ -467,6 +467,19 @@ def _no_rule_message(label: str, module: nn.Module, own: list[str], parametrized
     )
 
 
+def _parametrized_hint(refused: list[tuple[str, str]]) -> str:
+    """For a refused use of a parametrization's parameter: where the use comes from."""
+    names = sorted({name for name, _ in refused if ".parametrizations." in name})
+    if not names:
+        return ""
+    return (
+        f" {names} belong to parametrizations (torch.nn.utils.parametrize): their layer's "
+        f"weight was computed outside the layer's own call (a tied head reading "
+        f"embedding.weight, a penalty on layer.weight), which PerSampleStats does not pull "
+        f"back; read the parametrized weight only inside its layer's call, or freeze them."
+    )
+
+
 def _inert() -> PerSampleStats:
     """An engine that records nothing (what a copied model's hooks call)."""
     stats = PerSampleStats.__new__(PerSampleStats)
@@ -1391,6 +1404,7 @@ class PerSampleStats(StatisticsSource):
                 f"F.embedding and matmul uses are computed; for another use, call the layer as "
                 f"a module, register a rule for the module that makes the use "
                 f"(grabkit.stats.register_rule), or freeze the parameter."
+                + _parametrized_hint(self._refused)
             )
 
     def _check_gradients_came_through_layers(self, kept: list) -> None:
