@@ -60,6 +60,7 @@ from torch.autograd.graph import GradientEdge
 
 from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
+from grabkit.stats.batch_dim import moved_batch_dim
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
@@ -385,7 +386,8 @@ class _ModelBatch:
                     f"{x.stride()}: dim 0 is not its outermost dim (a transposed, sequence-first "
                     f"view?), and the batch size {b} also appears among its other dims, so "
                     f"PerSampleStats cannot tell which dim holds the examples. Use batch_first "
-                    f"layouts, or call .contiguous() on a batch-first input."
+                    f"layouts (a .contiguous() copy of a sequence-first view is sequence-first "
+                    f"too: transpose back to batch-first before the layer)."
                 )
             return x, None
         if not self._is_shared(x):
@@ -864,6 +866,9 @@ class PerSampleStats(StatisticsSource):
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         self._refused: list[tuple[str, str]] = []
+        # id of the node that made each layer output of the step -> (node, layer name): dim 0
+        # of those holds the examples (``grabkit.stats.batch_dim``)
+        self._batch_first_nodes: dict[int, tuple[Any, str]] = {}
         if self._identity is not None:
             self._identity.begin_step()
         self.generation += 1
@@ -983,10 +988,10 @@ class PerSampleStats(StatisticsSource):
         self._note_weights(layer, call)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
-        self._hook_output(call, hooked)
+        self._hook_output(call, hooked, layer.name)
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
-    def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
+    def _hook_output(self, call: _Call, hooked: torch.Tensor, name: str) -> None:
         """Receive the gradient of ``hooked`` (the call's output) in the backward: by a pre-hook
         on the node that made it (or the tensor it is a view of, ``_gradient_source``), which
         runs after the tensor's own hooks, so a gradient hook of the user's on the output
@@ -997,6 +1002,8 @@ class PerSampleStats(StatisticsSource):
             return
         hook = _WeakHook(self._me, "_on_node_grad", call, source.output_nr, hooked.shape)
         source.grad_fn.register_prehook(hook)
+        for node in (source.grad_fn, hooked.grad_fn):  # the output's node, and its view's
+            self._batch_first_nodes[id(node)] = (node, name)
         call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
 
     def _record_multiple_outputs(
@@ -1104,10 +1111,30 @@ class PerSampleStats(StatisticsSource):
                     f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
                     f"take; give the input an explicit batch dim (expand it to (B, ...))."
                 )
+            if expanded is None and batch is not None:
+                self._check_not_moved(layer.name, layer_input, batch.size)
             layer_input = _detached(layer_input)  # a reference, not a copy
         if layer.rule.whole_call:
             layer_input = _detached_call(args, kwargs)
         return layer_input, expanded
+
+    def _check_not_moved(self, name: str, x: torch.Tensor, batch: int) -> None:
+        """Refuse an input whose dim 0 has the batch size but comes from another dim of an
+        earlier layer's output (a sequence-first copy of an activation, T == B)."""
+        if batch < 2 or x.dim() < 2 or batch not in x.shape[1:] or x.grad_fn is None:
+            return
+        moved = moved_batch_dim(x, self._batch_first_nodes)
+        if moved is not None:
+            source, dim = moved
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is dim "
+                f"{dim} of the output of layer {source!r} (permuted or transposed, then copied: "
+                f"a sequence-first copy such as h.transpose(0, 1).contiguous()), not its "
+                f"examples; with the batch size {batch} equal to that dim, PerSampleStats would "
+                f"credit each position's gradient to an example. Keep the examples in dim 0 of "
+                f"every layer's input (transpose back before the layer, or apply it to the "
+                f"batch-first tensor), or use a batch size that differs from the other dims."
+            )
 
     def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
         message = layer.rule.training_mode_warning
@@ -1153,9 +1180,11 @@ class PerSampleStats(StatisticsSource):
                     f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "
                     f"give it an explicit batch dim (expand it to (B, ...)) or call the layer."
                 )
+            if batch is not None and isinstance(x, torch.Tensor):
+                self._check_not_moved(layer.name, x, batch.size)
             call = _Call(layer.rule.capture(use, x.detach()), group=group)
             layer.calls.append(call)
-            self._hook_output(call, output)
+            self._hook_output(call, output, layer.name)
         return output
 
     def _functional_layer(

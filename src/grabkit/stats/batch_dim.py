@@ -1,0 +1,188 @@
+"""Where a layer input's dim 0 came from, when its size alone cannot tell (T == B).
+
+A layer's input of shape (B, B, ...) whose dim 0 holds positions, not examples, looks like a
+batch-first input: a sequence-first copy of an activation (``h.transpose(0, 1).contiguous()``,
+``h.permute(1, 0, 2).clone()``, ``einsum("btf->tbf", h)`` made contiguous) has the strides of a
+batch-first tensor, so the layout check (``_outer_dim_is_not_first``) does not see it, and the
+statistics would credit position t's gradient to example t. ``moved_batch_dim`` follows dim 0
+back through the autograd graph that made the input, to the output of a layer called earlier
+in the step (whose dim 0 holds the examples): through permutes and transposes (which move it),
+copies and reshapes that keep dim 0, and element-wise operations (inputs broadcast against the
+output, dims aligned from the right). Where the path reaches such a layer output with dim 0
+moved away, the input is sequence-first. A path through anything else (a stack, a cat, an
+index, a custom function) is not followed: no verdict from it.
+
+Cost: read only for an input with the batch size in another dim as well; a few attribute reads
+per node, at most ``_MAX_NODES`` nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["moved_batch_dim"]
+
+_MAX_NODES = 64
+
+# nodes that keep dim 0 where their input's dim 0 has the output's size (copies, reshapes)
+_COPIES = frozenset(
+    {
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+    }
+)
+
+# nodes whose output dims are not their inputs' dims in order (strided views, indexing, matrix
+# products, whose operands' dims may have the output's sizes by chance)
+_NOT_FOLLOWED = frozenset(
+    {
+        "AsStridedBackward0",
+        "IndexBackward0",
+        "IndexSelectBackward0",
+        "MmBackward0",
+        "BmmBackward0",
+        "AddmmBackward0",
+        "AddbmmBackward0",
+        "BaddbmmBackward0",
+        "MvBackward0",
+        "AddmvBackward0",
+        "DotBackward0",
+    }
+)
+
+
+#: the tracked dim is an axis made by ``torch.stack`` / ``unsqueeze`` (not a dim of the source)
+NEW_AXIS = -1
+
+
+def _shape(node: Any, output_nr: int) -> tuple[int, ...] | None:
+    """The shape of the forward output ``output_nr`` of ``node`` (None where unknown)."""
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is None or output_nr >= len(metadata):
+        return None
+    return tuple(metadata[output_nr].shape)
+
+
+def _moved(node: Any, dim: int, ndim: int) -> int | None:
+    """The input dim that output dim ``dim`` comes from at a permute / transpose node."""
+    name = node.name()
+    if name == "PermuteBackward0":
+        return int(node._saved_dims[dim]) % ndim
+    if name == "TransposeBackward0":
+        first, second = int(node._saved_dim0) % ndim, int(node._saved_dim1) % ndim
+        return second if dim == first else first if dim == second else dim
+    return 1 - dim if ndim == 2 else dim  # TBackward0
+
+
+def _structural(node: Any, name: str, dim: int, ndim: int) -> int | None:
+    """The input dim that output dim ``dim`` comes from at a node that adds or removes dims
+    (stack, cat, unsqueeze, select, unbind, squeeze of one dim); ``NEW_AXIS`` for the axis a
+    stack or unsqueeze made; a select or unbind gives that axis the dim it enumerates."""
+    if name == "CatBackward0":
+        return dim
+    axis = int(node._saved_dim)
+    if name in ("StackBackward0", "UnsqueezeBackward0"):
+        axis %= ndim
+        return NEW_AXIS if dim == axis else dim - (dim > axis)
+    axis %= ndim + 1  # select, unbind, squeeze: the input has one more dim
+    if dim == NEW_AXIS:
+        return axis if name in ("SelectBackward0", "UnbindBackward0") else None
+    return dim + (dim >= axis)
+
+
+_TRANSPOSES = frozenset({"PermuteBackward0", "TransposeBackward0", "TBackward0"})
+_STRUCTURAL = frozenset(
+    {
+        "StackBackward0",
+        "CatBackward0",
+        "UnsqueezeBackward0",
+        "SelectBackward0",
+        "UnbindBackward0",
+        "SqueezeBackward1",
+    }
+)
+
+
+def _source_dim(
+    node: Any, name: str, dim: int, shape: tuple[int, ...], source_shape: tuple[int, ...]
+) -> int | None:
+    """The dim of one input (shape ``source_shape``) that output dim ``dim`` of ``node`` comes
+    from; None where that input holds no rows along it or the node is not followed."""
+    if name in _TRANSPOSES:
+        return None if dim == NEW_AXIS else _moved(node, dim, len(shape))
+    if name in _STRUCTURAL:
+        return _structural(node, name, dim, len(shape))
+    if dim == NEW_AXIS:
+        return None
+    if name in _COPIES:  # keeps dim 0 where the input's dim 0 has the output's size
+        keeps = dim == 0 and source_shape and source_shape[0] == shape[0]
+        return 0 if keeps else None
+    # element-wise: broadcast against the output, dims aligned from the right
+    source_dim = dim - (len(shape) - len(source_shape))
+    if source_dim < 0 or source_shape[source_dim] != shape[dim]:
+        return None  # broadcast along it: no rows from this input
+    return source_dim
+
+
+def _elementwise(shape: tuple[int, ...], sources: list[tuple[int, ...]]) -> bool:
+    """Whether every input broadcasts against the output (dims aligned from the right)."""
+    for source in sources:
+        if len(source) > len(shape):
+            return False
+        aligned = shape[len(shape) - len(source) :]
+        if any(s not in (1, o) for s, o in zip(source, aligned, strict=True)):
+            return False
+    return True
+
+
+def _inputs(node: Any, output_nr: int, dim: int) -> list[tuple[Any, int, int]]:
+    """(input node, its output number, its dim) triples that output dim ``dim`` of ``node``
+    comes from, for the nodes followed; [] where the path ends."""
+    name = node.name()
+    shape = _shape(node, output_nr)
+    several = len(getattr(node, "_input_metadata", ())) != 1
+    if shape is None or name in _NOT_FOLLOWED or (several and name != "UnbindBackward0"):
+        return []
+    edges = [
+        (source, nr, _shape(source, nr)) for source, nr in node.next_functions if source is not None
+    ]
+    edges = [(source, nr, source_shape) for source, nr, source_shape in edges if source_shape]
+    known = _TRANSPOSES | _STRUCTURAL | _COPIES
+    if name not in known and not _elementwise(shape, [edge[2] for edge in edges]):
+        return []  # not element-wise: its dims are not the output's
+    followed = []
+    for source, nr, source_shape in edges:
+        source_dim = _source_dim(node, name, dim, shape, source_shape)
+        if source_dim is not None:
+            followed.append((source, nr, source_dim))
+    return followed
+
+
+def moved_batch_dim(x: torch.Tensor, anchors: dict[int, tuple[Any, str]]) -> tuple[str, int] | None:
+    """(layer name, dim) where dim 0 of ``x`` is dim ``dim`` != 0 of the output of the layer
+    named, an earlier call of the step (``NEW_AXIS``: an axis stacked from its outputs);
+    ``anchors``: id of the node that made each layer output -> (that node, layer name). None
+    where no path shows it."""
+    node = x.grad_fn
+    if node is None or not anchors:
+        return None
+    stack: list[tuple[Any, int, int]] = [(node, x.output_nr, 0)]
+    seen: set[tuple[int, int, int]] = set()
+    while stack and len(seen) < _MAX_NODES:
+        node, output_nr, dim = stack.pop()
+        if (id(node), output_nr, dim) in seen:
+            continue
+        seen.add((id(node), output_nr, dim))
+        anchor = anchors.get(id(node))
+        if anchor is not None:
+            if dim != 0:
+                return anchor[1], dim
+            continue
+        stack.extend(_inputs(node, output_nr, dim))
+    return None
