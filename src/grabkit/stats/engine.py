@@ -45,6 +45,15 @@ Seams with other autograd work in the same step, each defined:
   made it, after the tensor's own hooks (``PerSampleStats._hook_output``).
 * **A layer on a parameter or buffer** of the model is shared by the batch, even where its dim
   0 has the batch size (``_ModelBatch._is_model_state``).
+* **A sequence-first copy of an activation** whose dim 0 has the batch size (T == B) is
+  refused: dim 0 is followed back through the autograd graph to an earlier layer's output
+  (``grabkit.stats.batch_dim``).
+* **Weights computed from other parameters** (``torch.nn.utils.parametrize``) are pulled back
+  through the parametrization (``grabkit.stats.parametrized``); the deprecated weight-norm and
+  spectral-norm hooks are refused at attach.
+* **Parameters changed in place after the forward** (``optimizer.step()`` before the read):
+  refused for rules that replay the layer from its weights (``LayerRule.reads_parameters``),
+  from the parameters' version counters.
 """
 
 from __future__ import annotations
