@@ -58,6 +58,7 @@ Seams with other autograd work in the same step, each defined:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -438,6 +439,28 @@ class _TrackedLayer:
 
     def __deepcopy__(self, memo: dict) -> _TrackedLayer:
         return self  # only a copied model's inert hooks hold it (see PerSampleStats.__deepcopy__)
+
+
+def _tensors_in(value: Any, found: list[torch.Tensor], depth: int = 0) -> None:
+    """Append the tensors in ``value`` (a model's arguments: tensors in tuples, lists, dicts and
+    other mappings, dataclasses, nested a few levels deep) to ``found``, in order."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif depth >= _INPUT_DEPTH or isinstance(value, (str, bytes)):
+        return
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _tensors_in(item, found, depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors_in(item, found, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _tensors_in(getattr(value, field.name), found, depth + 1)
+
+
+#: how deep in nested containers the model's input tensors are looked for
+_INPUT_DEPTH = 4
 
 
 def _dtypes(value: Any, found: set[torch.dtype]) -> None:
@@ -906,7 +929,8 @@ class PerSampleStats(StatisticsSource):
         """
         if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
             return
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        tensors: list[torch.Tensor] = []
+        _tensors_in((args, kwargs), tensors)
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
         if self._step_finished():
