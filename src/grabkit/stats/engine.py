@@ -585,7 +585,8 @@ class PerSampleStats(StatisticsSource):
             loss_fn(model(x), y).backward()
             norms = stats.norms_squared()  # (B,)
 
-    The examples are dim 0 of the model's first tensor input. A layer whose input is shared by
+    The examples are dim 0 of the model's first tensor input (looked for in dicts, lists,
+    tuples and dataclasses too: ``model(batch)``). A layer whose input is shared by
     the batch (no batch dim, such as ``wpe(torch.arange(T))``, or a leading dim of 1 such as
     Hugging Face's (1, T) position ids) gives every example the same activation: its output is
     expanded to (B, ...) (a view that the model may only broadcast against the batch, checked
