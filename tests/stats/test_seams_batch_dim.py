@@ -114,3 +114,71 @@ def test_a_sequence_first_copy_is_refused_in_hook_mode_grab():
     with pytest.raises(ValueError, match="sequence-first copy"):
         model(data.tensors[0][order[:B]])
     sampler.close()
+
+
+# -- rows reordered between layers -----------------------------------------------------------
+def reorder(how: str, h: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The second layer's input: ``h``'s rows sorted by ``key`` (``how``); the forward sorts
+    back after the layer, so each output row is still its own example's."""
+    order = torch.argsort(key)
+    if how == "index":
+        return h[order]
+    if how == "index_select":
+        return h.index_select(0, order)
+    if how == "gather":
+        return torch.gather(h, 0, order[:, None].expand_as(h))
+    if how == "flip":
+        return torch.tanh(h.flip(0))
+    raise AssertionError(how)
+
+
+def restore(how: str, out: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    if how == "flip":
+        return out.flip(0)
+    return out[torch.argsort(torch.argsort(key))]
+
+
+class SortedInside(nn.Module):
+    """Sorts the examples by their first feature between its two layers and back after."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.first, self.second = nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        return restore(self.how, self.second(reorder(self.how, h, x[:, 0])), x[:, 0])
+
+
+@pytest.mark.parametrize("how", ["index", "index_select", "gather", "flip"])
+def test_rows_reordered_between_layers_are_refused(how):
+    """Each output row is its own example's, yet the second layer's row j is another example's:
+    silently wrong on the old code (16-40% off in the norms; the identity check cannot see it,
+    the rows still add up)."""
+    torch.manual_seed(0)
+    model = SortedInside(how)
+    x = torch.randn(5, 3)
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="reordered by"):
+        model(x)
+
+
+def test_the_last_position_of_each_example_is_no_reorder(reference_tools):
+    """``h[arange(B), last]`` keeps example i in row i."""
+    torch.manual_seed(0)
+
+    class LastPosition(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(3, 5), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.first(x))
+            return self.second(h[torch.arange(x.shape[0]), x.shape[1] - 1])
+
+    model = LastPosition()
+    x = torch.randn(B, 3, 3)
+    expected = per_example_rows(model, x)
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        reference_tools.assert_matches(stats, expected)

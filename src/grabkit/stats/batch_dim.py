@@ -141,6 +141,37 @@ def _elementwise(shape: tuple[int, ...], sources: list[tuple[int, ...]]) -> bool
     return True
 
 
+def _reorders_rows(node: Any, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``node`` reorders (or repeats) the rows of dim 0 of its input into as many rows:
+    ``h[perm]``, ``index_select(0, ...)``, ``gather(0, ...)``, ``flip(0)``, ``roll(k, 0)``. An
+    index is read (a host transfer) only here, to pass the identity (``h[arange(B), t]``)."""
+    ndim = len(shape)
+    if name == "IndexBackward0":
+        indices = node._saved_indices
+        first = indices[0] if indices else None
+        if (
+            first is None
+            or first.dtype == torch.bool
+            or first.dim() != 1
+            or sum(index is not None for index in indices) != 1
+            or node._saved_self_sym_sizes[0] != shape[0]
+        ):
+            return False
+        return not _is_identity(first)
+    if name in ("IndexSelectBackward0", "GatherBackward0"):
+        return int(node._saved_dim) % ndim == 0 and not _is_identity(node._saved_index)
+    if name in ("FlipBackward0", "RollBackward0"):
+        dims = [int(d) % ndim for d in node._saved_dims]
+        return not dims or 0 in dims
+    return False
+
+
+def _is_identity(index: torch.Tensor) -> bool:
+    """Whether every row of the index along dim 0 is its own row number."""
+    rows = torch.arange(index.shape[0], device=index.device).reshape(-1, *[1] * (index.dim() - 1))
+    return bool((index == rows).all())
+
+
 def _inputs(node: Any, output_nr: int, dim: int) -> list[tuple[Any, int, int]]:
     """(input node, its output number, its dim) triples that output dim ``dim`` of ``node``
     comes from, for the nodes followed; [] where the path ends."""
@@ -164,25 +195,37 @@ def _inputs(node: Any, output_nr: int, dim: int) -> list[tuple[Any, int, int]]:
     return followed
 
 
-def moved_batch_dim(x: torch.Tensor, anchors: dict[int, tuple[Any, str]]) -> tuple[str, int] | None:
-    """(layer name, dim) where dim 0 of ``x`` is dim ``dim`` != 0 of the output of the layer
-    named, an earlier call of the step (``NEW_AXIS``: an axis stacked from its outputs);
+def moved_batch_dim(
+    x: torch.Tensor, anchors: dict[int, tuple[Any, str]]
+) -> tuple[str, int | str] | None:
+    """(layer name, where) when dim 0 of ``x`` is not the examples of the output of the layer
+    named, an earlier call of the step: ``where`` is the dim != 0 of that output that dim 0 is
+    (``NEW_AXIS``: an axis stacked from its outputs), or the name of the operation that
+    reordered its rows (``h[perm]``, ``flip(0)``: row j is then another example's).
     ``anchors``: id of the node that made each layer output -> (that node, layer name). None
     where no path shows it."""
     node = x.grad_fn
     if node is None or not anchors:
         return None
-    stack: list[tuple[Any, int, int]] = [(node, x.output_nr, 0)]
-    seen: set[tuple[int, int, int]] = set()
+    # (node, output number, the dim followed, the operation that reordered dim 0's rows or "")
+    stack: list[tuple[Any, int, int, str]] = [(node, x.output_nr, 0, "")]
+    seen: set[tuple[int, int, int, str]] = set()
     while stack and len(seen) < _MAX_NODES:
-        node, output_nr, dim = stack.pop()
-        if (id(node), output_nr, dim) in seen:
+        node, output_nr, dim, reordered = stack.pop()
+        key = (id(node), output_nr, dim, reordered)
+        if key in seen:
             continue
-        seen.add((id(node), output_nr, dim))
+        seen.add(key)
         anchor = anchors.get(id(node))
         if anchor is not None:
-            if dim != 0:
-                return anchor[1], dim
+            if dim != 0 or reordered:
+                return anchor[1], dim if dim != 0 else reordered
             continue
-        stack.extend(_inputs(node, output_nr, dim))
+        name, shape = node.name(), _shape(node, output_nr)
+        if dim == 0 and shape and _reorders_rows(node, name, shape):
+            source, nr = node.next_functions[0]
+            if source is not None:
+                stack.append((source, nr, 0, reordered or name.removesuffix("Backward0")))
+            continue
+        stack.extend((*edge, reordered) for edge in _inputs(node, output_nr, dim))
     return None

@@ -1153,22 +1153,35 @@ class PerSampleStats(StatisticsSource):
         return layer_input, expanded
 
     def _check_not_moved(self, name: str, x: torch.Tensor, batch: int) -> None:
-        """Refuse an input whose dim 0 has the batch size but comes from another dim of an
-        earlier layer's output (a sequence-first copy of an activation, T == B)."""
-        if batch < 2 or x.dim() < 2 or batch not in x.shape[1:] or x.grad_fn is None:
+        """Refuse an input whose dim 0 has the batch size but holds other rows than the
+        examples of an earlier layer's output: another of its dims (a sequence-first copy of an
+        activation, T == B), or its rows reordered (sorted inside the forward). A grouped batch
+        reorders rows by design (``grabkit.stats.rows`` maps them to its items)."""
+        if batch < 2 or x.grad_fn is None or self._rows.grouped:
             return
         moved = moved_batch_dim(x, self._batch_first_nodes)
-        if moved is not None:
-            source, dim = moved
+        if moved is None:
+            return
+        source, where = moved
+        if isinstance(where, str):
             raise ValueError(
-                f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is dim "
-                f"{dim} of the output of layer {source!r} (permuted or transposed, then copied: "
-                f"a sequence-first copy such as h.transpose(0, 1).contiguous()), not its "
-                f"examples; with the batch size {batch} equal to that dim, PerSampleStats would "
-                f"credit each position's gradient to an example. Keep the examples in dim 0 of "
-                f"every layer's input (transpose back before the layer, or apply it to the "
-                f"batch-first tensor), or use a batch size that differs from the other dims."
+                f"layer {name!r} got an input of shape {tuple(x.shape)} whose rows are those of "
+                f"the output of layer {source!r} reordered by {where} (examples sorted inside "
+                f"the forward, say by length before pack_padded_sequence, and unsorted after): "
+                f"its row j is another example's, so per-example statistics would mix the "
+                f"examples' gradients across layers. Keep every layer's rows in the batch's "
+                f"order (pack_padded_sequence(..., enforce_sorted=False) sorts and unsorts "
+                f"inside the packed sequence), or reorder the batch before the model."
             )
+        raise ValueError(
+            f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is dim "
+            f"{where} of the output of layer {source!r} (permuted or transposed, then copied: "
+            f"a sequence-first copy such as h.transpose(0, 1).contiguous()), not its "
+            f"examples; with the batch size {batch} equal to that dim, PerSampleStats would "
+            f"credit each position's gradient to an example. Keep the examples in dim 0 of "
+            f"every layer's input (transpose back before the layer, or apply it to the "
+            f"batch-first tensor), or use a batch size that differs from the other dims."
+        )
 
     def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
         message = layer.rule.training_mode_warning
