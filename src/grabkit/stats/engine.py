@@ -45,8 +45,9 @@ Seams with other autograd work in the same step, each defined:
   made it, after the tensor's own hooks (``PerSampleStats._hook_output``).
 * **A layer on a parameter or buffer** of the model is shared by the batch, even where its dim
   0 has the batch size (``_ModelBatch._is_model_state``).
-* **A sequence-first copy of an activation** whose dim 0 has the batch size (T == B) is
-  refused: dim 0 is followed back through the autograd graph to an earlier layer's output
+* **A sequence-first copy of an activation** whose dim 0 has the batch size (T == B), and
+  **rows reordered between layers** (sorted inside the forward and back), are refused: dim 0
+  is followed back through the autograd graph to an earlier layer's output
   (``grabkit.stats.batch_dim``).
 * **Weights computed from other parameters** (``torch.nn.utils.parametrize``) are pulled back
   through the parametrization (``grabkit.stats.parametrized``); the deprecated weight-norm and
@@ -292,7 +293,7 @@ def _row_selection(x: torch.Tensor, batch: int) -> tuple[int, ...] | None:
     if first.dtype == torch.bool:
         return source if first.dim() > 1 else None
     if sum(index is not None for index in indices) == 1:
-        return None  # whole examples, reordered or repeated: rows follow their losses
+        return None  # whole examples (a reorder of a layer's output: ``batch_dim`` refuses it)
     once = first.dim() == 1 and torch.bincount(first.reshape(-1), minlength=batch).eq(1).all()
     return None if bool(once) else source
 
