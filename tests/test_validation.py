@@ -11,6 +11,7 @@ import torch
 
 from grabkit.validation import (
     ArgumentTypeError,
+    check_choice,
     check_count,
     check_non_negative,
     check_non_negative_int,
@@ -88,3 +89,14 @@ def test_wrong_types_are_both_type_and_value_errors(check, value):
 def test_a_count_tensor_must_hold_one_element():
     with pytest.raises(ValueError, match="one-element tensor"):
         check_count("count", torch.ones(2))
+
+
+def test_a_choice_is_one_of_its_strings():
+    assert check_choice("unequal_counts", "raise", ("warn", "raise")) == "raise"
+    with pytest.raises(
+        ValueError,
+        match=r"^`unequal_counts` should be 'warn' or 'raise', but got unequal_counts='error'$",
+    ):
+        check_choice("unequal_counts", "error", ("warn", "raise"))
+    with pytest.raises(ArgumentTypeError, match="unequal_counts=True"):
+        check_choice("unequal_counts", True, ("warn", "raise"))

@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "ArgumentTypeError",
     "check_bool",
+    "check_choice",
     "check_count",
     "check_int",
     "check_int_in_range",
@@ -59,6 +60,16 @@ def check_bool(name: str, value: Any) -> bool:
     """``value`` if it is a bool."""
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"`{name}` should be a bool, but got {name}={value!r}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of the strings ``choices`` (a mode, say)."""
+    expected = " or ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"`{name}` should be {expected}, but got {name}={value!r}")
+    if value not in choices:
+        raise ValueError(f"`{name}` should be {expected}, but got {name}={value!r}")
     return value
 
 

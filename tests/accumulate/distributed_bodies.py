@@ -129,6 +129,40 @@ def unequal_counts_warnings(rank: int, world_size: int) -> list[bool]:
     return warned
 
 
+def unequal_counts_refusal(rank: int, world_size: int, payload: list[int]) -> dict:
+    """Under DDP with ``unequal_counts="raise"``, a wrapper that steps every 2 microbatches;
+    microbatch 1's counts differ by rank (it would close the first window). What each step did,
+    the refusal's message, and whether the refused step changed the parameters or counters."""
+    from grabkit.accumulate import NormThreshold
+
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    wrapper = AdaptiveAccumulationWrapper(
+        inner, NormThreshold(0.0), max_batch_draws=2, unequal_counts="raise"
+    )
+    out: dict = {"stepped": [], "message": None}
+    for i, (x, y) in enumerate(make_microbatches(payload, seed=5)):
+        xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        mean_loss(ddp, xs, ys).backward()
+        if i != 1:
+            out["stepped"].append(wrapper.step(count=len(xs)))
+            continue
+        before = [p.detach().clone() for p in model.parameters()]
+        counters = wrapper.counters.state_dict()
+        try:
+            wrapper.step(count=len(xs) + rank)
+        except ValueError as error:
+            out["message"] = str(error)
+        out["unchanged"] = (
+            all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+            and wrapper.counters.state_dict() == counters
+        )
+        wrapper.zero_grad()  # the refused microbatch's gradient: discarded
+    out["params"] = [p.detach().tolist() for p in model.parameters()]
+    return out
+
+
 def body(rank: int, world_size: int, payload: dict) -> dict:
     torch.manual_seed(0)
     result = {"adversarial": adversarial_decisions(rank), "disagreement": disagreement_run(rank)}
@@ -138,3 +172,31 @@ def body(rank: int, world_size: int, payload: dict) -> dict:
         result["unequal_counts"] = unequal_counts_warnings(rank, world_size)
     dist.barrier()
     return result
+
+
+def device_send_sites(rank: int, world_size: int, payload: None) -> list[str]:
+    """Under DDP through a GradScaler, every other backward under ``no_sync()`` (the wrapper
+    averages those over the ranks), tensor counts: where the wrapper sent host values to the
+    device outside ``grabkit.stats.transfer`` (tests/support/device_sends.py)."""
+    import contextlib
+
+    import pytest
+    from tests.support.device_sends import DeviceSends
+
+    model = make_model(0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    wrapper = build("gnts", ddp.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (4 + rank))
+    sites: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no_sync() saves nothing: said once
+        for i, (x, y) in enumerate(make_microbatches([4, 6, 2, 8, 4, 6], seed=11)):
+            xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+            with ddp.no_sync() if i % 2 else contextlib.nullcontext():
+                scaler.scale(mean_loss(ddp, xs, ys)).backward()
+            with pytest.MonkeyPatch.context() as patch:
+                sends = DeviceSends(patch)
+                scaler.step(wrapper, count=torch.tensor(len(xs)))
+            sites += sends.sites
+            scaler.update()
+    return sites

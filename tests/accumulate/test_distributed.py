@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.accumulate.distributed_bodies import body, build
+from tests.accumulate.distributed_bodies import body, build, unequal_counts_refusal
 from tests.accumulate.helpers import make_microbatches, make_model, mean_loss
 from tests.support.distributed import run_distributed
+
+from grabkit.accumulate import AdaptiveAccumulationWrapper, NormThreshold
 
 pytestmark = pytest.mark.distributed
 
@@ -70,3 +72,29 @@ def test_ranks_agree_and_ddp_equals_one_process(world_size):
         # window (it depends on how each rank's loss was normalised): said once, on every rank
         for r in results:
             assert r["unequal_counts"] == [False, True, False, False]
+
+
+def test_ranks_counting_different_weights_are_refused_before_anything_is_applied():
+    """``unequal_counts="raise"``: the microbatch that would close the first window is refused
+    on every rank (naming what, where and the fix), leaving the parameters, the window and the
+    counters as they were: the run then equals one process without that microbatch."""
+    sizes = [4, 4, 4, 4, 4]
+    ranks = run_distributed(unequal_counts_refusal, 2, sizes)
+    model = make_model(0)
+    wrapper = AdaptiveAccumulationWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.05), NormThreshold(0.0), max_batch_draws=2
+    )
+    stepped = []
+    for i, (x, y) in enumerate(make_microbatches(sizes, seed=5)):
+        if i != 1:
+            mean_loss(model, x, y).backward()
+            stepped.append(wrapper.step(count=len(x)))
+    assert stepped == [False, True, False, True]
+    for rank in ranks:
+        message = rank["message"]
+        assert message is not None and rank["unchanged"]
+        assert message.startswith("AdaptiveAccumulationWrapper(unequal_counts='raise')")
+        assert "counted different weights" in message and "DistributedSampler" in message
+        assert rank["stepped"] == stepped
+        for got, want in zip(rank["params"], model.parameters(), strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=want.dtype), want.detach())

@@ -256,6 +256,20 @@ def test_noise_scale_controller_accumulates_beyond_two_on_noisy_gradients():
         (lambda o: OptimizerWrapperGNTS(o).step(count=0), ValueError, "count"),
         (lambda o: OptimizerWrapperGNTS(o).step(count=torch.ones(2)), ValueError, "count"),
         (lambda o: OptimizerWrapperMHT(o).step(), ValueError, "metric"),
+        (lambda o: OptimizerWrapperGNTS(o, unequal_counts="ignore"), ValueError, "unequal_counts"),
+        (lambda o: OptimizerWrapperGNTS(o, unequal_counts=None), TypeError, "unequal_counts"),
+        (lambda o: OptimizerWrapperGNTS(o).set_unequal_counts("off"), ValueError, "'raise'"),
+        (lambda o: setattr(OptimizerWrapperGNTS(o), "unequal_counts", 1), TypeError, "unequal"),
+        # the integrations set default_count per microbatch: checked as it is set (a negative
+        # weight was folded in, a zero or NaN one dropped the window as "not finite")
+        (lambda o: setattr(OptimizerWrapperGNTS(o), "default_count", -2.0), ValueError, "default"),
+        (lambda o: setattr(OptimizerWrapperGNTS(o), "default_count", 0), ValueError, "default"),
+        (
+            lambda o: setattr(OptimizerWrapperGNTS(o), "default_count", float("nan")),
+            ValueError,
+            "default",
+        ),
+        (lambda o: setattr(OptimizerWrapperGNTS(o), "default_count", "4"), TypeError, "default"),
     ],
 )
 def test_bad_input_is_rejected_clearly(call, error, message):

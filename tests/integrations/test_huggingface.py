@@ -207,6 +207,19 @@ def test_naive_wrapper_in_trainer_steps_every_microbatch(tmp_path):
     assert wrapper.num_steps == 12  # Trainer clipped each microbatch to the threshold: no window
 
 
+def test_adaptive_accumulation_refuses_a_microbatch_without_label_tokens(tmp_path):
+    # its weight would be 0 label tokens: the window was dropped as "not finite" before
+    data = lm_dataset()
+    for row in data[B : 2 * B]:  # the second microbatch: every label ignored
+        row["labels"] = torch.full_like(row["labels"], -100)
+    args = arguments(
+        tmp_path, gradient_accumulation_steps=1, max_steps=4, train_sampling_strategy="sequential"
+    )
+    trainer = GrabkitTrainer(tiny_gpt2(), args, train_dataset=data, accumulation=gnts)
+    with pytest.raises(ValueError, match="no label tokens"):
+        trainer.train()
+
+
 def test_adaptive_accumulation_refuses_trainer_accumulation(tmp_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps should be 1"):
         GrabkitTrainer(tiny_bert(), arguments(tmp_path), train_dataset=dataset(), accumulation=gnts)

@@ -199,6 +199,13 @@ def test_adaptive_accumulation_skips_and_the_schedule_follows_real_updates(tmp_p
     assert float(wrapper.last_step_count) == B * wrapper.last_step_num_draws
 
 
+def test_a_count_fn_giving_no_positive_weight_is_refused_naming_it(tmp_path):
+    callback = AdaptiveAccumulationCallback(count_fn=lambda batch: 0)
+    fit = trainer(tmp_path, [callback], accumulate_grad_batches=1, max_steps=4)
+    with pytest.raises(ValueError, match=r"count_fn\(batch\) gave 0 for batch 0"):
+        fit.fit(Module(gnts), DataLoader(dataset(), batch_size=B))
+
+
 def test_naive_wrapper_in_lightning_steps_every_microbatch(tmp_path):
     module = Module(gnts, schedule=True)
     fit = trainer(tmp_path, accumulate_grad_batches=1, gradient_clip_val=0.1, max_steps=12)

@@ -8,11 +8,13 @@ over the global microbatches: a hand loop for the norm threshold (with and witho
 cosine-scheduled threshold rules; the window open at train end is applied on every rank; a
 checkpoint inside a window (``StatefulDataLoader``) or with a window open across an epoch's end
 (plain ``DataLoader``) resumes to the uninterrupted run. Ranks that count different weights for a
-microbatch (DDP averages their gradients with equal weights) are refused before it runs.
+microbatch (DDP averages their gradients with equal weights) are refused before anything of it is
+applied, by the wrapper, in the all-reduce it makes anyway: no collective of the callback's own.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,14 +135,45 @@ class Classifier(L.LightningModule):
         )
 
 
+class Collectives(L.Callback):
+    """Records, for every batch, the files that called ``torch.distributed.all_reduce`` from
+    its start to its end (each rank writes ``out/collectives<r>.pt``). DDP's own gradient
+    all-reduce runs in its C++ reducer and is not seen."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.batches: list[list[str]] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        original = torch.distributed.all_reduce
+
+        def counting(*args, **kwargs):
+            if self.batches:
+                self.batches[-1].append(sys._getframe(1).f_code.co_filename)
+            return original(*args, **kwargs)
+
+        torch.distributed.all_reduce = counting
+        self._original = original
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append([])  # runs first: listed before AdaptiveAccumulationCallback
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.distributed.all_reduce = self._original
+        torch.save(self.batches, Path(self.out) / f"collectives{trainer.global_rank}.pt")
+
+
 def fit(
     out: Path, kind: str, ckpt_path: Path | None = None, stateful: bool = False,
-    save_after: int | str | None = None, **options,
+    save_after: int | str | None = None, collectives: bool = False, **options,
 ) -> list[dict]:  # fmt: skip
-    """One ``ddp_spawn`` fit of two CPU processes; what each rank ended with, by rank."""
+    """One ``ddp_spawn`` fit of two CPU processes; what each rank ended with, by rank
+    (``collectives``: with ``Collectives``' record under ``"collectives"``)."""
     out.mkdir(parents=True, exist_ok=True)
     counting = trained_rows if kind == "masked" else batch_count
     callbacks = [AdaptiveAccumulationCallback(count_fn=counting)]
+    if collectives:
+        callbacks.insert(0, Collectives(str(out)))
     if save_after == "epoch":  # Lightning's recipe for a plain DataLoader
         callbacks.append(
             L.callbacks.ModelCheckpoint(
@@ -157,7 +190,11 @@ def fit(
     )  # fmt: skip
     settings.update(options)
     L.Trainer(**settings).fit(Classifier(str(out), kind, stateful), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
+    for r, rank in enumerate(ranks):
+        if collectives:
+            rank["collectives"] = torch.load(out / f"collectives{r}.pt", weights_only=True)
+    return ranks
 
 
 def global_microbatches():
@@ -292,13 +329,28 @@ def test_ranks_counting_different_weights_are_refused_before_anything_is_folded(
 ):
     """Each rank's loss is the mean over its trained rows, weighed by their number, which
     differs between the ranks: DDP averages the ranks' gradients with equal weights, so the
-    count-weighted window would not be the global microbatch's. Refused on every rank."""
+    count-weighted window would not be the global microbatch's. Refused on every rank by the
+    wrapper, after the first microbatch's backward and before it is folded or applied."""
     trained = data().tensors[2]
     shares = [trained[r::W][:B].sum() for r in range(W)]
     assert shares[0] != shares[1]  # the first microbatch already differs
     refusal = r"ValueError: AdaptiveAccumulationCallback.*counted different weights.*Distributed"
     with pytest.raises(Exception, match=refusal):  # ddp_spawn re-raises the ranks' error
         fit(tmp_path, "masked")
+
+
+def test_each_microbatch_makes_only_the_wrappers_own_all_reduces(tmp_path, spawnable):
+    """The equal-count check rides in the wrapper's statistics all-reduce: per microbatch the
+    statistics vector and the window's norms, both from the wrapper, none from the callback."""
+    ranks = fit(tmp_path, "gnts", collectives=True, max_epochs=1)
+    assert_ranks_equal(ranks)
+    for rank in ranks:
+        batches = rank["collectives"]
+        assert len(batches) == N // (W * B)
+        for callers in batches:
+            assert len(callers) == 2, callers
+            assert all(c.endswith(("accumulate/distributed.py", "accumulate/wrapper.py"))
+                       for c in callers), callers  # fmt: skip
 
 
 def test_a_window_open_across_an_epoch_end_checkpoint_resumes_to_the_uninterrupted_run(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from grabkit.sharding import GradientLayout
+from grabkit.stats.transfer import to_device
 
 __all__ = [
     "GradientLayout",
@@ -83,7 +84,8 @@ def replica_fingerprint(squares: torch.Tensor, indices: torch.Tensor) -> torch.T
     that differ (not reduced, or held for other parameters) give different ones. Summed over
     ranks, the pair tells whether every rank had the same F (:func:`replicas_differ`).
     """
-    weights = 1.0 + torch.remainder(indices.to(squares) * _GOLDEN, 1.0)
+    positions = to_device(indices, squares.device).to(squares.dtype)
+    weights = 1.0 + torch.remainder(positions * _GOLDEN, 1.0)
     fingerprint = (weights * squares).sum()
     return torch.stack([fingerprint, fingerprint.square()])
 
@@ -113,7 +115,7 @@ def average_over_ranks(
     """
     device = next(iter(grads.values())).device
     present = torch.tensor([float(p in grads) for p in params], dtype=torch.float64)
-    present = reducer.sum(present.to(device)).tolist()
+    present = reducer.sum(to_device(present, device)).tolist()
     union = [p for p, n in zip(params, present, strict=True) if n > 0]
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in union:
@@ -129,9 +131,9 @@ def average_over_ranks(
                 for p in members
             ]
         )
-        scale = torch.tensor(1.0 / reducer.world_size, dtype=torch.float64, device=device)
+        scale = to_device(torch.tensor(1.0 / reducer.world_size, dtype=torch.float64), device)
         if inverse_scale is not None:
-            scale = scale * inverse_scale.to(device=device, dtype=torch.float64)
+            scale = scale * to_device(inverse_scale, device).to(torch.float64)
         flat.mul_(scale.to(dtype))
         if reducer.world_size > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=reducer.process_group)

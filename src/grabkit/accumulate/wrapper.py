@@ -19,13 +19,16 @@ dropped: nothing of it reaches the accumulator, it does not count as a draw, and
 False with reason ``"overflow_skipped"``.
 
 Decisions cost one device-to-host transfer per microbatch (the decision flag; under a GradScaler
-also the overflow flag, as GradScaler itself does). Under torch.distributed every statistic is
-all-reduced first (see :mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with
-``fully_shard`` (FSDP2) parameters the gradients are shards and norms are summed over ranks.
-Replicated gradients that differ across ranks (DDP's ``no_sync()``, accelerate's
-``accumulate()``) were not reduced: the wrapper averages them over the ranks before folding
-(and warns once that ``no_sync()`` saves nothing here), so the run is that of the global
-microbatches.
+also the overflow flag, as GradScaler itself does). Host values (a number count, a metric given as
+a number, flags) reach the device through :func:`grabkit.stats.transfer.to_device`: built on the
+host and sent from pinned memory without waiting, never a hidden host synchronisation.
+
+Under torch.distributed every statistic is all-reduced first (see
+:mod:`grabkit.accumulate.distributed`), so all ranks decide alike; with ``fully_shard`` (FSDP2)
+parameters the gradients are shards and norms are summed over ranks. Replicated gradients that
+differ across ranks (DDP's ``no_sync()``, accelerate's ``accumulate()``) were not reduced: the
+wrapper averages them over the ranks before folding (and warns once that ``no_sync()`` saves
+nothing here), so the run is that of the global microbatches.
 
 Window observers (``register_window_observer``; :class:`~grabkit.noise.AccumulationNoiseScale`
 with ``optimizer=`` is one) hear of every microbatch folded or dropped, every window discarded and
@@ -56,12 +59,20 @@ from grabkit.accumulate.distributed import (
 from grabkit.integrations.wiring import check_wiring
 from grabkit.sharding import gradient_layout_of, local
 from grabkit.state import setting_differences
-from grabkit.validation import check_count, check_positive, check_positive_int
+from grabkit.stats.transfer import to_device
+from grabkit.validation import check_choice, check_count, check_positive, check_positive_int
 
 __all__ = ["AdaptiveAccumulationWrapper", "WindowObserver"]
 
 _STATE_VERSION = 2
 _COUNTER_NAMES = frozenset(AccumulationCounters.names())
+_UNEQUAL_COUNTS = ("warn", "raise")
+_RAISED_BY = "AdaptiveAccumulationWrapper(unequal_counts='raise') under torch.distributed"
+_EQUAL_WEIGHTS_FIX = (
+    "or weigh microbatches as DDP does, equally (the same count on every rank); if each rank's "
+    "loss is already divided by the global count, the window is exact: pass "
+    "unequal_counts='warn'"
+)
 
 
 class WindowObserver(Protocol):
@@ -128,6 +139,14 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             :mod:`grabkit.accumulate.distributed`; by default read from the parameters
             (``fully_shard``'s ``DTensor`` parameters are sharded, plain ones replicated).
             ``FullyShardedDataParallel`` (FSDP1) parameters are refused.
+        unequal_counts: what to do when the ranks count different weights for one microbatch
+            under torch.distributed (DDP and ``fully_shard`` average the ranks' gradients with
+            equal weights, so the count-weighted window is the global microbatch's only if each
+            rank's loss was divided by the global count): ``"warn"`` once (the default: the
+            wrapper cannot tell how the losses were normalised), or ``"raise"`` a ValueError on
+            every rank before anything of that microbatch is folded or applied. Detected in the
+            all-reduce the wrapper makes anyway (no extra collective); see
+            :meth:`set_unequal_counts`.
 
     The counters (``num_batches``, ``num_steps``, ``num_draws``, ``num_skipped``,
     ``last_step_num_draws``, ``last_step_count``, ``last_reason``, ...) are the fields of
@@ -169,6 +188,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         clip_grad_norm: float | None = None,
         process_group: Any = None,
         gradient_layout: GradientLayout | None = None,
+        unequal_counts: str = "warn",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -190,10 +210,11 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             del self.__dict__[f"_own_{name}"]
 
         self.controller = controller
-        self.default_count = check_count("default_count", default_count)
-        if isinstance(self.default_count, torch.Tensor):
+        if isinstance(default_count, torch.Tensor):
             raise ValueError("`default_count` should be a Python number, but got a tensor")
+        self.default_count = default_count
         self.clip_grad_norm = clip_grad_norm
+        self.set_unequal_counts(unequal_counts)
         self._reducer = StatisticsReducer(process_group, gradient_layout)
         self._accumulator = GradientAccumulator()
         self.counters = AccumulationCounters()
@@ -208,6 +229,45 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
         return handle
+
+    @property
+    def unequal_counts(self) -> str:
+        """``"warn"`` or ``"raise"``: see the constructor and :meth:`set_unequal_counts` (setting
+        it keeps the error's ``raised_by`` and ``fix``)."""
+        return self._unequal_counts
+
+    @unequal_counts.setter
+    def unequal_counts(self, mode: str) -> None:
+        self._unequal_counts = check_choice("unequal_counts", mode, _UNEQUAL_COUNTS)
+
+    @property
+    def default_count(self) -> float | torch.Tensor:
+        """The weight of a microbatch when ``step`` gets no ``count``: a positive finite number,
+        or a one-element tensor (its value checked with the step's statistics). The integrations
+        set it before each microbatch (Trainer's items, Lightning's ``count_fn``); it is checked
+        as it is set, so a zero, negative or NaN weight is refused, never folded in."""
+        return self._default_count
+
+    @default_count.setter
+    def default_count(self, value: float | torch.Tensor) -> None:
+        self._default_count = check_count("default_count", value)
+
+    def set_unequal_counts(
+        self, mode: str, *, raised_by: str | None = None, fix: str | None = None
+    ) -> None:
+        """Warn (``mode="warn"``) or raise (``"raise"``) when the ranks count different weights
+        for one microbatch.
+
+        An integration that knows how its losses are normalised sets ``"raise"`` and says who
+        refuses and how to fix it in its own terms: the ValueError starts with ``raised_by`` (by
+        default ``"AdaptiveAccumulationWrapper(unequal_counts='raise') under torch.distributed"``)
+        and ends with ``fix``, the alternative to equal local batches (by default: equal counts
+        on every rank, or ``unequal_counts='warn'`` when each rank's loss is divided by the
+        global count).
+        """
+        self._unequal_counts = check_choice("unequal_counts", mode, _UNEQUAL_COUNTS)
+        self._unequal_counts_raised_by = _RAISED_BY if raised_by is None else raised_by
+        self._unequal_counts_fix = _EQUAL_WEIGHTS_FIX if fix is None else fix
 
     # ----------------------------------------------------------------- forwarding
     def __getattr__(self, name: str) -> Any:
@@ -332,10 +392,10 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         controller reads the microbatch norm or the ranks must compare their gradients."""
         if not pending or not (self.controller.needs_microbatch_norm or self._compares_replicas()):
             return None
-        squares = parameter_squares([local(g) for _, g in pending]).to(device)
+        squares = to_device(parameter_squares([local(g) for _, g in pending]), device)
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step for this call
         if grad_scale is not None:
-            squares = squares * grad_scale.double().reciprocal().to(device).square()
+            squares = squares * to_device(grad_scale.double().reciprocal(), device).square()
         return squares
 
     def _compares_replicas(self) -> bool:
@@ -373,23 +433,21 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
                 _refuse_unreduced_shards(1, 1)
             if not pending:
                 return "no_gradient"
-            global_count = torch.tensor(count, dtype=torch.float64, device=device)
+            global_count = to_device(torch.tensor(count, dtype=torch.float64), device)
             return _Microbatch(
-                count, global_count, None if metric is None else metric.to(device), norm_sq
+                count, global_count, None if metric is None else to_device(metric, device), norm_sq
             )
-        head = torch.zeros(8, dtype=torch.float64, device=device)
-        head[0] = count.to(device) if isinstance(count, torch.Tensor) else count
+        head = to_device(self._host_head(count, not pending, held), device)
+        if isinstance(count, torch.Tensor):
+            head[0] = to_device(count, device)
+            head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
         head[7] = head[0].square()  # summed: tells whether the ranks counted alike
         if metric is not None:
-            head[1] = head[0] * metric.to(device)
+            head[1] = head[0] * to_device(metric, device)
         if found_inf is not None:
-            head[2] = found_inf.to(device=device, dtype=torch.float64)
-        if isinstance(count, torch.Tensor):
-            head[3] = ~(torch.isfinite(head[0]) & (head[0] > 0))
-        head[4] = float(not pending)
-        if squares is not None and self._compares_replicas():
+            head[2] = to_device(found_inf, device).to(torch.float64)
+        if squares is not None and self._compares_replicas():  # never with ``held``
             head[5:7] = replica_fingerprint(squares, self._indices_of(pending, device))
-        head[5] += float(held)  # sharded: the ranks whose gradient fully_shard holds back
         self._reducer.sum(head)
         total, _, overflow, invalid, empty, fingerprint, fingerprint_sq, count_sq = head.tolist()
         if self._reducer.gradient_layout == "sharded" and fingerprint > 0:
@@ -398,7 +456,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         if reason is not None:
             return reason
         if world > 1 and world * count_sq > total * total * (1.0 + 1e-12):
-            self._warn_unequal_counts(count, total, world)
+            self._unequal_counts_found(count, total, world)
         inverse_scale = None if grad_scale is None else grad_scale.double().reciprocal()
         weight = head[0] if inverse_scale is None else head[0] * inverse_scale
         metric = None if metric is None else head[1] / head[0]
@@ -407,14 +465,26 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self._warn_unreduced()
         averaged = average_over_ranks(self._reducer, self._params(), dict(pending), inverse_scale)
         if norm_sq is not None:  # the averaged microbatch's, the same on every rank
-            norm_sq = squared_norm([g for _, g in averaged]).to(device)
+            norm_sq = to_device(squared_norm([g for _, g in averaged]), device)
         return _Microbatch(head[0], head[0], metric, norm_sq, averaged)
 
     def _indices_of(
         self, pending: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
     ) -> torch.Tensor:
         position = {p: i for i, p in enumerate(self._params())}
-        return torch.tensor([position[p] for p, _ in pending], device=device)
+        return to_device(torch.tensor([position[p] for p, _ in pending]), device)
+
+    @staticmethod
+    def _host_head(count: float | torch.Tensor, empty: bool, held: bool) -> torch.Tensor:
+        """(8,) float64 on the host: what the host knows of the statistics vector (the count
+        when it is a number, the no-gradient flag, and under sharding whether ``fully_shard``
+        holds the gradient back), sent to the device in one copy that does not wait."""
+        head = torch.zeros(8, dtype=torch.float64)
+        if not isinstance(count, torch.Tensor):
+            head[0] = count
+        head[4] = float(empty)
+        head[5] = float(held)  # sharded: the ranks whose gradient fully_shard holds back
+        return head
 
     def _warn_unreduced(self) -> None:
         if getattr(self, "_warned_unreduced", False):
@@ -432,18 +502,33 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             stacklevel=4,
         )
 
-    def _warn_unequal_counts(self, count: float | torch.Tensor, total: float, world: int) -> None:
+    def _unequal_counts_found(self, count: float | torch.Tensor, total: float, world: int) -> None:
         """The ranks counted different weights for one microbatch (sum c_r^2 > (sum c_r)^2 / W).
 
         DDP (and ``fully_shard``) average the ranks' gradients with equal weights, while the
         window weighs the microbatch by the summed count: exact when each rank's loss was
         normalised by the global count, misweighted when each rank's loss is its own mean. The
-        wrapper cannot tell the two apart, so it says so once.
+        wrapper cannot tell the two apart, so it says so once, or with ``unequal_counts="raise"``
+        refuses the microbatch: every rank read the same sums, so every rank raises, after the
+        backward (whose gradient stays in ``.grad``) and before anything of it is folded or any
+        update applied.
         """
+        shown = float(count) if isinstance(count, torch.Tensor) else count
+        if self._unequal_counts == "raise":
+            raise ValueError(
+                f"{self._unequal_counts_raised_by}: the ranks counted different weights for "
+                f"this microbatch (this rank {shown:g}, the mean {total / world:g} over {world} "
+                "ranks), but DistributedDataParallel and fully_shard average the ranks' "
+                "gradients with equal weights, so the count-weighted window would not be the "
+                "mean over the global microbatch's examples or tokens; nothing of this "
+                "microbatch was folded and no update applied it. Fix: give every rank "
+                "microbatches of the same count (the same local batch size: DistributedSampler "
+                "pads the last batch; or drop_last=True when only the last batch differs), "
+                f"{self._unequal_counts_fix}"
+            )
         if getattr(self, "_warned_unequal_counts", False):
             return
         self._warned_unequal_counts = True
-        shown = float(count) if isinstance(count, torch.Tensor) else count
         warnings.warn(
             f"the ranks counted different weights for one microbatch (this rank {shown:g}, "
             f"the mean {total / world:g} over {world} ranks). DistributedDataParallel and "
@@ -452,7 +537,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             "global count (as Hugging Face's Trainer does with num_items_in_batch); if each "
             "rank's loss is its own mean, the window is misweighted. Fix: equal local batches "
             "(DistributedSampler pads them), or scale each rank's loss by count * world_size / "
-            "global count; or, when the weights differ only in the last batch, drop_last=True",
+            "global count; or, when the weights differ only in the last batch, drop_last=True; "
+            "unequal_counts='raise' refuses such microbatches instead",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -497,7 +583,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         counters.num_draws += 1
         counters.num_batches += 1
         sum_norm_sq, microbatch_norm_sq = self._agree_on_norms(
-            self._accumulator.sum_squared_norm().to(device),
+            to_device(self._accumulator.sum_squared_norm(), device),
             microbatch.norm_sq,
         )
         obs = Observation(
@@ -515,15 +601,19 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """``"accumulating"``, ``"nonfinite_skipped"`` or the reason to step now.
 
         The rule's flag and the window's finiteness (|m|^2 and the metric) travel to the host
-        together: one transfer per microbatch.
+        together: one transfer per microbatch. A flag the host already holds (a full window, or
+        a rule that decided on host numbers) is not sent to the device: only finiteness is read.
         """
         finite = torch.isfinite(obs.mean_norm_sq)
         if obs.metric is not None:
             finite = finite & torch.isfinite(obs.metric)
         at_max = self.counters.num_draws >= self.max_draws
         ready = True if at_max else self.controller.ready(obs)
-        ready = torch.as_tensor(ready, device=finite.device)
-        is_finite, is_ready = torch.stack([finite, ready.to(torch.bool)]).tolist()  # host sync
+        if isinstance(ready, torch.Tensor):
+            flags = torch.stack([finite, to_device(ready, finite.device).to(torch.bool)])
+            is_finite, is_ready = flags.tolist()  # host sync
+        else:
+            is_finite, is_ready = bool(finite), bool(ready)  # host sync
         if not is_finite:
             return "nonfinite_skipped"
         if at_max:
@@ -600,7 +690,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
             return False
         total = counters.total_count
         sum_norm_sq, _ = self._agree_on_norms(
-            self._accumulator.sum_squared_norm().to(total.device), None
+            to_device(self._accumulator.sum_squared_norm(), total.device), None
         )
         obs = Observation(
             count=total,
@@ -668,7 +758,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """What must match for a checkpoint to continue this run exactly.
 
         ``default_count`` is not part of it: it only weighs microbatches still to come (the saved
-        window holds weighted sums), and integrations set it per call.
+        window holds weighted sums), and integrations set it per call. Nor is ``unequal_counts``:
+        a check, which changes nothing the wrapper computes, and which integrations set.
         """
         return {
             "controller": type(self.controller).__name__,

@@ -20,7 +20,8 @@
   wrapper (which clips the averaged gradient), lets step-interval LR schedulers advance only
   on real updates, and applies the window still open at train end. Keep
   ``accumulate_grad_batches=1``: the wrapper decides the window. Under DDP every rank decides
-  as one process on the global microbatch; the ranks must count the same weight per microbatch.
+  as one process on the global microbatch; the ranks must count the same weight per microbatch
+  (the wrapper raises where they do not).
 * ``NoiseScaleCallback``: the gradient noise scale of Lightning's optimizer steps, closed in
   ``on_before_optimizer_step`` (before Lightning clips) and logged with ``pl_module.log`` as
   ``noise_scale/*``: one process, ``AccumulationNoiseScale`` over the
@@ -255,31 +256,24 @@ def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> Non
     trainer.gradient_clip_val = None
 
 
-def _check_equal_counts(trainer: Any, count: float | torch.Tensor) -> None:
-    """Refuse (on every rank, before the microbatch runs) ranks that count different weights.
+def _refuse_unequal_counts(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> None:
+    """Ranks that count different weights for a microbatch raise in the wrapper's ``step``.
 
     DDP averages the ranks' gradients with equal weights, each rank's the mean over its own
     ``count``; the wrapper weighs that average by the ranks' summed count. The two agree with
     the one-process microbatch (the mean over all ranks' examples or tokens) only when every
-    rank counts the same. One all-reduce of two float64 numbers per microbatch.
+    rank counts the same, and a ``training_step`` loss is the rank's own mean. The wrapper
+    compares the counts in the all-reduce it makes anyway, after the backward and before
+    anything of the microbatch is folded or applied, and raises on every rank.
     """
-    local = float(count)
-    sums = torch.tensor([local, local * local], dtype=torch.float64)
-    sums = trainer.strategy.reduce(sums.to(trainer.strategy.root_device), reduce_op="sum")
-    total, total_sq = sums.tolist()
-    world = trainer.world_size
-    mean = total / world
-    if max(total_sq / world - mean * mean, 0.0) ** 0.5 <= 1e-9 * abs(mean):
-        return
-    raise ValueError(
-        f"AdaptiveAccumulationCallback under {type(trainer.strategy).__name__}: the ranks "
-        f"counted different weights for this microbatch (this rank {local:g}, the mean over "
-        f"the {world} ranks {mean:g}), but DDP averages the ranks' gradients with equal "
-        "weights, so the wrapper's count-weighted window would not be the mean over the global "
-        "microbatch's examples or tokens. Give every rank microbatches of the same count (the "
-        "same local batch size: DistributedSampler pads the last batch), or weigh microbatches "
-        "as DDP does, equally: AdaptiveAccumulationCallback(count_fn=...) with a function that "
-        "returns 1.0 (defined at module level, so that ddp_spawn can pickle it)."
+    wrapper.set_unequal_counts(
+        "raise",
+        raised_by=f"AdaptiveAccumulationCallback under {type(trainer.strategy).__name__}",
+        fix=(
+            "or weigh microbatches as DDP does, equally: AdaptiveAccumulationCallback("
+            "count_fn=...) with a function that returns 1.0 (defined at module level, so that "
+            "ddp_spawn can pickle it)."
+        ),
     )
 
 
@@ -296,8 +290,10 @@ class AdaptiveAccumulationCallback(Callback):
     microbatches (clipping, the flush and a checkpoint inside a window included), provided every
     rank counts the same weight for a microbatch: DDP averages the ranks' gradients with equal
     weights, so a rank counting more examples or tokens than another would be under-weighted.
-    The counts are compared (one all-reduce of two numbers per microbatch) and differing counts
-    raise ``ValueError`` on every rank before the microbatch runs.
+    The callback sets the wrapper's ``unequal_counts`` to ``"raise"``: the counts are compared
+    in the all-reduce the wrapper makes anyway (no collective of the callback's own), and
+    differing counts raise ``ValueError`` on every rank in the wrapper's ``step``, after that
+    microbatch's backward and before anything of it is folded or any update applied.
 
     Args:
         count_fn: batch -> its weight (examples, or tokens); default :func:`batch_count`.
@@ -324,15 +320,21 @@ class AdaptiveAccumulationCallback(Callback):
             )
         self.wrapper = wrapper = wrappers[0]
         _hand_clipping_to(wrapper, trainer)
+        _refuse_unequal_counts(wrapper, trainer)
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, RealUpdateSchedule):
                 config.scheduler = RealUpdateSchedule(config.scheduler, wrapper)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         count = self.count_fn(batch)
-        if trainer.world_size > 1:
-            _check_equal_counts(trainer, count)
-        self.wrapper.default_count = count  # the weight of this step() call
+        try:
+            self.wrapper.default_count = count  # the weight of this step() call
+        except ValueError as error:  # ArgumentTypeError too: it is both
+            raise type(error)(
+                f"AdaptiveAccumulationCallback: count_fn(batch) gave {count!r} for batch "
+                f"{batch_idx}: {error}. It should return this microbatch's weight (its examples "
+                f"or tokens), a positive number"
+            ) from None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         pl_module.log("grabkit/optimizer_updates", float(self.wrapper.num_steps))

@@ -385,9 +385,11 @@ class OuterProductFactor:
     def dot(self, vectors: torch.Tensor) -> torch.Tensor:
         k = vectors.shape[0]
         g, p, q = self.groups, self.in_features, self.out_features
-        a, d = self.flat_rows() if g == 1 else (None, None)  # (N, p), (N, q)
         vectors = as_dtype(vectors, self.dtype)
         kept = self._per_example_grads()
+        # (N, p), (N, q) views where the GEMMs below read them: for a convolution's permuted
+        # patches they are copies, which the kept per-example gradients make unnecessary
+        a, d = self.flat_rows() if g == 1 and kept is None else (None, None)
         if g == 1 and k == 1 and kept is None:  # one GEMM, contracting the wider side first
             v = vectors.reshape(q, p)  # a view, not a copy
             if p <= q:

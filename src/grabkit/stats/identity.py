@@ -146,6 +146,7 @@ __all__ = [
     "FULL_SUPPORT_ENTRIES",
     "LAMBDA",
     "WARMUP_STEPS",
+    "CheckedReads",
     "IdentityCheck",
     "IdentityCheckError",
     "PendingIdentityCheck",
@@ -592,6 +593,33 @@ class PendingIdentityCheck:
         values = flat[count:].reshape(tuple(tensor.shape))
         wanted = NUMPY_DTYPES.get(tensor.dtype, np.float64)  # bfloat16: none in numpy
         return values if values.dtype == wanted else values.astype(wanted)
+
+
+class CheckedReads:
+    """The host reads of one step's statistics, with that step's identity check still pending
+    (``pending``, None once compared or when the step was not checked).
+
+    ``to_host`` reads a tensor in one transfer with the check's numbers, compared first;
+    ``settle`` compares them on their own. A mismatch raises ``IdentityCheckError`` at every
+    call until the check is replaced, and no value is returned. Batches read through this
+    (``DenseGradientBatch(reads_through=...)``, ``GradientBatch.derived``).
+    """
+
+    def __init__(self, pending: PendingIdentityCheck | None = None) -> None:
+        self.pending = pending
+
+    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
+        pending = self.pending
+        if pending is None:
+            return to_host(tensor)
+        values = pending.read_with(tensor)
+        self.pending = None
+        return values
+
+    def settle(self) -> None:
+        if self.pending is not None:
+            self.pending.settle()
+            self.pending = None
 
 
 class _Comparison:

@@ -59,7 +59,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -73,11 +72,11 @@ from grabkit.stats.factors import (
     compute_dtype,
 )
 from grabkit.stats.gradient_batch import DenseGradientBatch
-from grabkit.stats.identity import PendingIdentityCheck
+from grabkit.stats.identity import CheckedReads
 from grabkit.stats.names import canonical_parameter_names
 from grabkit.stats.rows import ItemLayout, RowsFactor
 from grabkit.stats.source import StatisticsSource
-from grabkit.stats.transfer import to_device, to_host
+from grabkit.stats.transfer import to_device
 
 __all__ = [
     "CountSketchMap",
@@ -647,7 +646,7 @@ class SketchedStats(StatisticsSource):
         self.dim = dim
         self.step_listeners = self.engine.step_listeners
         self._cached: tuple[int, torch.Tensor] | None = None
-        self._pending: PendingIdentityCheck | None = None
+        self._reads = CheckedReads()  # the host reads of the sketches, with their check
 
     @property
     def generation(self) -> int:
@@ -685,25 +684,13 @@ class SketchedStats(StatisticsSource):
             matrix = self.sketch.apply(
                 factors, batch_size, scale, device=self.engine.device, dtype=dtype
             )
-            self._cached, self._pending = (generation, matrix), pending
+            self._cached, self._reads = (generation, matrix), CheckedReads(pending)
         return self._cached[1]
-
-    def to_host(self, tensor: torch.Tensor) -> np.ndarray:
-        """The values of ``tensor`` on the host, in one transfer with a pending identity
-        check's numbers, which are compared first (``IdentityCheckError``: nothing returned)."""
-        pending = self._pending
-        if pending is None:
-            return to_host(tensor)
-        values = pending.read_with(tensor)
-        self._pending = None
-        return values
 
     def settle(self) -> None:
         """Compare a pending identity check now (a host transfer; ``IdentityCheckError`` on a
         mismatch, again at every call until the next backward)."""
-        if self._pending is not None:
-            self._pending.settle()
-            self._pending = None
+        self._reads.settle()
 
     def gradient_batch(self, *, settle: bool = True) -> DenseGradientBatch:
         """The sketches as a ``DenseGradientBatch`` (B rows of k numbers). ``settle=False``
@@ -713,7 +700,7 @@ class SketchedStats(StatisticsSource):
         if settle:
             self.settle()
             return DenseGradientBatch(matrix)
-        return DenseGradientBatch(matrix, reads_through=self)
+        return DenseGradientBatch(matrix, reads_through=self._reads)
 
     def close(self) -> None:
         self.engine.close()

@@ -9,17 +9,14 @@ starts a new step; ``HookGradientBatch`` reads it in the flat layout.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from grabkit.stats.factors import OuterProductFactor, ParameterFactor, as_dtype, compute_dtype
 from grabkit.stats.gradient_batch import FlatLayout
+from grabkit.stats.identity import CheckedReads, PendingIdentityCheck
 from grabkit.stats.transfer import NUMPY_DTYPES, host_values, to_device, to_host
-
-if TYPE_CHECKING:
-    from grabkit.stats.identity import PendingIdentityCheck
 
 __all__ = ["StepStatistics"]
 
@@ -63,7 +60,7 @@ class StepStatistics:
         layout: FlatLayout | None = None,
         pending_check: PendingIdentityCheck | None = None,
     ) -> None:
-        self.pending_check = pending_check
+        self.reads = CheckedReads(pending_check)
         self.param_shapes = dict(param_shapes)
         #: the flat layout of ``param_shapes`` (an engine passes its own, shared by every step)
         self.layout = FlatLayout(self.param_shapes) if layout is None else layout
@@ -90,20 +87,13 @@ class StepStatistics:
     def settle_identity(self) -> None:
         """Settle a pending identity check now (a host transfer; ``IdentityCheckError`` on a
         mismatch, again at every call until the step ends)."""
-        if self.pending_check is not None:
-            self.pending_check.settle()
-            self.pending_check = None
+        self.reads.settle()
 
     def to_host(self, tensor: torch.Tensor) -> np.ndarray:
         """The values of ``tensor`` (read from these statistics) on the host, in one transfer
         with the pending identity check's numbers, which are compared first
         (``IdentityCheckError``: no value is returned)."""
-        pending = self.pending_check
-        if pending is None:
-            return to_host(tensor)
-        values = pending.read_with(tensor)
-        self.pending_check = None
-        return values
+        return self.reads.to_host(tensor)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.stat_dtype, device=self.device)
