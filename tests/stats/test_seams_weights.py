@@ -347,3 +347,34 @@ def test_a_layer_called_without_inputs_is_refused_with_the_reason():
     stats = PerSampleStats(model, "sum", torch_func_fallback=True)
     with stats, pytest.raises(NotImplementedError, match=r"'bias' .*called without inputs"):
         model(torch.randn(B, 4))
+
+
+class WeightNormedInside(nn.Module):
+    """Weight norm on a replayed layer's weight: attention's out_proj (covered by the attention
+    rule) or a GRU's hidden-to-hidden weight (the recurrent replay)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "attention":
+            self.layer = nn.MultiheadAttention(4, 2, batch_first=True)
+            parametrizations.weight_norm(self.layer.out_proj)
+        else:
+            self.layer = nn.GRU(4, 4, batch_first=True)
+            parametrizations.weight_norm(self.layer, "weight_hh_l0")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "attention":
+            return self.layer(x, x, x, need_weights=False)[0]
+        return self.layer(x)[0]
+
+
+@pytest.mark.parametrize("kind", ["attention", "GRU"])
+def test_weight_norm_inside_replayed_layers_is_exact(kind, reference_tools):
+    torch.manual_seed(0)
+    model = WeightNormedInside(kind)
+    x = torch.randn(B, 5, 4)
+    expected = per_example_rows(model, lambda i: squared_loss(model, x[i : i + 1]), B)
+    with PerSampleStats(model, "sum") as stats:
+        squared_loss(model, x).backward()
+        reference_tools.assert_matches(stats, expected)
