@@ -45,10 +45,21 @@ Seams with other autograd work in the same step, each defined:
   made it, after the tensor's own hooks (``PerSampleStats._hook_output``).
 * **A layer on a parameter or buffer** of the model is shared by the batch, even where its dim
   0 has the batch size (``_ModelBatch._is_model_state``).
+* **A sequence-first copy of an activation** whose dim 0 has the batch size (T == B), and
+  **rows reordered between layers** (sorted inside the forward and back), are refused: dim 0
+  is followed back through the autograd graph to an earlier layer's output
+  (``grabkit.stats.batch_dim``).
+* **Weights computed from other parameters** (``torch.nn.utils.parametrize``) are pulled back
+  through the parametrization (``grabkit.stats.parametrized``); the deprecated weight-norm and
+  spectral-norm hooks are refused at attach.
+* **Parameters changed in place after the forward** (``optimizer.step()`` before the read):
+  refused for rules that replay the layer from its weights (``LayerRule.reads_parameters``),
+  from the parameters' version counters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -60,6 +71,7 @@ from torch.autograd.graph import GradientEdge
 
 from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
+from grabkit.stats.batch_dim import moved_batch_dim
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
@@ -67,6 +79,12 @@ from grabkit.stats.functional import FunctionalUse, FunctionalUses
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.identity import IdentityCheck, PendingIdentityCheck, unit_roundoff
+from grabkit.stats.parametrized import (
+    ParametrizedRule,
+    is_parametrized,
+    parametrization_parameters,
+    refuse_weight_hooks,
+)
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rules import LayerRule, find_rule
 from grabkit.stats.shared_inputs import expand_for_batch
@@ -181,10 +199,12 @@ class _Call:
     gradient edges (node, output number) of the hooked output tensors and their shapes, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
     layer's output alive). ``group``: the group of a grouped batch the call's rows hold
-    (``grabkit.stats.rows``), None for an ordinary batch.
+    (``grabkit.stats.rows``), None for an ordinary batch. ``weights``: for a rule that reads the
+    layer's parameters at read time (``LayerRule.reads_parameters``), each parameter the call
+    ran on and its version counter then, so that a read after an in-place update is refused.
     """
 
-    __slots__ = ("batch_size", "captured", "grads", "group", "outputs")
+    __slots__ = ("batch_size", "captured", "grads", "group", "outputs", "weights")
 
     def __init__(
         self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
@@ -194,6 +214,7 @@ class _Call:
         self.batch_size = batch_size
         self.outputs: list[tuple[GradientEdge, torch.Size]] = []
         self.group = group
+        self.weights: tuple[tuple[torch.Tensor, int], ...] = ()
 
 
 def _detached_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
@@ -272,7 +293,7 @@ def _row_selection(x: torch.Tensor, batch: int) -> tuple[int, ...] | None:
     if first.dtype == torch.bool:
         return source if first.dim() > 1 else None
     if sum(index is not None for index in indices) == 1:
-        return None  # whole examples, reordered or repeated: rows follow their losses
+        return None  # whole examples (a reorder of a layer's output: ``batch_dim`` refuses it)
     once = first.dim() == 1 and torch.bincount(first.reshape(-1), minlength=batch).eq(1).all()
     return None if bool(once) else source
 
@@ -376,7 +397,8 @@ class _ModelBatch:
                     f"{x.stride()}: dim 0 is not its outermost dim (a transposed, sequence-first "
                     f"view?), and the batch size {b} also appears among its other dims, so "
                     f"PerSampleStats cannot tell which dim holds the examples. Use batch_first "
-                    f"layouts, or call .contiguous() on a batch-first input."
+                    f"layouts (a .contiguous() copy of a sequence-first view is sequence-first "
+                    f"too: transpose back to batch-first before the layer)."
                 )
             return x, None
         if not self._is_shared(x):
@@ -420,6 +442,28 @@ class _TrackedLayer:
         return self  # only a copied model's inert hooks hold it (see PerSampleStats.__deepcopy__)
 
 
+def _tensors_in(value: Any, found: list[torch.Tensor], depth: int = 0) -> None:
+    """Append the tensors in ``value`` (a model's arguments: tensors in tuples, lists, dicts and
+    other mappings, dataclasses, nested a few levels deep) to ``found``, in order."""
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif depth >= _INPUT_DEPTH or isinstance(value, (str, bytes)):
+        return
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            _tensors_in(item, found, depth + 1)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _tensors_in(item, found, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            _tensors_in(getattr(value, field.name), found, depth + 1)
+
+
+#: how deep in nested containers the model's input tensors are looked for
+_INPUT_DEPTH = 4
+
+
 def _dtypes(value: Any, found: set[torch.dtype]) -> None:
     """The floating dtypes of the tensors in ``value`` (tensors, tuples, lists, dicts)."""
     if isinstance(value, torch.Tensor):
@@ -438,6 +482,37 @@ def _accumulate_grad_node(p: nn.Parameter) -> Any:
     backward adds into ``.grad`` (not ``torch.autograd.grad``'s captures)."""
     with torch.enable_grad():
         return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+def _no_rule_message(label: str, module: nn.Module, own: list[str], parametrized: bool) -> str:
+    """Why a layer with trainable parameters cannot be measured, and the fixes."""
+    kind = type(module).__mro__[1] if parametrized else type(module)  # parametrize's subclass
+    fallback = (
+        "(the torch.func fallback does not replay parametrizations: register a rule for "
+        f"{kind.__name__}, and its parametrized weights are pulled back through them)"
+        if parametrized
+        else "or pass torch_func_fallback=True (per-example gradients of that layer by torch.func)"
+    )
+    return (
+        f"layer {label!r} ({type(module).__name__}) owns trainable parameters {own} but "
+        f"PerSampleStats has no rule for it. Freeze those parameters, build the layer from "
+        f"supported ones (Linear, Conv1d, Conv2d, MultiheadAttention, LSTM, GRU, RNN, "
+        f"transformers Conv1D, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register "
+        f"a rule with grabkit.stats.register_rule({kind.__name__}, rule), {fallback}."
+    )
+
+
+def _parametrized_hint(refused: list[tuple[str, str]]) -> str:
+    """For a refused use of a parametrization's parameter: where the use comes from."""
+    names = sorted({name for name, _ in refused if ".parametrizations." in name})
+    if not names:
+        return ""
+    return (
+        f" {names} belong to parametrizations (torch.nn.utils.parametrize): their layer's "
+        f"weight was computed outside the layer's own call (a tied head reading "
+        f"embedding.weight, a penalty on layer.weight), which PerSampleStats does not pull "
+        f"back; read the parametrized weight only inside its layer's call, or freeze them."
+    )
 
 
 def _inert() -> PerSampleStats:
@@ -511,7 +586,8 @@ class PerSampleStats(StatisticsSource):
             loss_fn(model(x), y).backward()
             norms = stats.norms_squared()  # (B,)
 
-    The examples are dim 0 of the model's first tensor input. A layer whose input is shared by
+    The examples are dim 0 of the model's first tensor input (looked for in dicts, lists,
+    tuples and dataclasses too: ``model(batch)``). A layer whose input is shared by
     the batch (no batch dim, such as ``wpe(torch.arange(T))``, or a leading dim of 1 such as
     Hugging Face's (1, T) position ids) gives every example the same activation: its output is
     expanded to (B, ...) (a view that the model may only broadcast against the batch, checked
@@ -581,6 +657,8 @@ class PerSampleStats(StatisticsSource):
         self.step_listeners: list[Callable[[], None]] = []
         self._params = list(model.named_parameters())
         self._param_list = [p for _, p in self._params]
+        #: id -> name of the model's own parameters (``fully_shard``'s sharded ones left out)
+        self._param_names = {id(p): name for name, p in self._params if not is_sharded(p)}
         self._trainable = [p.requires_grad for p in self._param_list]
         self._attach_trainable()
         self._new_step()
@@ -615,22 +693,22 @@ class PerSampleStats(StatisticsSource):
             own = {
                 local: p for local, p in module.named_parameters(recurse=covers) if p.requires_grad
             }
+            parametrized = not covers and is_parametrized(module)
+            if parametrized:  # its weights computed from the parametrizations' parameters
+                own.update(parametrization_parameters(module))
             if not own:
                 continue
             seen.update(id(m) for m in (module.modules() if covers else [module]))
+            if parametrized:
+                seen.update(id(m) for m in module.parametrizations.modules())
             label = module_name or "<root>"
-            if rule is None and fallback:
+            if rule is None and fallback and not parametrized:
                 rule = TorchFuncFallbackRule()
+            if rule is not None and parametrized:
+                rule = ParametrizedRule(rule)
             if rule is None:
-                raise ValueError(
-                    f"layer {label!r} ({type(module).__name__}) owns trainable parameters "
-                    f"{sorted(own)} but PerSampleStats has no rule for it. Freeze those "
-                    f"parameters, build the layer from supported ones (Linear, Conv1d, Conv2d, "
-                    f"MultiheadAttention, LSTM, GRU, RNN, transformers Conv1D, "
-                    f"Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm), or register a rule "
-                    f"with grabkit.stats.register_rule({type(module).__name__}, rule), or pass "
-                    f"torch_func_fallback=True (per-example gradients of that layer by torch.func)."
-                )
+                raise ValueError(_no_rule_message(label, module, sorted(own), parametrized))
+            refuse_weight_hooks(label, module, own)
             rule.check(module)
             params = {local: names[id(p)] for local, p in own.items()}
             layers.append(_TrackedLayer(label, module, rule, params))
@@ -822,6 +900,9 @@ class PerSampleStats(StatisticsSource):
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         self._refused: list[tuple[str, str]] = []
+        # id of the node that made each layer output of the step -> (node, layer name): dim 0
+        # of those holds the examples (``grabkit.stats.batch_dim``)
+        self._batch_first_nodes: dict[int, tuple[Any, str]] = {}
         if self._identity is not None:
             self._identity.begin_step()
         self.generation += 1
@@ -850,7 +931,8 @@ class PerSampleStats(StatisticsSource):
         """
         if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
             return
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        tensors: list[torch.Tensor] = []
+        _tensors_in((args, kwargs), tensors)
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
         if self._step_finished():
@@ -938,12 +1020,13 @@ class PerSampleStats(StatisticsSource):
         group = self._rows.tag()
         layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
         call = _Call(layer.rule.capture(module, layer_input), group=group)
+        self._note_weights(layer, call)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
-        self._hook_output(call, hooked)
+        self._hook_output(call, hooked, layer.name)
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
 
-    def _hook_output(self, call: _Call, hooked: torch.Tensor) -> None:
+    def _hook_output(self, call: _Call, hooked: torch.Tensor, name: str) -> None:
         """Receive the gradient of ``hooked`` (the call's output) in the backward: by a pre-hook
         on the node that made it (or the tensor it is a view of, ``_gradient_source``), which
         runs after the tensor's own hooks, so a gradient hook of the user's on the output
@@ -954,6 +1037,8 @@ class PerSampleStats(StatisticsSource):
             return
         hook = _WeakHook(self._me, "_on_node_grad", call, source.output_nr, hooked.shape)
         source.grad_fn.register_prehook(hook)
+        for node in (source.grad_fn, hooked.grad_fn):  # the output's node, and its view's
+            self._batch_first_nodes[id(node)] = (node, name)
         call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
 
     def _record_multiple_outputs(
@@ -979,9 +1064,38 @@ class PerSampleStats(StatisticsSource):
         if batch is not None:
             batch.check_batch_dim(layer.name, size, x, dim)
         call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
+        self._note_weights(layer, call)
         layer.calls.append(call)
         for slot, t in hooked:
             t.register_hook(_WeakHook(self._me, "_on_output_slot_grad", call, slot, len(tensors)))
+
+    def _note_weights(self, layer: _TrackedLayer, call: _Call) -> None:
+        """Note the versions of the parameters a rule reads at read time (the model's own, as
+        registered: ``fully_shard``'s unsharded copies are refilled for the backward)."""
+        if layer.rule.reads_parameters:
+            names = self._param_names
+            call.weights = tuple(
+                (p, p._version) for p in layer.module.parameters() if id(p) in names
+            )
+
+    def _check_weights_unchanged(self, kept: list) -> None:
+        """Refuse a read after the parameters a rule replays the layer from changed in place
+        since the call (the statistics would be those of the new weights)."""
+        for layer, call, _ in kept:
+            changed = [
+                self._param_names[id(p)] for p, version in call.weights if p._version != version
+            ]
+            if changed:
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer.module).__name__}): parameter(s) "
+                    f"{changed} changed in place since the forward (an optimizer.step(), a "
+                    f"weight clip or copy into the model between loss.backward() and this read), "
+                    f"and its rule recomputes the per-example gradients from the layer's current "
+                    f"weights (recurrent layers, attention, the torch.func fallback, "
+                    f"parametrized weights), so they would be those of other weights. Read the "
+                    f"statistics (sampler.step(), stats.norms_squared(), ...) after "
+                    f"loss.backward() and before optimizer.step()."
+                )
 
     def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
         """The batch a call's input is checked against: the model's input, or for a call in a
@@ -1012,6 +1126,14 @@ class PerSampleStats(StatisticsSource):
         The first input is checked against the step's batch (``_ModelBatch.align``); a rule
         with ``whole_call`` keeps every input instead.
         """
+        if not args and not kwargs:
+            raise NotImplementedError(
+                f"layer {layer.name!r} ({type(layer.module).__name__}) was called without "
+                f"inputs: its output, made from its parameters alone, is shared by every "
+                f"example, and its rule has no input to tell the examples apart. Call it on the "
+                f"batch's tensor, make the parameters those of a layer that takes one (an "
+                f"nn.Embedding looked up by positions), or freeze them."
+            )
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
         batch = self._batch_for(group)
@@ -1024,10 +1146,43 @@ class PerSampleStats(StatisticsSource):
                     f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
                     f"take; give the input an explicit batch dim (expand it to (B, ...))."
                 )
+            if expanded is None and batch is not None:
+                self._check_not_moved(layer.name, layer_input, batch.size)
             layer_input = _detached(layer_input)  # a reference, not a copy
         if layer.rule.whole_call:
             layer_input = _detached_call(args, kwargs)
         return layer_input, expanded
+
+    def _check_not_moved(self, name: str, x: torch.Tensor, batch: int) -> None:
+        """Refuse an input whose dim 0 has the batch size but holds other rows than the
+        examples of an earlier layer's output: another of its dims (a sequence-first copy of an
+        activation, T == B), or its rows reordered (sorted inside the forward). A grouped batch
+        reorders rows by design (``grabkit.stats.rows`` maps them to its items)."""
+        if batch < 2 or x.grad_fn is None or self._rows.grouped:
+            return
+        moved = moved_batch_dim(x, self._batch_first_nodes)
+        if moved is None:
+            return
+        source, where = moved
+        if isinstance(where, str):
+            raise ValueError(
+                f"layer {name!r} got an input of shape {tuple(x.shape)} whose rows are those of "
+                f"the output of layer {source!r} reordered by {where} (examples sorted inside "
+                f"the forward, say by length before pack_padded_sequence, and unsorted after): "
+                f"its row j is another example's, so per-example statistics would mix the "
+                f"examples' gradients across layers. Keep every layer's rows in the batch's "
+                f"order (pack_padded_sequence(..., enforce_sorted=False) sorts and unsorts "
+                f"inside the packed sequence), or reorder the batch before the model."
+            )
+        raise ValueError(
+            f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 is dim "
+            f"{where} of the output of layer {source!r} (permuted or transposed, then copied: "
+            f"a sequence-first copy such as h.transpose(0, 1).contiguous()), not its "
+            f"examples; with the batch size {batch} equal to that dim, PerSampleStats would "
+            f"credit each position's gradient to an example. Keep the examples in dim 0 of "
+            f"every layer's input (transpose back before the layer, or apply it to the "
+            f"batch-first tensor), or use a batch size that differs from the other dims."
+        )
 
     def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
         message = layer.rule.training_mode_warning
@@ -1073,9 +1228,11 @@ class PerSampleStats(StatisticsSource):
                     f"{layer.name} got an input shared by the batch (shape {tuple(x.shape)}); "
                     f"give it an explicit batch dim (expand it to (B, ...)) or call the layer."
                 )
+            if batch is not None and isinstance(x, torch.Tensor):
+                self._check_not_moved(layer.name, x, batch.size)
             call = _Call(layer.rule.capture(use, x.detach()), group=group)
             layer.calls.append(call)
-            self._hook_output(call, output)
+            self._hook_output(call, output, layer.name)
         return output
 
     def _functional_layer(
@@ -1324,6 +1481,7 @@ class PerSampleStats(StatisticsSource):
                 f"F.embedding and matmul uses are computed; for another use, call the layer as "
                 f"a module, register a rule for the module that makes the use "
                 f"(grabkit.stats.register_rule), or freeze the parameter."
+                + _parametrized_hint(self._refused)
             )
 
     def _check_gradients_came_through_layers(self, kept: list) -> None:
@@ -1362,6 +1520,7 @@ class PerSampleStats(StatisticsSource):
         self._check_step_is_defined()
         kept = self._kept_calls()
         self._check_gradients_came_through_layers(kept)
+        self._check_weights_unchanged(kept)
         low: dict[str, float] = {}
         if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
             calls = [

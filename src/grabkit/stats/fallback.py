@@ -44,6 +44,7 @@ class TorchFuncFallbackRule(LayerRule):
     """Per-example gradients of a layer's own parameters by ``vmap(vjp(...))``."""
 
     whole_call = True
+    reads_parameters = True  # the replay runs on the layer's parameters
 
     def __init__(self, covers_children: bool = False) -> None:
         # True for a layer that uses its children's parameters functionally (MultiheadAttention

@@ -90,6 +90,7 @@ class RecurrentRule(LayerRule):
     """``nn.RNN`` (tanh / relu), ``nn.LSTM`` and ``nn.GRU``: gate gradients by replay."""
 
     multiple_outputs = True
+    reads_parameters = True  # the replay runs on the weights
 
     def output_tensors(self, module: nn.Module, output: Any) -> tuple[torch.Tensor | None, ...]:
         sequence, state = output

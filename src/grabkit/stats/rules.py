@@ -49,6 +49,13 @@ class LayerRule(ABC):
     #: gradients are only defined up to a convention there (BatchNorm's batch statistics).
     training_mode_warning: str | None = None
 
+    #: When True, ``factors`` reads the layer's parameters (their values at read time: a replay
+    #: of the layer, as the recurrent layers, attention and the torch.func fallback do): the
+    #: engine notes their versions at the call and refuses a read after they changed in place
+    #: (an ``optimizer.step()`` between the backward and the read would give other weights'
+    #: statistics). Rules whose factors are made of inputs and output gradients only leave it.
+    reads_parameters: bool = False
+
     #: When True, ``capture`` receives the call's ``(args, kwargs)`` (tensors detached) instead
     #: of the first input, and for a tuple output the first element is the output tracked.
     whole_call: bool = False

@@ -1,0 +1,239 @@
+"""Whether a layer input's dim 0 holds the examples of the layers before it, where its size
+alone cannot tell.
+
+A layer's input of shape (B, B, ...) whose dim 0 holds positions, not examples, looks like a
+batch-first input: a sequence-first copy of an activation (``h.transpose(0, 1).contiguous()``,
+``h.permute(1, 0, 2).clone()``, ``einsum("btf->tbf", h)`` made contiguous, ``torch.stack`` of
+positions) has the strides of a batch-first tensor, so the layout check
+(``_outer_dim_is_not_first``) does not see it, and the statistics would credit position t's
+gradient to example t. Rows of a (B, ...) activation reordered between two layers (examples
+sorted inside the forward, by length say, and sorted back after) put another example in row j
+of the second layer. Neither is seen by the identity check: the rows still add up.
+
+``moved_batch_dim`` follows dim 0 back through the autograd graph that made the input, to the
+output of a layer called earlier in the step (whose dim 0 holds the examples): through permutes
+and transposes (which move it), stacks, cats, selects and unbinds (which make or take an axis),
+copies and reshapes that keep dim 0, element-wise operations (inputs broadcast against the
+output, dims aligned from the right), and row reorders along dim 0 (``h[perm]``,
+``index_select``, ``gather``, ``flip``, ``roll``; an index that is the identity passes, read
+from the device only there). A path through anything else (a matrix product, a strided view, a
+custom function) is not followed: no verdict from it. Rows reordered before the first layer
+(the model's input itself) have no graph to follow and are not seen.
+
+Cost: a few attribute reads per node, at most ``_MAX_NODES`` nodes, per layer call (about
+15 us for a Linear after a ReLU after a Linear).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["moved_batch_dim"]
+
+_MAX_NODES = 64
+
+# nodes that keep dim 0 where their input's dim 0 has the output's size (copies, reshapes)
+_COPIES = frozenset(
+    {
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "ViewBackward0",
+        "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
+        "ExpandBackward0",
+    }
+)
+
+# nodes whose output dims are not their inputs' dims in order (strided views, indexing, matrix
+# products, whose operands' dims may have the output's sizes by chance)
+_NOT_FOLLOWED = frozenset(
+    {
+        "AsStridedBackward0",
+        "IndexBackward0",
+        "IndexSelectBackward0",
+        "MmBackward0",
+        "BmmBackward0",
+        "AddmmBackward0",
+        "AddbmmBackward0",
+        "BaddbmmBackward0",
+        "MvBackward0",
+        "AddmvBackward0",
+        "DotBackward0",
+    }
+)
+
+
+#: the tracked dim is an axis made by ``torch.stack`` / ``unsqueeze`` (not a dim of the source)
+NEW_AXIS = -1
+
+
+def _shape(node: Any, output_nr: int) -> tuple[int, ...] | None:
+    """The shape of the forward output ``output_nr`` of ``node`` (None where unknown)."""
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is None or output_nr >= len(metadata):
+        return None
+    return tuple(metadata[output_nr].shape)
+
+
+def _moved(node: Any, dim: int, ndim: int) -> int | None:
+    """The input dim that output dim ``dim`` comes from at a permute / transpose node."""
+    name = node.name()
+    if name == "PermuteBackward0":
+        return int(node._saved_dims[dim]) % ndim
+    if name == "TransposeBackward0":
+        first, second = int(node._saved_dim0) % ndim, int(node._saved_dim1) % ndim
+        return second if dim == first else first if dim == second else dim
+    return 1 - dim if ndim == 2 else dim  # TBackward0
+
+
+def _structural(node: Any, name: str, dim: int, ndim: int) -> int | None:
+    """The input dim that output dim ``dim`` comes from at a node that adds or removes dims
+    (stack, cat, unsqueeze, select, unbind, squeeze of one dim); ``NEW_AXIS`` for the axis a
+    stack or unsqueeze made; a select or unbind gives that axis the dim it enumerates."""
+    if name == "CatBackward0":
+        return dim
+    axis = int(node._saved_dim)
+    if name in ("StackBackward0", "UnsqueezeBackward0"):
+        axis %= ndim
+        return NEW_AXIS if dim == axis else dim - (dim > axis)
+    axis %= ndim + 1  # select, unbind, squeeze: the input has one more dim
+    if dim == NEW_AXIS:
+        return axis if name in ("SelectBackward0", "UnbindBackward0") else None
+    return dim + (dim >= axis)
+
+
+_TRANSPOSES = frozenset({"PermuteBackward0", "TransposeBackward0", "TBackward0"})
+_STRUCTURAL = frozenset(
+    {
+        "StackBackward0",
+        "CatBackward0",
+        "UnsqueezeBackward0",
+        "SelectBackward0",
+        "UnbindBackward0",
+        "SqueezeBackward1",
+    }
+)
+
+
+def _source_dim(
+    node: Any, name: str, dim: int, shape: tuple[int, ...], source_shape: tuple[int, ...]
+) -> int | None:
+    """The dim of one input (shape ``source_shape``) that output dim ``dim`` of ``node`` comes
+    from; None where that input holds no rows along it or the node is not followed."""
+    if name in _TRANSPOSES:
+        return None if dim == NEW_AXIS else _moved(node, dim, len(shape))
+    if name in _STRUCTURAL:
+        return _structural(node, name, dim, len(shape))
+    if dim == NEW_AXIS:
+        return None
+    if name in _COPIES:  # keeps dim 0 where the input's dim 0 has the output's size
+        keeps = dim == 0 and source_shape and source_shape[0] == shape[0]
+        return 0 if keeps else None
+    # element-wise: broadcast against the output, dims aligned from the right
+    source_dim = dim - (len(shape) - len(source_shape))
+    if source_dim < 0 or source_shape[source_dim] != shape[dim]:
+        return None  # broadcast along it: no rows from this input
+    return source_dim
+
+
+def _elementwise(shape: tuple[int, ...], sources: list[tuple[int, ...]]) -> bool:
+    """Whether every input broadcasts against the output (dims aligned from the right)."""
+    for source in sources:
+        if len(source) > len(shape):
+            return False
+        aligned = shape[len(shape) - len(source) :]
+        if any(s not in (1, o) for s, o in zip(source, aligned, strict=True)):
+            return False
+    return True
+
+
+def _reorders_rows(node: Any, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether ``node`` reorders (or repeats) the rows of dim 0 of its input into as many rows:
+    ``h[perm]``, ``index_select(0, ...)``, ``gather(0, ...)``, ``flip(0)``, ``roll(k, 0)``. An
+    index is read (a host transfer) only here, to pass the identity (``h[arange(B), t]``)."""
+    ndim = len(shape)
+    if name == "IndexBackward0":
+        indices = node._saved_indices
+        first = indices[0] if indices else None
+        if (
+            first is None
+            or first.dtype == torch.bool
+            or first.dim() != 1
+            or sum(index is not None for index in indices) != 1
+            or node._saved_self_sym_sizes[0] != shape[0]
+        ):
+            return False
+        return not _is_identity(first)
+    if name in ("IndexSelectBackward0", "GatherBackward0"):
+        return int(node._saved_dim) % ndim == 0 and not _is_identity(node._saved_index)
+    if name in ("FlipBackward0", "RollBackward0"):
+        dims = [int(d) % ndim for d in node._saved_dims]
+        return not dims or 0 in dims
+    return False
+
+
+def _is_identity(index: torch.Tensor) -> bool:
+    """Whether every row of the index along dim 0 is its own row number."""
+    rows = torch.arange(index.shape[0], device=index.device).reshape(-1, *[1] * (index.dim() - 1))
+    return bool((index == rows).all())
+
+
+def _inputs(node: Any, output_nr: int, dim: int) -> list[tuple[Any, int, int]]:
+    """(input node, its output number, its dim) triples that output dim ``dim`` of ``node``
+    comes from, for the nodes followed; [] where the path ends."""
+    name = node.name()
+    shape = _shape(node, output_nr)
+    several = len(getattr(node, "_input_metadata", ())) != 1
+    if shape is None or name in _NOT_FOLLOWED or (several and name != "UnbindBackward0"):
+        return []
+    edges = [
+        (source, nr, _shape(source, nr)) for source, nr in node.next_functions if source is not None
+    ]
+    edges = [(source, nr, source_shape) for source, nr, source_shape in edges if source_shape]
+    known = _TRANSPOSES | _STRUCTURAL | _COPIES
+    if name not in known and not _elementwise(shape, [edge[2] for edge in edges]):
+        return []  # not element-wise: its dims are not the output's
+    followed = []
+    for source, nr, source_shape in edges:
+        source_dim = _source_dim(node, name, dim, shape, source_shape)
+        if source_dim is not None:
+            followed.append((source, nr, source_dim))
+    return followed
+
+
+def moved_batch_dim(
+    x: torch.Tensor, anchors: dict[int, tuple[Any, str]]
+) -> tuple[str, int | str] | None:
+    """(layer name, where) when dim 0 of ``x`` is not the examples of the output of the layer
+    named, an earlier call of the step: ``where`` is the dim != 0 of that output that dim 0 is
+    (``NEW_AXIS``: an axis stacked from its outputs), or the name of the operation that
+    reordered its rows (``h[perm]``, ``flip(0)``: row j is then another example's).
+    ``anchors``: id of the node that made each layer output -> (that node, layer name). None
+    where no path shows it."""
+    node = x.grad_fn
+    if node is None or not anchors:
+        return None
+    # (node, output number, the dim followed, the operation that reordered dim 0's rows or "")
+    stack: list[tuple[Any, int, int, str]] = [(node, x.output_nr, 0, "")]
+    seen: set[tuple[int, int, int, str]] = set()
+    while stack and len(seen) < _MAX_NODES:
+        node, output_nr, dim, reordered = stack.pop()
+        key = (id(node), output_nr, dim, reordered)
+        if key in seen:
+            continue
+        seen.add(key)
+        anchor = anchors.get(id(node))
+        if anchor is not None:
+            if dim != 0 or reordered:
+                return anchor[1], dim if dim != 0 else reordered
+            continue
+        name, shape = node.name(), _shape(node, output_nr)
+        if dim == 0 and shape and _reorders_rows(node, name, shape):
+            source, nr = node.next_functions[0]
+            if source is not None:
+                stack.append((source, nr, 0, reordered or name.removesuffix("Backward0")))
+            continue
+        stack.extend((*edge, reordered) for edge in _inputs(node, output_nr, dim))
+    return None
