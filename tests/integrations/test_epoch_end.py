@@ -29,19 +29,22 @@ from grabkit.order import GraBSampler  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
+def grab_trainer_run(tmp_path, resume=None, **overrides) -> GrabkitTrainer:
+    """A tiny BERT trained by ``GrabkitTrainer(grab=...)`` (orders recorded), resumed from the
+    checkpoint folder ``resume`` when given."""
+    trainer = GrabkitTrainer(
+        tiny_bert(), arguments(tmp_path, **overrides), train_dataset=dataset(),
+        grab={"record_orders": True},
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
 def test_trainer_resumed_from_an_epoch_end_checkpoint_equals_the_uninterrupted_run(tmp_path):
     """save_strategy="epoch": 3 updates an epoch, checkpoint-3 is epoch 0's last step."""
-
-    def run(resume=None):
-        args = arguments(tmp_path, save_strategy="epoch", num_train_epochs=3)
-        trainer = GrabkitTrainer(
-            tiny_bert(), args, train_dataset=dataset(), grab={"record_orders": True}
-        )
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer
-
-    full = run()
-    resumed = run(str(tmp_path / "checkpoint-3"))
+    options = {"save_strategy": "epoch", "num_train_epochs": 3}
+    full = grab_trainer_run(tmp_path, **options)
+    resumed = grab_trainer_run(tmp_path, str(tmp_path / "checkpoint-3"), **options)
     assert resumed.state.global_step == full.state.global_step == 9
     assert resumed.grab_sampler.orders_history == full.grab_sampler.orders_history
     for name, value in params(resumed.model).items():

@@ -18,13 +18,12 @@ pytest.importorskip("transformers")
 from tests.integrations.test_epoch_end import (  # noqa: E402
     accelerate_run,
     fresh_accelerator_state,  # noqa: F401
+    grab_trainer_run,
 )
-from tests.integrations.test_huggingface import arguments  # noqa: E402
 from tests.integrations.test_lightning import Module, trainer  # noqa: E402
-from tests.integrations.tiny import dataset, params, tiny_bert  # noqa: E402
+from tests.integrations.tiny import dataset, params  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from grabkit.integrations.huggingface import GrabkitTrainer  # noqa: E402
 from grabkit.integrations.lightning import GraBCallback  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
 
@@ -84,20 +83,12 @@ def test_trainer_resume_after_an_epoch_that_dropped_its_last_batch(tmp_path):
     """dataloader_drop_last=True, 4 batches of 5 an epoch: checkpoint-4 is epoch 0's last step,
     with 4 examples of the epoch never stepped; Trainer resumes with epoch 1."""
 
-    def run(resume=None):
-        args = arguments(
-            tmp_path, save_strategy="steps", save_steps=4, num_train_epochs=3,
-            per_device_train_batch_size=5, gradient_accumulation_steps=1,
-            dataloader_drop_last=True,
-        )  # fmt: skip
-        trainer = GrabkitTrainer(
-            tiny_bert(), args, train_dataset=dataset(), grab={"record_orders": True}
-        )
-        trainer.train(resume_from_checkpoint=resume)
-        return trainer
-
-    full = run()
-    resumed = run(str(tmp_path / "checkpoint-4"))
+    options = dict(
+        save_strategy="steps", save_steps=4, num_train_epochs=3, per_device_train_batch_size=5,
+        gradient_accumulation_steps=1, dataloader_drop_last=True,
+    )  # fmt: skip
+    full = grab_trainer_run(tmp_path, **options)
+    resumed = grab_trainer_run(tmp_path, str(tmp_path / "checkpoint-4"), **options)
     assert resumed.state.global_step == full.state.global_step == 12
     assert resumed.grab_sampler.orders_history[-1] == full.grab_sampler.orders_history[-1]
     for name, value in params(resumed.model).items():

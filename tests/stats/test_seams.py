@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.references import per_example_rows
 from torch import nn
 
 from grabkit.noise import PerExampleNoiseScale
@@ -24,24 +25,6 @@ from grabkit.stats.sketch import GradientSketch, SketchedStats
 pytestmark = pytest.mark.usefixtures("float64")
 
 B, T, VOCAB, WIDTH = 5, 4, 9, 6
-
-
-def per_example_rows(model: nn.Module, loss_of_example, count: int) -> torch.Tensor:
-    """(count, d): gradient of ``loss_of_example(i)`` over the trainable parameters, one
-    ``torch.autograd.grad`` per example, in ``named_parameters`` order."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(count):
-        grads = torch.autograd.grad(loss_of_example(i), params, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [
-                    (torch.zeros_like(p) if g is None else g).reshape(-1)
-                    for p, g in zip(params, grads, strict=True)
-                ]
-            )
-        )
-    return torch.stack(rows)
 
 
 # -- 1. a tracked weight used functionally ---------------------------------------------------------

@@ -17,6 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.references import per_example_rows
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
@@ -28,24 +29,6 @@ from grabkit.stats.sketch import GradientSketch, SketchedStats
 pytestmark = pytest.mark.usefixtures("float64")
 
 B = 4
-
-
-def per_example_rows(model: nn.Module, loss_of_example, count: int) -> torch.Tensor:
-    """(count, d): gradient of ``loss_of_example(i)`` over the trainable parameters, one
-    ``torch.autograd.grad`` per example, in ``named_parameters`` order."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(count):
-        grads = torch.autograd.grad(loss_of_example(i), params, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [
-                    (torch.zeros_like(p) if g is None else g).reshape(-1)
-                    for p, g in zip(params, grads, strict=True)
-                ]
-            )
-        )
-    return torch.stack(rows)
 
 
 def squared_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
