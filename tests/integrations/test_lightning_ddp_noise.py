@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, rank_loader  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -77,6 +78,7 @@ class Classifier(L.LightningModule):
 def fit(
     out: Path, accumulate: int, measure: bool, ckpt_path: Path | None = None,
     stateful: bool = False, save_after: int | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> list[dict]:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     callbacks = [NoiseScaleCallback(update_rate=RATE), Estimates()] if measure else []
@@ -91,8 +93,8 @@ def fit(
         accelerator="cpu", devices=W, strategy="ddp_spawn", max_epochs=EPOCHS,
         accumulate_grad_batches=accumulate, use_distributed_sampler=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        enable_checkpointing=True,
-        default_root_dir=str(out), callbacks=callbacks,
+        enable_checkpointing=True, default_root_dir=str(out), callbacks=callbacks,
+        plugins=[] if scaler is None else [MixedPrecision("16-mixed", "cpu", scaler=scaler)],
     )  # fmt: skip
     trainer.fit(Classifier(str(out), stateful), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(W)]
@@ -147,6 +149,20 @@ def test_ddp_noise_scale_is_the_hand_computed_estimate_and_changes_nothing(
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-9)
         for name, value in unmeasured["params"].items():
             assert torch.equal(rank["params"][name], value), name  # bitwise: training unchanged
+
+
+def test_ddp_noise_scale_divides_out_the_16_mixed_loss_scale(tmp_path, spawnable):
+    """Under "16-mixed" (a real CPU GradScaler) every rank's gradients arrive multiplied by the
+    loss scale (a power of 2, exact in this float64 network): the estimate is the unscaled
+    run's (it came out multiplied by the squared scale)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)  # it changes
+    measured = fit(tmp_path / "measured", 3, measure=True, scaler=scaler)
+    expected = hand_computed(3)
+    for rank in measured:
+        grad_norm_sq, trace_sigma, observations = rank["noise"]
+        assert observations == expected.observations
+        assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-9)
+        assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-9)
 
 
 def test_ddp_noise_scale_resumes_from_the_lightning_checkpoint(tmp_path, spawnable):
