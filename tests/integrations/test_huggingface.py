@@ -207,15 +207,19 @@ def test_naive_wrapper_in_trainer_steps_every_microbatch(tmp_path):
     assert wrapper.num_steps == 12  # Trainer clipped each microbatch to the threshold: no window
 
 
-def test_adaptive_accumulation_refuses_a_microbatch_without_label_tokens(tmp_path):
-    # its weight would be 0 label tokens: the window was dropped as "not finite" before
+@pytest.mark.parametrize("capability", ["accumulation", "noise_scale"])
+def test_a_microbatch_without_label_tokens_is_refused_naming_it(tmp_path, capability):
+    # its weight would be 0 label tokens: accumulation= dropped the window as "not finite"
     data = lm_dataset()
     for row in data[B : 2 * B]:  # the second microbatch: every label ignored
         row["labels"] = torch.full_like(row["labels"], -100)
+    accumulate = 1 if capability == "accumulation" else 2
     args = arguments(
-        tmp_path, gradient_accumulation_steps=1, max_steps=4, train_sampling_strategy="sequential"
-    )
-    trainer = GrabkitTrainer(tiny_gpt2(), args, train_dataset=data, accumulation=gnts)
+        tmp_path, gradient_accumulation_steps=accumulate, max_steps=4,
+        train_sampling_strategy="sequential",
+    )  # fmt: skip
+    option = {"accumulation": gnts} if capability == "accumulation" else {"noise_scale": {}}
+    trainer = GrabkitTrainer(tiny_gpt2(), args, train_dataset=data, **option)
     with pytest.raises(ValueError, match="no label tokens"):
         trainer.train()
 

@@ -467,14 +467,14 @@ class GrabkitTrainer(Trainer):
         weighting = self._weighting(num_items_in_batch)
         count = self._microbatch_count(inputs, weighting)
         wrapper = self._adaptive_wrapper()
+        if count <= 0 and (wrapper is not None or self.noise_scale is not None):
+            raise ValueError(
+                "GrabkitTrainer: a microbatch has no label tokens to weigh it by (every label "
+                "is -100): accumulation= and noise_scale= weigh each microbatch by its label "
+                "tokens and cannot take one of weight 0. Drop examples without trained labels "
+                "from the training set."
+            )
         if wrapper is not None:
-            if count <= 0:
-                raise ValueError(
-                    "GrabkitTrainer: a microbatch has no label tokens to weigh it by (every "
-                    "label is -100): accumulation= weighs each microbatch by its label tokens "
-                    "and cannot fold one of weight 0. Drop examples without trained labels from "
-                    "the training set"
-                )
             wrapper.default_count = count  # the weight of the step() Trainer calls next
         loss = super().training_step(model, inputs, num_items_in_batch)
         scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
