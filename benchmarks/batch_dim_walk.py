@@ -16,42 +16,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from grabkit.order import GraBSampler
+from benchmarks.hook_step_ab import STEPS_PER_BLOCK, parse, training_step
 from grabkit.stats import engine
-
-STEPS_PER_BLOCK, EXAMPLES, BATCH = 8, 64 * 40, 64
-
-
-def training_step(mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """One SGD step of the MLP per call, its batches drawn from a hook-mode sampler."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(784, 784), nn.ReLU(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10)
-    )
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    extra = {"statistics": "sketch", "sketch_dim": 1024} if mode == "sketch" else {}
-    sampler = GraBSampler(
-        range(EXAMPLES), model=model, balance_type="pair", batch_size=BATCH, **extra
-    )
-    order: list[int] = []
-
-    def step() -> None:
-        if not order:
-            order.extend(iter(sampler))
-        idx = order[:BATCH]
-        del order[:BATCH]
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
-        sampler.step()
-        opt.step()
-
-    return step
 
 
 class CountedWalk:
@@ -73,17 +42,10 @@ class CountedWalk:
 
 
 def main(argv: list[str]) -> None:
-    mode = argv[0] if argv else "sketch"
-    blocks = int(argv[1]) if len(argv) > 1 else 30
-    if mode not in ("exact", "sketch"):
-        raise ValueError(f"mode should be 'exact' or 'sketch', but got {mode!r}")
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(EXAMPLES, 784, generator=gen)
-    y = torch.randint(0, 10, (EXAMPLES,), generator=gen)
+    mode, blocks, x, y = parse(argv if argv else ["sketch"], 30)
     walk = CountedWalk()
     engine.moved_batch_dim = walk
-    step = training_step(mode, x, y)
+    step = training_step(True, mode, x, y)
     for _ in range(20):
         step()
     walk.calls, walk.seconds = 0, 0.0

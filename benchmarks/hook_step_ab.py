@@ -56,15 +56,21 @@ def training_step(hooked: bool, mode: str, x: torch.Tensor, y: torch.Tensor) -> 
     return step
 
 
-def main(argv: list[str]) -> None:
+def parse(argv: list[str], blocks: int) -> tuple[str, int, torch.Tensor, torch.Tensor]:
+    """(mode, blocks, x, y) from ``[exact|sketch] [blocks]``: random MNIST-shaped inputs, one
+    torch thread."""
     mode = argv[0] if argv else "exact"
-    blocks = int(argv[1]) if len(argv) > 1 else 40
+    blocks = int(argv[1]) if len(argv) > 1 else blocks
     if mode not in ("exact", "sketch"):
         raise ValueError(f"mode should be 'exact' or 'sketch', but got {mode!r}")
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(EXAMPLES, 784, generator=gen)
-    y = torch.randint(0, 10, (EXAMPLES,), generator=gen)
+    return mode, blocks, x, torch.randint(0, 10, (EXAMPLES,), generator=gen)
+
+
+def main(argv: list[str]) -> None:
+    mode, blocks, x, y = parse(argv, 40)
     plain, hook = training_step(False, mode, x, y), training_step(True, mode, x, y)
     for _ in range(20):
         plain()
