@@ -257,7 +257,7 @@ class GraBCallback(Callback):
 
     def on_after_backward(self, trainer, pl_module) -> None:
         # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
-        step_sampler(self.sampler, getattr(trainer.precision_plugin, "scaler", None))
+        step_sampler(self.sampler, _loss_scaler(trainer))
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
@@ -681,7 +681,7 @@ class ExampleGradientNormsCallback(Callback):
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
         self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
         # 16-mixed: the loss scale divided out (every capture runs before the scaler's update)
-        self.norms.grad_scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.norms.grad_scaler = _loss_scaler(trainer)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         norms = self.norms.take()
