@@ -1,14 +1,33 @@
-"""What the Lightning resume tests share: a checkpoint at any batch, the estimates per step, and
-each rank's loader of a DDP run."""
+"""What the Lightning resume tests share: a checkpoint at any batch, the estimates per step, each
+rank's loader of a DDP run, and a ``ddp_spawn`` strategy whose processes end cleanly."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning.pytorch as L
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from grabkit.integrations.lightning import NoiseScaleCallback
+
+
+class SpawnedDDP(DDPStrategy):
+    """``strategy="ddp_spawn"`` that destroys its process group when the fit ends.
+
+    Lightning destroys only an NCCL group (at exit). A gloo group left to interpreter shutdown can
+    abort a rank with SIGABRT ("terminate called without an active exception") after a run that
+    passed: its worker threads outlive the interpreter.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(start_method="spawn")
+
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class SaveAfterBatch(L.Callback):

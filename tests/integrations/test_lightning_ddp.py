@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
+from tests.integrations.lightning_hooks import SpawnedDDP  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import GraBCallback  # noqa: E402
@@ -88,7 +89,7 @@ def fit(out: Path, ckpt_path: Path | None = None, module=None, callback=None, **
         dirpath=str(out), filename="{step}", every_n_train_steps=2, save_top_k=-1
     )
     settings = dict(
-        accelerator="cpu", devices=W, strategy="ddp_spawn", use_distributed_sampler=False,
+        accelerator="cpu", devices=W, strategy=SpawnedDDP(), use_distributed_sampler=False,
         max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATE, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         default_root_dir=str(out),

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
-from tests.integrations.lightning_hooks import SaveAfterBatch, rank_loader  # noqa: E402
+from tests.integrations.lightning_hooks import SaveAfterBatch, SpawnedDDP, rank_loader  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.accumulate import (  # noqa: E402
@@ -183,7 +183,7 @@ def fit(
     elif save_after is not None:  # after that batch of the run: inside a window
         callbacks.append(SaveAfterBatch(save_after, out / "mid_window.ckpt"))
     settings = dict(
-        accelerator="cpu", devices=W, strategy="ddp_spawn", max_epochs=EPOCHS, logger=False,
+        accelerator="cpu", devices=W, strategy=SpawnedDDP(), max_epochs=EPOCHS, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=save_after == "epoch", default_root_dir=str(out), callbacks=callbacks,
         use_distributed_sampler=False,

@@ -18,7 +18,12 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, rank_loader  # noqa: E402
+from tests.integrations.lightning_hooks import (  # noqa: E402
+    Estimates,
+    SaveAfterBatch,
+    SpawnedDDP,
+    rank_loader,
+)
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import NoiseScaleCallback  # noqa: E402
@@ -90,7 +95,7 @@ def fit(
         )
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=W, strategy="ddp_spawn", max_epochs=EPOCHS,
+        accelerator="cpu", devices=W, strategy=SpawnedDDP(), max_epochs=EPOCHS,
         accumulate_grad_batches=accumulate, use_distributed_sampler=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         enable_checkpointing=True, default_root_dir=str(out), callbacks=callbacks,
