@@ -35,7 +35,13 @@ Seams with other autograd work in the same step, each defined:
 * **A weight used functionally** inside the model's forward (``F.linear(h, wte.weight)``) is
   recorded as one more call (``grabkit.stats.functional``); an unsupported use is refused.
 * **The trainable set** is read at every forward: parameters unfrozen later are attached and
-  frozen ones dropped, from norms, Gram matrices and totals alike (``param_shapes`` follows).
+  frozen ones dropped, from norms, Gram matrices and totals alike (``param_shapes`` follows);
+  layers and parameters replaced or added after attaching are followed the same way, at the
+  first forward after any module registered a parameter or submodule
+  (``grabkit.stats.structure``).
+* **BatchNorm using the batch's statistics** is refused wherever a trainable layer ran before
+  it in the step, also where it owns no trainable parameter (frozen or ``affine=False``), unless
+  ``batch_norm_constant_statistics=True``.
 * **A shared input's expanded output** can only meet the batch by a broadcast, checked at run
   time (``grabkit.stats.shared_inputs``); a sequence-first copy of the model's input is refused.
 * **Loss terms that are not sums over examples** are declared with ``batch_term``.
@@ -68,6 +74,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
@@ -86,10 +93,11 @@ from grabkit.stats.parametrized import (
     refuse_weight_hooks,
 )
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
-from grabkit.stats.rules import LayerRule, find_rule
+from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.source import StatisticsSource
 from grabkit.stats.step import StepStatistics
+from grabkit.stats.structure import registrations
 from grabkit.taps import GradientTaps
 
 __all__ = ["PerSampleStats", "unwrap_data_parallel"]
@@ -655,10 +663,7 @@ class PerSampleStats(StatisticsSource):
         #: called (no arguments) after a backward, before the next step's first forward drops
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
-        self._params = list(model.named_parameters())
-        self._param_list = [p for _, p in self._params]
-        #: id -> name of the model's own parameters (``fully_shard``'s sharded ones left out)
-        self._param_names = {id(p): name for name, p in self._params if not is_sharded(p)}
+        self._read_parameters()
         self._trainable = [p.requires_grad for p in self._param_list]
         self._attach_trainable()
         self._new_step()
@@ -779,6 +784,11 @@ class PerSampleStats(StatisticsSource):
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
             _ATTACHED[layer.module] = me
+        tracked = {id(layer.module) for layer in self._layers}
+        for name, module in self.model.named_modules():
+            if isinstance(module, _BatchNorm) and id(module) not in tracked:
+                hook = _WeakHook(me, "_on_untracked_norm", name or "<root>")
+                self._handles.append(module.register_forward_hook(hook))
         sharded = []
         for name, p in self._params:
             if not p.requires_grad:
@@ -848,11 +858,32 @@ class PerSampleStats(StatisticsSource):
             if _ATTACHED.get(layer.module) is self._me and layer.module is not self.model:
                 del _ATTACHED[layer.module]
 
+    def _read_parameters(self) -> None:
+        """Read the model's parameters (at attach, and after parameters or layers were
+        registered anywhere since: ``grabkit.stats.structure``)."""
+        self._registrations = registrations()
+        self._params = list(self.model.named_parameters())
+        self._param_list = [p for _, p in self._params]
+        #: id -> name of the model's own parameters (``fully_shard``'s sharded ones left out)
+        self._param_names = {id(p): name for name, p in self._params if not is_sharded(p)}
+
+    def _parameters_replaced(self) -> bool:
+        """Whether the model's parameters are other objects or names than those attached to
+        (a layer or parameter replaced or added since: ``model.head = nn.Linear(...)``,
+        ``load_state_dict(..., assign=True)``). One integer compared per forward; the model's
+        parameters are walked only when a registration happened anywhere since."""
+        if registrations() == self._registrations:
+            return False
+        before = [(name, id(p)) for name, p in self._params]
+        self._read_parameters()
+        return before != [(name, id(p)) for name, p in self._params]
+
     def _follow_trainable_set(self) -> None:
         """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
-        tell: one flag per parameter)."""
+        tell: one flag per parameter), or replaced or added (``_parameters_replaced``)."""
+        replaced = self._parameters_replaced()
         trainable = [p.requires_grad for p in self._param_list]
-        if trainable == self._trainable:
+        if trainable == self._trainable and not replaced:
             return
         self._trainable = trainable
         self._detach_layers()
@@ -1186,21 +1217,39 @@ class PerSampleStats(StatisticsSource):
 
     def _check_training_mode(self, layer: _TrackedLayer, module: nn.Module) -> None:
         message = layer.rule.training_mode_warning
-        if not message or not module.training:
+        if not message or not layer.rule.uses_batch_statistics(module):
             return
+        self._refuse_batch_statistics(layer.name, module, message)
+
+    def _refuse_batch_statistics(self, name: str, module: nn.Module, message: str) -> None:
+        """A norm layer normalised with the batch's statistics: refused, unless
+        ``batch_norm_constant_statistics`` (then warned once per layer)."""
         if not self.batch_norm_constant_statistics:
             raise ValueError(
-                f"layer {layer.name!r} ({type(module).__name__}) runs in training mode, where it "
-                f"normalises with the batch's mean and variance: every example's output (and so "
-                f"the gradient of every layer before it) depends on the whole batch, so "
-                f"per-example gradients are not defined. Use eval mode for it "
-                f"(module.eval(): running statistics, exact), replace it with GroupNorm or "
-                f"LayerNorm, or pass batch_norm_constant_statistics=True to PerSampleStats "
-                f"(documented approximation: batch statistics held as constants)."
+                f"layer {name!r} ({type(module).__name__}) normalises with the batch's mean and "
+                f"variance (training mode, or track_running_stats=False): every example's "
+                f"output (and so the gradient of every layer before it) depends on the whole "
+                f"batch, so per-example gradients are not defined, also where the layer's own "
+                f"affine parameters are frozen or absent. Use eval mode with running statistics "
+                f"for it (module.eval(): exact), replace it with GroupNorm or LayerNorm, or pass "
+                f"batch_norm_constant_statistics=True to PerSampleStats (documented "
+                f"approximation: batch statistics held as constants)."
             )
         if module not in self._warned:
             self._warned.add(module)
-            warnings.warn(f"layer {layer.name!r}: {message}", stacklevel=3)
+            warnings.warn(f"layer {name!r}: {message}", stacklevel=4)
+
+    def _on_untracked_norm(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of a BatchNorm that owns no trainable parameter: normalising with the
+        batch's statistics a layer input that carries gradient to a layer called before it in
+        this step couples the examples of that layer (and of every one before it)."""
+        if self._inert or not torch.is_grad_enabled() or not uses_batch_statistics(module):
+            return
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or not x.requires_grad:
+            return
+        if any(layer.calls for layer in (*self._layers, *self._functional.values())):
+            self._refuse_batch_statistics(name, module, BatchNormRule.training_mode_warning)
 
     # -- functional uses of tracked weights (recorded by ``grabkit.stats.functional``) --------
     def _record_functional(

@@ -49,6 +49,11 @@ class LayerRule(ABC):
     #: gradients are only defined up to a convention there (BatchNorm's batch statistics).
     training_mode_warning: str | None = None
 
+    def uses_batch_statistics(self, module: nn.Module) -> bool:
+        """Whether this call of the layer couples the examples (for a rule with a
+        ``training_mode_warning``): training mode, by default."""
+        return module.training
+
     #: When True, ``factors`` reads the layer's parameters (their values at read time: a replay
     #: of the layer, as the recurrent layers, attention and the torch.func fallback do): the
     #: engine notes their versions at the call and refuses a read after they changed in place
@@ -493,6 +498,13 @@ class _BatchNormCall(NamedTuple):
     use_batch_stats: bool
 
 
+def uses_batch_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm call normalises with the batch's own mean and variance, as
+    ``_BatchNorm.forward`` decides: in training mode, or in either mode without running
+    statistics (``track_running_stats=False``)."""
+    return module.training or module.running_mean is None
+
+
 @rule_for(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class BatchNormRule(_AffineNormRule):
     """BatchNorm: in training mode the batch mean and variance are treated as constants.
@@ -510,9 +522,12 @@ class BatchNormRule(_AffineNormRule):
         "mode, or use GroupNorm/LayerNorm for exact statistics."
     )
 
+    def uses_batch_statistics(self, module: nn.Module) -> bool:
+        return uses_batch_statistics(module)
+
     def capture(self, module: nn.Module, layer_input: torch.Tensor) -> _BatchNormCall:
         # Which statistics normalised this call is fixed at forward time, not at read time.
-        return _BatchNormCall(layer_input, module.training or module.running_mean is None)
+        return _BatchNormCall(layer_input, uses_batch_statistics(module))
 
     def input_tensor(self, captured: _BatchNormCall) -> torch.Tensor:
         return captured.x

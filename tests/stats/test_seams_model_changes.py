@@ -1,0 +1,243 @@
+"""The model changing under attached statistics, and layers that couple the examples without
+owning a trainable parameter; each checked against per-example ``torch.autograd.grad`` in
+float64, past the identity check's first steps and with the check off (a change it would catch
+only on a checked step is still silent on the others).
+
+1. Layers or parameters replaced or added after attaching (a new head, ``layer.weight =
+   nn.Parameter(...)``, ``load_state_dict(..., assign=True)``, a layer appended): followed at
+   the next forward, as a change of the trainable set is.
+2. BatchNorm using batch statistics (training mode, or ``track_running_stats=False`` in either
+   mode) with trainable layers before it: refused even where its own affine parameters are
+   frozen or absent, unless ``batch_norm_constant_statistics=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.support.references import per_example_rows
+from torch import nn
+
+from grabkit.order import GraBSampler
+from grabkit.stats import PerSampleStats
+from grabkit.stats.sketch import GradientSketch, SketchedStats
+
+pytestmark = pytest.mark.usefixtures("float64")
+
+B = 5
+STEPS_BEFORE_THE_CHANGE = 12  # past the identity check's first (always checked) steps
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 7), nn.Tanh(), nn.Linear(7, 3))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(B, 4), torch.randint(0, 3, (B,))
+
+
+def per_example_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    per_example_loss(model(x), y).sum().backward()
+
+
+def mean_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A step of a hook-mode sampler (``loss_reduction="mean"``, its default)."""
+    model.zero_grad(set_to_none=True)
+    per_example_loss(model(x), y).mean().backward()
+
+
+def reference_for(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return per_example_rows(
+        model, lambda i: per_example_loss(model(x[i : i + 1]), y[i : i + 1]).sum(), len(x)
+    )
+
+
+# -- 1. the model's parameters or layers replaced or added after attaching ---------------------
+def replace_head(model: nn.Sequential) -> None:
+    model[2] = nn.Linear(7, 3)
+
+
+def replace_a_weight(model: nn.Sequential) -> None:
+    model[2].weight = nn.Parameter(torch.randn(3, 7))
+
+
+def load_by_assignment(model: nn.Sequential) -> None:
+    state = {name: torch.randn_like(t) for name, t in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def append_a_layer(model: nn.Sequential) -> None:
+    model.append(nn.Linear(3, 3))
+
+
+def wrap_the_head(model: nn.Sequential) -> None:
+    model[2] = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+CHANGES: dict[str, Callable[[nn.Sequential], None]] = {
+    "head replaced": replace_head,
+    "weight replaced by assignment": replace_a_weight,
+    "load_state_dict(assign=True)": load_by_assignment,
+    "layer appended": append_a_layer,
+    "head replaced by a block": wrap_the_head,
+}
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_layers_and_parameters_changed_after_attaching_are_followed(
+    reference_tools, change, check_identity
+):
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=check_identity) as stats:
+        for _ in range(STEPS_BEFORE_THE_CHANGE):
+            step(model, x, y)
+            stats.norms_squared()
+        CHANGES[change](model)
+        expected = reference_for(model, x, y)
+        for _ in range(2):  # the step after the change, and the one after it
+            step(model, x, y)
+            assert stats.param_shapes == {n: p.shape for n, p in model.named_parameters()}
+            reference_tools.assert_matches(stats, expected)
+
+
+def test_a_parameter_replaced_while_frozen_then_unfrozen_is_followed(reference_tools):
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        model[2].weight = nn.Parameter(torch.randn(3, 7), requires_grad=False)
+        step(model, x, y)
+        assert "2.weight" not in stats.param_shapes
+        model[2].weight.requires_grad_(True)
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_a_new_layer_without_a_rule_is_named_at_the_next_forward():
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        stats.norms_squared()
+        model.append(nn.PReLU())
+        with pytest.raises(ValueError, match=r"'3' \(PReLU\)"):
+            model(x)
+
+
+def test_sketches_follow_a_replaced_head():
+    model = mlp()
+    x, y = data()
+    with SketchedStats(model, dim=16, seed=3, loss_reduction="sum") as stats:
+        for _ in range(STEPS_BEFORE_THE_CHANGE):
+            step(model, x, y)
+            stats.sketches()
+        replace_head(model)
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        expected = GradientSketch(shapes, 16, 3).apply_dense(reference_for(model, x, y))
+        step(model, x, y)
+        torch.testing.assert_close(stats.sketches(), expected)
+
+
+def test_exact_sampler_follows_a_replaced_head_and_names_a_wider_model():
+    model = mlp()
+    xs, ys = torch.randn(18, 4), torch.randint(0, 3, (18,))
+    sampler = GraBSampler(torch.utils.data.TensorDataset(xs, ys), model=model, batch_size=6)
+    order = list(iter(sampler))
+    batches = [order[k : k + 6] for k in (0, 6, 12)]
+    mean_step(model, xs[batches[0]], ys[batches[0]])
+    sampler.step()
+    replace_head(model)  # the same width: the new head's gradients are balanced
+    expected = reference_for(model, xs[batches[1]], ys[batches[1]])
+    mean_step(model, xs[batches[1]], ys[batches[1]])
+    torch.testing.assert_close(
+        sampler.stats.norms_squared(), (expected * expected).sum(1), rtol=1e-9, atol=0
+    )
+    sampler.step()
+    append_a_layer(model)
+    mean_step(model, xs[batches[2]], ys[batches[2]])
+    with pytest.raises(ValueError, match="trainable parameters changed"):
+        sampler.step()
+    sampler.close()
+
+
+# -- 2. BatchNorm that uses batch statistics, owning no trainable parameter --------------------
+def with_batch_norm(norm: nn.Module) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 7), norm, nn.Tanh(), nn.Linear(7, 3))
+
+
+def frozen_affine() -> nn.Module:
+    norm = nn.BatchNorm1d(7)
+    norm.requires_grad_(False)
+    return norm
+
+
+UNTRACKED_NORMS: dict[str, Callable[[], nn.Module]] = {
+    "affine=False": lambda: nn.BatchNorm1d(7, affine=False),
+    "frozen affine": frozen_affine,
+    "track_running_stats=False": lambda: nn.BatchNorm1d(7, affine=False, track_running_stats=False),
+}
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+@pytest.mark.parametrize("norm", list(UNTRACKED_NORMS))
+def test_batch_statistics_of_a_norm_without_trainable_parameters_are_refused(norm, check_identity):
+    model = with_batch_norm(UNTRACKED_NORMS[norm]())
+    x, y = data()
+    refused = pytest.raises(ValueError, match=r"(?s)layer '1' \(BatchNorm1d\).*batch's mean")
+    with PerSampleStats(model, "sum", check_identity=check_identity), refused:
+        step(model, x, y)
+
+
+def test_batch_statistics_in_eval_mode_are_refused_for_a_tracked_norm():
+    model = with_batch_norm(nn.BatchNorm1d(7, track_running_stats=False)).eval()
+    x, y = data()
+    refused = pytest.raises(ValueError, match=r"(?s)layer '1' \(BatchNorm1d\).*batch's mean")
+    with PerSampleStats(model, "sum"), refused:
+        step(model, x, y)
+
+
+def test_running_statistics_of_a_norm_without_trainable_parameters_are_exact(reference_tools):
+    model = with_batch_norm(frozen_affine())
+    x, y = data()
+    model.eval()
+    with PerSampleStats(model, "sum") as stats:
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_batch_statistics_with_nothing_trainable_before_the_norm_are_exact(reference_tools):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.Linear(4, 7), nn.Tanh())
+    model.append(nn.Linear(7, 3))
+    x, y = data()
+    # example i's loss term, the batch forwarded whole (its statistics are the batch's)
+    expected = per_example_rows(model, lambda i: per_example_loss(model(x), y)[i], B)
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_the_constant_statistics_definition_covers_norms_without_trainable_parameters():
+    model = with_batch_norm(nn.BatchNorm1d(7, affine=False))
+    x, y = data()
+    warned = pytest.warns(UserWarning, match="batch mean and variance as constants")
+    with warned, PerSampleStats(model, "sum", batch_norm_constant_statistics=True) as stats:
+        step(model, x, y)
+        total = stats.total()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(total[name], p.grad)
