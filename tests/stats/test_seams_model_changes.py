@@ -13,6 +13,7 @@ only on a checked step is still silent on the others).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -171,6 +172,57 @@ def test_exact_sampler_follows_a_replaced_head_and_names_a_wider_model():
     with pytest.raises(ValueError, match="trainable parameters changed"):
         sampler.step()
     sampler.close()
+
+
+# -- 1b. parameters cast or moved after attaching ------------------------------------------------
+class CastingHead(nn.Module):
+    """A head that may run in another precision than the body (cast after attaching)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(4, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.head(h.to(self.head.weight.dtype)).to(x.dtype)
+
+
+def test_a_model_cast_after_attaching_is_followed(reference_tools):
+    # PyTorch gives a parameter a new gradient accumulator when .to() / .half() / .cuda()
+    # changes its dtype or device: the hooks must move to it
+    torch.set_default_dtype(torch.float32)
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        stats.norms_squared()
+        model.double()
+        x = x.double()
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        assert stats.dtype == torch.float64
+        reference_tools.assert_matches(stats, expected)
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+def test_a_layer_cast_after_attaching_is_refused_once_then_followed(check_identity):
+    torch.set_default_dtype(torch.float32)
+    model = CastingHead()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=check_identity) as stats:
+        for _ in range(STEPS_BEFORE_THE_CHANGE):
+            step(model, x, y)
+            stats.norms_squared()
+        model.head.bfloat16()  # a head kept in another precision than the body
+        step(model, x, y)
+        with pytest.raises(ValueError, match=r"(?s)'head\.bias', 'head\.weight'.*cast or moved"):
+            stats.norms_squared()
+        reference = copy.deepcopy(model).double()  # the bf16 head's values, in float64
+        expected = reference_for(reference, x.double(), y)
+        step(model, x, y)
+        norms = stats.norms_squared().double()
+        torch.testing.assert_close(norms, (expected * expected).sum(1), rtol=2e-2, atol=0)
 
 
 # -- 2. BatchNorm that uses batch statistics, owning no trainable parameter --------------------

@@ -725,8 +725,10 @@ class PerSampleStats(StatisticsSource):
         if not names:
             raise ValueError("the model has no parameters that require grad; nothing to measure")
         first = next(p for _, p in self._params if p.requires_grad)
+        self._first_trainable = first
         self.dtype = first.dtype
         self.device = first.device
+        self._accumulators_replaced = False
         self.param_shapes: dict[str, torch.Size] = {
             name: p.shape for name, p in self._params if p.requires_grad
         }
@@ -790,6 +792,7 @@ class PerSampleStats(StatisticsSource):
                 hook = _WeakHook(me, "_on_untracked_norm", name or "<root>")
                 self._handles.append(module.register_forward_hook(hook))
         sharded = []
+        self._hooked_nodes: dict[str, Any] = {}  # name -> the AccumulateGrad node hooked
         for name, p in self._params:
             if not p.requires_grad:
                 continue
@@ -799,6 +802,7 @@ class PerSampleStats(StatisticsSource):
             node = _accumulate_grad_node(p)
             self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
             self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
+            self._hooked_nodes[name] = node
         if sharded:  # taps on the unsharded copies (grabkit.taps)
             on_grad = _WeakHook(me, "_on_tapped_grad", [name for name, _ in sharded])
             self._handles.append(GradientTaps(sharded, on_grad, self.model))
@@ -878,12 +882,24 @@ class PerSampleStats(StatisticsSource):
         self._read_parameters()
         return before != [(name, id(p)) for name, p in self._params]
 
+    def _model_cast(self) -> bool:
+        """Whether the parameters' gradient accumulators, on which the engine's hooks sit, may
+        have been replaced since attaching: PyTorch gives a parameter a new one when its data
+        changes dtype or device (``model.to(...)``, ``.double()``, ``.cuda()``). Told at every
+        forward from the first trainable parameter (a whole model cast or moved); a part of the
+        model cast alone is found at the read (``_check_accumulators``), which asks for this."""
+        if self._accumulators_replaced:
+            return True
+        first = self._first_trainable
+        return first.dtype != self.dtype or first.device != self.device
+
     def _follow_trainable_set(self) -> None:
         """Re-attach when parameters were frozen or unfrozen since the last forward (cheap to
-        tell: one flag per parameter), or replaced or added (``_parameters_replaced``)."""
+        tell: one flag per parameter), replaced or added (``_parameters_replaced``), or cast or
+        moved (``_model_cast``)."""
         replaced = self._parameters_replaced()
         trainable = [p.requires_grad for p in self._param_list]
-        if trainable == self._trainable and not replaced:
+        if trainable == self._trainable and not replaced and not self._model_cast():
             return
         self._trainable = trainable
         self._detach_layers()
@@ -1485,6 +1501,41 @@ class PerSampleStats(StatisticsSource):
                     kept.append((layer, call, groups))
         return kept
 
+    def _check_accumulators(self) -> None:
+        """Refuse a step in which a layer received an output gradient but a parameter of it
+        was not seen accumulating one, because its gradient accumulator is no longer the node
+        hooked at attach (the layer cast or moved after attaching: ``head.double()``,
+        ``head.to(device)``). Its gradient then reaches ``.grad`` unseen, and the statistics
+        would silently leave it out. The next forward re-attaches. Nodes are compared only for
+        such parameters (``backward(inputs=...)`` leaves some out by design)."""
+        missing = {
+            name
+            for layer in self._layers
+            if any(call.grads for call in layer.calls)
+            for name in layer.params.values()
+            if name not in self._param_grads and name in self._hooked_nodes
+        }
+        if not missing:
+            return
+        params = dict(self._params)
+        moved = sorted(
+            name
+            for name in missing
+            if _accumulate_grad_node(params[name]) is not self._hooked_nodes[name]
+        )
+        if not moved:
+            return
+        self._accumulators_replaced = True
+        raise ValueError(
+            f"parameters {moved} were cast or moved (to another dtype or device: "
+            f"module.to(...), .double(), .half(), .cuda()) after PerSampleStats attached to the "
+            f"model, and PyTorch gave them new gradient accumulators: this step's gradients of "
+            f"them reached .grad without the statistics seeing them, so the statistics of this "
+            f"step are refused. The next forward re-attaches to the new accumulators (a cast "
+            f"of the whole model is followed at its first forward). Cast or move the model "
+            f"before attaching statistics (or a hook-mode sampler) to avoid the lost step."
+        )
+
     def _batch_size(self, kept: list) -> int:
         sizes: dict[str, list[int]] = {}
         for layer, call, groups in kept:
@@ -1568,6 +1619,7 @@ class PerSampleStats(StatisticsSource):
         formed on the device, compared when they reach the host)."""
         self._check_step_is_defined()
         kept = self._kept_calls()
+        self._check_accumulators()
         self._check_gradients_came_through_layers(kept)
         self._check_weights_unchanged(kept)
         low: dict[str, float] = {}
