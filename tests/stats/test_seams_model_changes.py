@@ -225,6 +225,19 @@ def test_a_layer_cast_after_attaching_is_refused_once_then_followed(check_identi
         torch.testing.assert_close(norms, (expected * expected).sum(1), rtol=2e-2, atol=0)
 
 
+def test_a_read_after_a_forward_that_dropped_the_backward_says_so():
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum") as stats:
+        with pytest.raises(RuntimeError, match="no statistics yet") as raised:
+            stats.norms_squared()
+        assert "dropped" not in str(raised.value)
+        step(model, x, y)
+        model(x)  # an evaluation forward with grad enabled starts the next step
+        with pytest.raises(RuntimeError, match=r"dropped .* torch\.no_grad\(\)"):
+            stats.norms_squared()
+
+
 # -- 2. BatchNorm that uses batch statistics, owning no trainable parameter --------------------
 def with_batch_norm(norm: nn.Module) -> nn.Sequential:
     torch.manual_seed(0)

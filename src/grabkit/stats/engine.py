@@ -942,6 +942,8 @@ class PerSampleStats(StatisticsSource):
         copies = getattr(self, "_param_grads", {})
         readers = getattr(self, "_readers", [])
         self._param_grads: dict[str, torch.Tensor | None] = {}
+        #: the step this one replaces had a backward (named when a read finds nothing)
+        self._closed_a_backward = getattr(self, "_backward_seen", False)
         self._backward_seen = False  # a backward accumulated into .grad: statistics to read
         self._gradient_seen = False  # any hook received a gradient: the next forward is new
         self._backwards = Backwards()
@@ -1544,9 +1546,16 @@ class PerSampleStats(StatisticsSource):
                 size = grad.shape[0] if size is None else size
                 sizes.setdefault(layer.name, []).append(size)
         if not sizes:
+            after = (
+                " The last backward's statistics were dropped when a later forward with grad "
+                "enabled started a new step (an evaluation forward outside torch.no_grad(), say): "
+                "read them before that forward, or run it under torch.no_grad()."
+                if self._closed_a_backward
+                else ""
+            )
             raise RuntimeError(
                 "PerSampleStats has no statistics yet: run a forward pass with grad enabled and "
-                "loss.backward() before reading."
+                f"loss.backward() before reading.{after}"
             )
         distinct = {size for per_layer in sizes.values() for size in per_layer}
         if self._batch is not None:
