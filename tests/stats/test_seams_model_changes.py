@@ -23,7 +23,7 @@ from tests.support.references import per_example_rows
 from torch import nn
 
 from grabkit.order import GraBSampler
-from grabkit.stats import PerSampleStats
+from grabkit.stats import IdentityCheckError, PerSampleStats
 from grabkit.stats.sketch import GradientSketch, SketchedStats
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -223,6 +223,23 @@ def test_a_layer_cast_after_attaching_is_refused_once_then_followed(check_identi
         step(model, x, y)
         norms = stats.norms_squared().double()
         torch.testing.assert_close(norms, (expected * expected).sum(1), rtol=2e-2, atol=0)
+
+
+def test_a_float64_head_on_a_float32_body_is_checked_in_each_parameters_precision():
+    torch.set_default_dtype(torch.float32)
+    model = CastingHead()
+    model.head.double()
+    x, y = data()
+    expected = reference_for(copy.deepcopy(model).double(), x.double(), y)
+    with PerSampleStats(model, "sum", check_identity="always") as stats:
+        step(model, x, y)  # the body's float32 rounding is no mismatch
+        norms = stats.norms_squared().double()
+        torch.testing.assert_close(norms, (expected * expected).sum(1), rtol=1e-5, atol=0)
+        model.zero_grad()
+        penalty = 1e-3 * model.body.weight.square().sum()  # still caught, in float32
+        (per_example_loss(model(x), y).sum() + penalty).backward()
+        with pytest.raises(IdentityCheckError, match=r"'body\.weight'"):
+            stats.norms_squared()
 
 
 def test_a_read_after_a_forward_that_dropped_the_backward_says_so():

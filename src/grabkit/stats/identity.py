@@ -219,6 +219,13 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
+@functools.cache
+def _arithmetic_roundoff(dtype: torch.dtype) -> float:
+    """The unit roundoff of arithmetic on ``dtype`` operands: at least float32's (lower
+    precisions are accounted for as rounded operands)."""
+    return unit_roundoff(torch.promote_types(dtype, torch.float32))
+
+
 class _Axis:
     """One side of a probe: a vector of independent entries uniform in [-1, 1] (float64, on the
     CPU), the block of it probed this step, and its copies on the devices and dtypes it met.
@@ -653,6 +660,11 @@ class _Comparison:
                 side = zero
             sides.append(side if side.dtype == self.dtype else side.to(self.dtype))
         self.gradient = torch.stack(sides)
+        # each parameter's own arithmetic (a float32 body beside a float64 head is rounded as
+        # float32, though the comparison runs in float64)
+        self._own = {
+            name: _arithmetic_roundoff(side.dtype) for name, side in gradient_sides.items()
+        }
         self.constants = self._constants(low_precision)
         scaled = (c * s.scale for c, s in zip(self.constants, segments, strict=True))
         key = (self.device, self.dtype, *scaled)
@@ -667,10 +679,13 @@ class _Comparison:
     def _constants(self, low_precision: Mapping[str, float]) -> list[float]:
         """Per segment: kappa (lambda u sqrt(2 m) + 2 u_low (1 + u_low)^2), the factor of R in
         the bound."""
-        u = unit_roundoff(self.dtype)
+        widest = unit_roundoff(self.dtype)
         out = []
         for s in self.segments:
-            low = low_precision.get(self.names[s.index], 0.0) if low_precision else 0.0
+            name = self.names[s.index]
+            own = _arithmetic_roundoff(s.products.dtype)
+            u = max(widest, own, self._own.get(name, 0.0))
+            low = low_precision.get(name, 0.0) if low_precision else 0.0
             rounded = 2 * low * (1 + low) ** 2
             out.append(s.kappa * (LAMBDA * u * math.sqrt(2 * s.length) + rounded))
         return out
