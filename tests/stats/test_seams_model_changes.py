@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from tests.support.references import per_example_rows
 from torch import nn
+from torch.nn.utils import prune
+from torch.nn.utils.parametrizations import orthogonal
 
 from grabkit.order import GraBSampler
 from grabkit.stats import IdentityCheckError, PerSampleStats
@@ -125,6 +127,34 @@ def test_a_parameter_replaced_while_frozen_then_unfrozen_is_followed(reference_t
         expected = reference_for(model, x, y)
         step(model, x, y)
         reference_tools.assert_matches(stats, expected)
+
+
+def test_a_parametrization_registered_after_attaching_is_pulled_back(reference_tools):
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=False) as stats:
+        for _ in range(STEPS_BEFORE_THE_CHANGE):
+            step(model, x, y)
+            stats.norms_squared()
+        orthogonal(model[2])
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        assert "2.parametrizations.weight.original" in stats.param_shapes
+        reference_tools.assert_matches(stats, expected)
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+def test_pruning_after_attaching_is_refused_naming_the_parametrization(check_identity):
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=check_identity) as stats:
+        for _ in range(STEPS_BEFORE_THE_CHANGE):
+            step(model, x, y)
+            stats.norms_squared()
+        prune.l1_unstructured(model[2], "weight", amount=0.5)  # weight_orig * weight_mask
+        step(model, x, y)
+        with pytest.raises(NotImplementedError, match=r"(?s)'2\.weight_orig' by mul.*parametriz"):
+            stats.norms_squared()
 
 
 def test_a_new_layer_without_a_rule_is_named_at_the_next_forward():

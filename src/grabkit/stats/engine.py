@@ -523,6 +523,20 @@ def _parametrized_hint(refused: list[tuple[str, str]]) -> str:
     )
 
 
+def _pruning_hint(refused: list[tuple[str, str]]) -> str:
+    """For a refused use of a parameter named like ``torch.nn.utils.prune``'s ``weight_orig``."""
+    names = sorted({name for name, _ in refused if name.endswith("_orig")})
+    if not names:
+        return ""
+    return (
+        f" {names} look like torch.nn.utils.prune's originals (weight = weight_orig * "
+        f"weight_mask, computed in a forward pre-hook, outside the layer's call): express the "
+        f"mask as a parametrization instead (torch.nn.utils.parametrize.register_"
+        f"parametrization(module, 'weight', a module returning weight * mask), computed "
+        f"exactly), or make the pruning permanent with prune.remove(module, 'weight')."
+    )
+
+
 def _inert() -> PerSampleStats:
     """An engine that records nothing (what a copied model's hooks call)."""
     stats = PerSampleStats.__new__(PerSampleStats)
@@ -903,6 +917,8 @@ class PerSampleStats(StatisticsSource):
             return
         self._trainable = trainable
         self._detach_layers()
+        if self.functional_uses == "auto":  # no use seen so far: the new model is watched anew
+            self._discovering = True
         self._attach_trainable()
         self._new_step()
 
@@ -1591,6 +1607,7 @@ class PerSampleStats(StatisticsSource):
                 f"a module, register a rule for the module that makes the use "
                 f"(grabkit.stats.register_rule), or freeze the parameter."
                 + _parametrized_hint(self._refused)
+                + _pruning_hint(self._refused)
             )
 
     def _check_gradients_came_through_layers(self, kept: list) -> None:
