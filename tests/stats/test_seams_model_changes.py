@@ -157,6 +157,19 @@ def test_pruning_after_attaching_is_refused_naming_the_parametrization(check_ide
             stats.norms_squared()
 
 
+def test_lazy_parameters_are_refused_at_attach_naming_the_fix(reference_tools):
+    model = nn.Sequential(nn.LazyLinear(7), nn.Tanh(), nn.Linear(7, 3))
+    x, y = data()
+    with pytest.raises(ValueError, match=r"(?s)\['0\.weight', '0\.bias'\].*Run one forward"):
+        PerSampleStats(model, "sum")
+    with torch.no_grad():
+        model(x)
+    expected = reference_for(model, x, y)
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        reference_tools.assert_matches(stats, expected)
+
+
 def test_a_new_layer_without_a_rule_is_named_at_the_next_forward():
     model = mlp()
     x, y = data()

@@ -523,6 +523,22 @@ def _parametrized_hint(refused: list[tuple[str, str]]) -> str:
     )
 
 
+def _refuse_uninitialized(model: nn.Module) -> None:
+    """Lazy modules' parameters have no shape until the first forward: nothing to attach to."""
+    lazy = [
+        name
+        for name, p in model.named_parameters()
+        if isinstance(p, nn.parameter.UninitializedParameter)
+    ]
+    if lazy:
+        raise ValueError(
+            f"the model's parameters {lazy} are not initialized yet (lazy modules such as "
+            f"nn.LazyLinear take their shapes from the first forward), so PerSampleStats cannot "
+            f"attach to them. Run one forward (a batch under torch.no_grad() will do) before "
+            f"attaching statistics or a hook-mode sampler."
+        )
+
+
 def _pruning_hint(refused: list[tuple[str, str]]) -> str:
     """For a refused use of a parameter named like ``torch.nn.utils.prune``'s ``weight_orig``."""
     names = sorted({name for name, _ in refused if name.endswith("_orig")})
@@ -640,6 +656,7 @@ class PerSampleStats(StatisticsSource):
                 f"loss_reduction={loss_reduction!r}"
             )
         refuse_flat_parameters(model.parameters(), "PerSampleStats")  # FSDP1
+        _refuse_uninitialized(model)
         self.model = model
         self.loss_reduction = loss_reduction
         self._check_not_attached(model)
