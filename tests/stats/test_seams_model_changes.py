@@ -248,6 +248,40 @@ def test_a_model_cast_after_attaching_is_followed(reference_tools):
         reference_tools.assert_matches(stats, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("sketched", [False, True])
+def test_a_model_moved_to_the_gpu_after_attaching_is_followed(sketched):
+    model = mlp()
+    x, y = data()
+    if sketched:
+        stats = SketchedStats(model, dim=16, seed=3, loss_reduction="sum")
+    else:
+        stats = PerSampleStats(model, "sum")
+    step(model, x, y)
+    before = stats.sketches() if sketched else stats.norms_squared()
+    model.cuda()  # PyTorch gives the moved parameters new gradient accumulators
+    step(model, x.cuda(), y.cuda())
+    after = stats.sketches() if sketched else stats.norms_squared()
+    assert after.device.type == "cuda"
+    torch.testing.assert_close(after.cpu(), before, rtol=1e-9, atol=1e-12)
+    stats.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("statistics", ["exact", "sketch"])
+def test_a_sampler_built_before_the_model_moves_to_the_gpu_balances_there(statistics):
+    model = mlp()
+    xs, ys = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    dataset = torch.utils.data.TensorDataset(xs, ys)
+    sampler = GraBSampler(dataset, model=model, batch_size=6, statistics=statistics)
+    model.cuda()  # after the sampler attached, before its first step (a framework's setup)
+    order = list(iter(sampler))
+    for batch in (order[:6], order[6:]):
+        mean_step(model, xs[batch].cuda(), ys[batch].cuda())
+        sampler.step()  # raised before: no backward reached the hooks on the old accumulators
+    sampler.close()
+
+
 @pytest.mark.parametrize("check_identity", [True, False])
 def test_a_layer_cast_after_attaching_is_refused_once_then_followed(check_identity):
     torch.set_default_dtype(torch.float32)
