@@ -170,6 +170,23 @@ def test_lazy_parameters_are_refused_at_attach_naming_the_fix(reference_tools):
         reference_tools.assert_matches(stats, expected)
 
 
+@pytest.mark.parametrize("check_identity", [True, False])
+def test_a_forward_with_every_parameter_frozen_measures_nothing(reference_tools, check_identity):
+    # adversarial training: the model is frozen while the attack differentiates the input
+    model = mlp()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=check_identity) as stats:
+        for _ in range(3):
+            model.requires_grad_(False)
+            attacked = x.clone().requires_grad_(True)
+            (gradient,) = torch.autograd.grad(per_example_loss(model(attacked), y).sum(), attacked)
+            adversarial = (x + 0.1 * gradient.sign()).detach()
+            model.requires_grad_(True)
+            expected = reference_for(model, adversarial, y)
+            step(model, adversarial, y)
+            reference_tools.assert_matches(stats, expected)
+
+
 def test_a_new_layer_without_a_rule_is_named_at_the_next_forward():
     model = mlp()
     x, y = data()

@@ -934,6 +934,10 @@ class PerSampleStats(StatisticsSource):
             return
         self._trainable = trainable
         self._detach_layers()
+        if not any(trainable):  # all frozen (an adversarial attack's forward): nothing to measure
+            self._layers, self._functional, self._watch = [], {}, None
+            self._new_step()
+            return
         if self.functional_uses == "auto":  # no use seen so far: the new model is watched anew
             self._discovering = True
         self._attach_trainable()
