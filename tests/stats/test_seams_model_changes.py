@@ -187,6 +187,47 @@ def test_a_forward_with_every_parameter_frozen_measures_nothing(reference_tools,
             reference_tools.assert_matches(stats, expected)
 
 
+class HeadMadeInTheForward(nn.Module):
+    """Creates its head inside its first forward (a lazily built layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(7, 3)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+def test_a_layer_made_during_the_step_is_refused_then_followed(reference_tools, check_identity):
+    model = HeadMadeInTheForward()
+    x, y = data()
+    with PerSampleStats(model, "sum", check_identity=check_identity) as stats:
+        step(model, x, y)
+        made = r"(?s)\['head\.weight', 'head\.bias'\].*during this step"
+        with pytest.raises(ValueError, match=made):
+            stats.norms_squared()
+        expected = reference_for(model, x, y)
+        step(model, x, y)
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_a_layer_replaced_between_the_backward_and_the_read_keeps_the_steps_statistics(
+    reference_tools,
+):
+    model = mlp()
+    x, y = data()
+    expected = reference_for(model, x, y)
+    with PerSampleStats(model, "sum") as stats:
+        step(model, x, y)
+        replace_head(model)  # after the step that trained the old head
+        reference_tools.assert_matches(stats, expected)
+
+
 def test_a_new_layer_without_a_rule_is_named_at_the_next_forward():
     model = mlp()
     x, y = data()

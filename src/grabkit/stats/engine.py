@@ -1540,6 +1540,28 @@ class PerSampleStats(StatisticsSource):
                     kept.append((layer, call, groups))
         return kept
 
+    def _check_parameters_unchanged(self) -> None:
+        """Refuse a step during which the model got parameters that received gradients (a
+        layer made inside the forward): those are not in the statistics. A layer replaced after
+        the backward is no matter (the step's statistics describe the layers it ran). One integer
+        compared per read; the next forward re-attaches (``_parameters_replaced``)."""
+        if registrations() == self._registrations:
+            return
+        attached = {(name, id(p)) for name, p in self._params}
+        changed = [
+            name
+            for name, p in self.model.named_parameters()
+            if p.requires_grad and p.grad is not None and (name, id(p)) not in attached
+        ]
+        if changed:
+            raise ValueError(
+                f"the model's parameters {changed} were made during this step (a layer built "
+                f"inside the forward, say on its first call) and received gradients the "
+                f"statistics did not see, so this step's statistics are refused. The next "
+                f"forward attaches to them; to keep the first step, build the model completely "
+                f"(run one forward) before attaching statistics or a sampler."
+            )
+
     def _check_accumulators(self) -> None:
         """Refuse a step in which a layer received an output gradient but a parameter of it
         was not seen accumulating one, because its gradient accumulator is no longer the node
@@ -1665,6 +1687,7 @@ class PerSampleStats(StatisticsSource):
         """``step_factors()`` and, with ``defer``, the identity check left pending (its numbers
         formed on the device, compared when they reach the host)."""
         self._check_step_is_defined()
+        self._check_parameters_unchanged()
         kept = self._kept_calls()
         self._check_accumulators()
         self._check_gradients_came_through_layers(kept)
