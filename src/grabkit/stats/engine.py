@@ -1569,6 +1569,8 @@ class PerSampleStats(StatisticsSource):
         ``head.to(device)``). Its gradient then reaches ``.grad`` unseen, and the statistics
         would silently leave it out. The next forward re-attaches. Nodes are compared only for
         such parameters (``backward(inputs=...)`` leaves some out by design)."""
+        if self._hooked_nodes.keys() <= self._param_grads.keys():  # all accumulated: usual
+            return
         missing = {
             name
             for layer in self._layers
