@@ -189,11 +189,13 @@ def test_batchnorm_constant_statistics_match_their_definition(float64):
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).train()
     x = torch.randn(B, 4)
+    outputs = []  # the layers' outputs, read by forward hooks of the model's own forward
+    for k in (0, 1, 3):
+        model[k].register_forward_hook(lambda module, args, output: outputs.append(output))
     with pytest.warns(UserWarning, match="batch mean and variance as constants"):
         stats = PerSampleStats(model, "sum", batch_norm_constant_statistics=True)
-        h1 = model[0](x)
-        h2 = model[1](h1)
-        out = model[3](model[2](h2))
+        model(x)
+    h1, h2, out = outputs
     loss = out.square().sum()
     d1, d2, d3 = torch.autograd.grad(loss, (h1, h2, out), retain_graph=True)
     loss.backward()  # the engine's hooks see d1, d2, d3 (autograd.grad's own task is no step)

@@ -301,19 +301,32 @@ def test_always_checks_every_step(monkeypatch):
             train_steps(stats, model, 1, penalty=1e-2)
 
 
+class FirstLayerTwice(nn.Sequential):
+    """The MLP, whose forward calls its first layer a second time when ``twice`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(*mlp())
+        self.twice = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self[0](x))
+        if self.twice:
+            h = h + torch.tanh(self[0](x))
+        return self[2](h)
+
+
 def test_a_change_of_the_steps_structure_is_checked_at_once(monkeypatch):
     """A step that calls its layers differently, declares a batch term or changes the
     trainable set starts a new run of checked steps, whatever the budget."""
     from grabkit.stats import identity
 
     monkeypatch.setattr(identity, "BUDGET", 0.0)
-    model = mlp()
+    model = FirstLayerTwice()
     with PerSampleStats(model) as stats:
         train_steps(stats, model, identity.WARMUP_STEPS + 2)
         x, y = data()
-        # the first layer called twice, and a penalty: the new structure is checked
-        out = model[2](torch.tanh(model[0](x)) + torch.tanh(model[0](x)))
-        (per_example_loss(out, y).mean() + 1e-2 * l2(model)).backward()
+        model.twice = True  # the first layer called twice, and a penalty: checked at once
+        (per_example_loss(model(x), y).mean() + 1e-2 * l2(model)).backward()
         with pytest.raises(IdentityCheckError, match=r"'0\.weight'"):
             stats.norms_squared()
 

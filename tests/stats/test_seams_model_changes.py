@@ -390,6 +390,47 @@ def test_a_read_after_a_forward_that_dropped_the_backward_says_so():
             stats.norms_squared()
 
 
+# -- 1c. layers called outside the model's forward ---------------------------------------------
+class SequenceFirstMix(nn.Module):
+    """A sequence-first copy of an activation (T == B), refused when the model is called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix, self.head = nn.Embedding(7, 5), nn.Linear(5, 5), nn.Linear(5, 3)
+
+    def body(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.mix(self.emb(idx).transpose(0, 1).contiguous())  # (T, B, D)
+        return torch.tanh(h).transpose(0, 1).mean(1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(idx))
+
+
+@pytest.mark.parametrize("check_identity", [True, False])
+def test_layers_called_outside_the_models_forward_are_refused(check_identity):
+    # the model's forward input is what every layer's batch dim is checked against: calling
+    # its submodules directly skipped every check (6% error here, silently)
+    model = SequenceFirstMix()
+    idx, y = torch.randint(0, 7, (4, 4)), torch.randint(0, 3, (4,))
+    refused = pytest.raises(ValueError, match=r"(?s)layer 'mix' .* transposed")
+    with PerSampleStats(model, "sum", check_identity=check_identity), refused:
+        per_example_loss(model(idx), y).sum().backward()
+    outside = r"(?s)layer 'emb' was called outside the forward.*attach PerSampleStats"
+    refused = pytest.raises(ValueError, match=outside)
+    with PerSampleStats(model, "sum", check_identity=check_identity), refused:
+        per_example_loss(model.head(model.body(idx)), y).sum().backward()
+
+
+def test_statistics_attached_to_the_submodule_the_step_calls_are_exact(reference_tools):
+    model = mlp()
+    x, y = data()
+    expected = reference_for(model, x, y)
+    with PerSampleStats(model[0], "sum") as stats:  # the step calls the layers one by one
+        per_example_loss(model[2](torch.tanh(model[0](x))), y).sum().backward()
+        reference_tools.assert_matches(stats, expected[:, :35])
+
+
 # -- 2. BatchNorm that uses batch statistics, owning no trainable parameter --------------------
 def with_batch_norm(norm: nn.Module) -> nn.Sequential:
     torch.manual_seed(0)

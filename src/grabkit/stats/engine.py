@@ -994,6 +994,7 @@ class PerSampleStats(StatisticsSource):
         self.generation += 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
+        self._model_called = False  # the model's own forward ran in this step
         self._rows = StepRows()  # the grouped batch this step's calls came from, if any
         self._group_batches: dict[int, _ModelBatch] = {}  # id(group) -> its input's batch
         # StepStatistics built on this step (weakly): while one lives, its copies are its own
@@ -1024,6 +1025,7 @@ class PerSampleStats(StatisticsSource):
         if self._step_finished():
             self._new_step()
         self._follow_trainable_set()
+        self._model_called = True
         self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
@@ -1147,6 +1149,8 @@ class PerSampleStats(StatisticsSource):
         group = self._rows.tag()
         x, dim, size = layer.rule.call_batch(module, args, kwargs)
         batch = self._batch_for(group)
+        if group is None and not self._model_called:
+            self._refuse_call_outside_the_model(layer.name)
         if batch is not None:
             batch.check_batch_dim(layer.name, size, x, dim)
         call = _Call(layer.rule.capture(module, whole_call), batch_size=size, group=group)
@@ -1223,6 +1227,8 @@ class PerSampleStats(StatisticsSource):
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
         batch = self._batch_for(group)
+        if group is None and not self._model_called:
+            self._refuse_call_outside_the_model(layer.name)
         if isinstance(layer_input, torch.Tensor):
             if batch is not None:
                 layer_input, expanded = batch.align(layer.name, layer_input, output)
@@ -1238,6 +1244,23 @@ class PerSampleStats(StatisticsSource):
         if layer.rule.whole_call:
             layer_input = _detached_call(args, kwargs)
         return layer_input, expanded
+
+    def _refuse_call_outside_the_model(self, name: str) -> None:
+        """A layer called in a step in which the model's own forward did not run (the loop
+        calls ``model.body(x)`` and ``model.head(h)`` itself): the examples are taken from the
+        model's forward input, and every layer's input is checked against it (its batch dim,
+        rows reordered, sequence-first copies with T == B); without it none of that is
+        checked, so it is refused."""
+        raise ValueError(
+            f"layer {name!r} was called outside the forward of the model PerSampleStats is "
+            f"attached to ({type(self.model).__name__}), which did not run in this step (the "
+            f"training step calls its submodules itself, e.g. model.head(model.body(x)), or a "
+            f"LightningModule's training_step calls self.backbone(x)): PerSampleStats takes the "
+            f"examples from dim 0 of the model's forward input and checks every layer's input "
+            f"against it, which it cannot do here. Call the model itself (route the step "
+            f"through its forward), or attach PerSampleStats (or the hook-mode sampler) to the "
+            f"submodule the step calls."
+        )
 
     def _check_not_moved(self, name: str, x: torch.Tensor, batch: int) -> None:
         """Refuse an input whose dim 0 has the batch size but holds other rows than the
