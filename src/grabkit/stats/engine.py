@@ -39,6 +39,8 @@ Seams with other autograd work in the same step, each defined:
   layers and parameters replaced or added after attaching are followed the same way, at the
   first forward after any module registered a parameter or submodule
   (``grabkit.stats.structure``).
+* **Layers called outside the model's forward** (a step that calls ``model.body`` and
+  ``model.head`` itself) are refused: every batch-dim check reads the model's forward input.
 * **BatchNorm using the batch's statistics** is refused wherever a trainable layer ran before
   it in the step, also where it owns no trainable parameter (frozen or ``affine=False``), unless
   ``batch_norm_constant_statistics=True``.
@@ -1255,11 +1257,11 @@ class PerSampleStats(StatisticsSource):
             f"layer {name!r} was called outside the forward of the model PerSampleStats is "
             f"attached to ({type(self.model).__name__}), which did not run in this step (the "
             f"training step calls its submodules itself, e.g. model.head(model.body(x)), or a "
-            f"LightningModule's training_step calls self.backbone(x)): PerSampleStats takes the "
-            f"examples from dim 0 of the model's forward input and checks every layer's input "
-            f"against it, which it cannot do here. Call the model itself (route the step "
-            f"through its forward), or attach PerSampleStats (or the hook-mode sampler) to the "
-            f"submodule the step calls."
+            f"LightningModule's training_step calls self.backbone(x)), or ran without a tensor "
+            f"input: PerSampleStats takes the examples from dim 0 of the model's first tensor "
+            f"input and checks every layer's input against it, which it cannot do here. Call "
+            f"the model itself on the batch's tensors (route the step through its forward), or "
+            f"attach PerSampleStats (or the hook-mode sampler) to the submodule the step calls."
         )
 
     def _check_not_moved(self, name: str, x: torch.Tensor, batch: int) -> None:
