@@ -195,8 +195,12 @@ class GraBCallback(Callback):
     and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``), and so
     is one saved after the last batch of an epoch that Lightning ends before the sampler's last
     example (``limit_train_batches``, a ``DataLoader(drop_last=True)`` whose last batch is
-    partial): the rest of that epoch is never trained, as in the uninterrupted run. Lightning
-    writes the callback state
+    partial): the rest of that epoch is never trained, as in the uninterrupted run. So is one
+    saved at the end of an epoch that Lightning ended early (``should_stop`` from
+    ``EarlyStopping`` or ``Timer(max_time)``, ``-1`` from ``on_train_batch_start``): Lightning
+    resumes it with the next epoch whole, and so does the sampler (decided at train start from
+    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch).
+    Lightning writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
     local examples, and the sketches are gathered, so the ordering state, order and position
@@ -213,6 +217,7 @@ class GraBCallback(Callback):
         self._pending: dict[str, Any] | None = None  # a state loaded before the sampler exists
         self._trainer: Any = None  # whose epoch counter says when an epoch is over
         self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
+        self._loaded: dict[str, Any] | None = None  # loaded for this fit, read at train start
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -242,6 +247,9 @@ class GraBCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         loader = trainer.train_dataloader
         message = _loader_error(loader, self.sampler)
+        loaded, self._loaded = self._loaded, None
+        if message is None and loaded is not None and not trainer.fit_loop.restarting:
+            self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
         if message is None and self._resumed_at_epoch_end and _is_stateful(loader):
             message = (
                 f"GraBCallback: this run resumes from a checkpoint taken at an epoch's last step "
@@ -280,6 +288,23 @@ class GraBCallback(Callback):
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
         self._resumed_at_epoch_end = bool(state.get("ended"))
         self._pending = None
+        self._loaded = state
+
+    def _end_epoch_of(self, state: dict[str, Any]) -> None:
+        """The loaded ``state``'s epoch is over: Lightning resumes with the next epoch.
+
+        A checkpoint taken at the end of an epoch that Lightning ended early (``should_stop``
+        from ``EarlyStopping`` or ``Timer``, ``-1`` returned from ``on_train_batch_start``)
+        holds a position inside the sampler's epoch; Lightning has finished that epoch (it ran
+        its end) and starts the next one whole, as a plain ``DataLoader`` does. Read at train
+        start, where ``fit_loop.restarting`` says whether Lightning continues inside the saved
+        epoch (a checkpoint from inside it, or iteration-based training with ``max_steps``).
+        """
+        if state.get("ended"):
+            return
+        sampler = self.sampler
+        state = rewound_state(state, sampler.num_samples, ended=True)
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
 
 
 def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> None:

@@ -1,0 +1,125 @@
+"""``GraBCallback`` at Lightning lifecycle edges: an epoch that Lightning ends early, resumed.
+
+``trainer.should_stop`` (``EarlyStopping``, ``Timer(max_time)``, a callback) and a hook that
+returns -1 from ``on_train_batch_start`` end an epoch after any batch, inside an accumulation
+window too; Lightning then runs the epoch's end (``ModelCheckpoint`` saves there) and a run
+resumed from that checkpoint starts the *next* epoch (a plain ``DataLoader`` trains it whole).
+The GraB sampler must do the same: its epoch is over although examples of it were never
+stepped. The reference is the obvious loop over the same sampler: the cut epoch's batches
+(the open window's gradient never applied), then whole epochs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning.pytorch")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from grabkit.integrations.lightning import GraBCallback  # noqa: E402
+from grabkit.order import GraBSampler  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+N, B, ACCUMULATE, LR = 24, 2, 2, 0.3  # 12 batches, 6 updates an epoch
+
+
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
+    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen), torch.arange(N))
+
+
+def network() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).double()
+
+
+class Classifier(L.LightningModule):
+    """Records the rows it trains, in order; ends its first epoch after batch ``stop_at``
+    (0-based): ``should_stop`` ends the fit there, ``-1`` returned from
+    ``on_train_batch_start`` (a LightningModule hook's answer) only the epoch."""
+
+    def __init__(self, stop_at: int | None = None, how: str = "stop") -> None:
+        super().__init__()
+        self.net, self.rows = network(), []
+        self.stop_at, self.how = stop_at, how
+
+    def on_train_batch_start(self, batch, batch_idx):
+        first_epoch = self.stop_at is not None and self.current_epoch == 0
+        if self.how == "skip" and first_epoch and batch_idx == self.stop_at + 1:
+            return -1
+        return None
+
+    def training_step(self, batch, batch_idx):
+        x, y, rows = batch
+        self.rows += rows.tolist()
+        if self.how == "stop" and self.stop_at is not None and batch_idx == self.stop_at:
+            self.trainer.should_stop = True
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit(root, ckpt_path=None, stop_at=None, how="stop"):
+    module, dataset = Classifier(stop_at, how), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root),
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def reference(first_epoch_batches: int, epochs: int):
+    """The plain loop: epoch 0 cut after ``first_epoch_batches`` (an open window's gradient
+    dropped, as the stopped run never applies it), then whole epochs, the loss of each batch
+    divided by the accumulation as Lightning divides it."""
+    net, dataset = network(), data()
+    sampler = GraBSampler(dataset, model=net, seed=0, record_orders=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    rows: list[int] = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        batches = first_epoch_batches if epoch == 0 else N // B
+        for index in range(batches):
+            picked = order[index * B : (index + 1) * B]
+            x, y, row = dataset[picked]
+            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
+            sampler.step()
+            rows += row.tolist()
+            if (index + 1) % ACCUMULATE == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        optimizer.zero_grad()
+    return net, sampler, rows
+
+
+@pytest.mark.parametrize("how", ["stop", "skip"])
+@pytest.mark.parametrize("at", [2, 5])  # inside the second window; at the end of the third
+def test_a_resume_after_an_epoch_ended_early_starts_the_next_epoch(tmp_path, how, at):
+    """Saved at the end of the cut epoch 0 (``should_stop`` ends the fit there, -1 only the
+    epoch): the resumed run trains epochs 1 and 2 whole, as with a plain ``DataLoader``."""
+    first, first_sampler = fit(tmp_path / "first", stop_at=at, how=how)
+    resumed, sampler = fit(tmp_path / "resumed", tmp_path / "first" / "epoch=0.ckpt")
+    net, expected, rows = reference(at + 1, 3)
+    cut = (at + 1) * B
+    assert first.rows[:cut] + resumed.rows == rows  # the cut epoch's rest never trained
+    if how == "skip" and (at + 1) % ACCUMULATE == 0:  # the uninterrupted run (an open
+        # window's gradient would stay in .grad into the next epoch: Lightning's, not GraB's)
+        assert first.rows == rows
+        assert first_sampler.orders_history[-1] == expected.orders_history[-1]
+    assert sampler.orders_history[-1] == expected.orders_history[-1]
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
