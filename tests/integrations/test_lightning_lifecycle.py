@@ -1,15 +1,18 @@
-"""``GraBCallback`` at Lightning lifecycle edges: an epoch that Lightning ends early, resumed.
+"""grabkit's Lightning callbacks at lifecycle edges: an epoch that Lightning ends early, resumed.
 
 ``trainer.should_stop`` (``EarlyStopping``, ``Timer(max_time)``, a callback) and a hook that
 returns -1 from ``on_train_batch_start`` end an epoch after any batch, inside an accumulation
 window too; Lightning then runs the epoch's end (``ModelCheckpoint`` saves there) and a run
 resumed from that checkpoint starts the *next* epoch (a plain ``DataLoader`` trains it whole).
 The GraB sampler must do the same: its epoch is over although examples of it were never
-stepped. The reference is the obvious loop over the same sampler: the cut epoch's batches
-(the open window's gradient never applied), then whole epochs.
+stepped; and the noise scale must measure the next epoch's first window, which starts from a
+zero gradient (no window was cut by the checkpoint). The reference is the obvious loop: the cut
+epoch's batches (the open window's gradient never applied), then whole epochs.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -19,12 +22,13 @@ L = pytest.importorskip("lightning.pytorch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from grabkit.integrations.lightning import GraBCallback  # noqa: E402
+from grabkit.integrations.lightning import GraBCallback, NoiseScaleCallback  # noqa: E402
+from grabkit.noise import AccumulationNoiseScale  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
-N, B, ACCUMULATE, LR = 24, 2, 2, 0.3  # 12 batches, 6 updates an epoch
+N, B, ACCUMULATE, LR, RATE = 24, 2, 2, 0.3, 0.5  # 12 batches, 6 updates an epoch
 
 
 def data() -> TensorDataset:
@@ -62,6 +66,10 @@ class Classifier(L.LightningModule):
         if self.how == "stop" and self.stop_at is not None and batch_idx == self.stop_at:
             self.trainer.should_stop = True
         return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -123,3 +131,104 @@ def test_a_resume_after_an_epoch_ended_early_starts_the_next_epoch(tmp_path, how
     assert sampler.orders_history[-1] == expected.orders_history[-1]
     for name, value in net.named_parameters():
         assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def noise_fit(root, ckpt_path=None, stop_at=None):
+    module = Classifier(stop_at)
+    noise = NoiseScaleCallback(update_rate=RATE)
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root), callbacks=[noise, saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B), ckpt_path=ckpt_path)
+    return module, noise.result
+
+
+def noise_reference(first_epoch_batches: int):
+    """The plain loop: epoch 0's first batches (an open window never closed, so not measured),
+    then whole epochs, every full window measured."""
+    net, dataset = network(), data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    estimator = AccumulationNoiseScale(net, update_rate=RATE)
+    for epoch in range(3):
+        batches = first_epoch_batches if epoch == 0 else N // B
+        for index in range(batches):
+            x, y, _ = dataset[index * B : (index + 1) * B]
+            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
+            estimator.end_microbatch(B)
+            if (index + 1) % ACCUMULATE == 0:
+                estimator.end_step()
+                optimizer.step()
+                optimizer.zero_grad()
+        if batches % ACCUMULATE:
+            estimator.discard_step()
+            optimizer.zero_grad()
+    return net, estimator.estimate
+
+
+@pytest.mark.parametrize("at", [2, 5])
+def test_the_noise_scale_resumed_after_an_early_stop_measures_the_next_epochs_windows(
+    tmp_path, at
+):
+    """``should_stop`` inside a window: Lightning resumes with the next epoch, whose first
+    window is whole (its gradient starts at zero) and measured; no window was cut."""
+    noise_fit(tmp_path / "first", stop_at=at)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about: no window was cut
+        warnings.filterwarnings("ignore", message=r"(?s)(?!NoiseScaleCallback).*")
+        resumed, result = noise_fit(tmp_path / "resumed", tmp_path / "first" / "epoch=0.ckpt")
+    net, expected = noise_reference(at + 1)
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+    assert result.observations == expected.observations
+    assert result.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
+    assert result.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-12)
+
+
+def validated_fit(root, every: int, ckpt_path=None):
+    """GraB with a validation loop every ``every`` batches, ``ModelCheckpoint`` saving at each
+    validation's end (its default with a monitored metric)."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    saver = L.callbacks.ModelCheckpoint(
+        dirpath=str(root), filename="{step}", save_top_k=-1, monitor="val_loss"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root), val_check_interval=every,
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    validation = DataLoader(data(), batch_size=3)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    trainer.fit(module, loader, validation, ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def test_validation_inside_the_epoch_changes_nothing_and_resumes_exactly(tmp_path):
+    """Validation runs forwards (no gradient) between training batches: the orders and the
+    parameters are those of the run without it, and a resume from a checkpoint saved at a
+    validation's end (at an optimizer step) equals the uninterrupted run."""
+    plain, plain_sampler = fit(tmp_path / "plain")
+    full, full_sampler = validated_fit(tmp_path / "full", 4)
+    assert full_sampler.orders_history == plain_sampler.orders_history[:2]
+    assert full.rows == plain.rows[: 2 * N]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="GraBCallback")
+        resumed, sampler = validated_fit(tmp_path / "resumed", 4, tmp_path / "full" / "step=2.ckpt")
+    assert resumed.rows == full.rows[8:]
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def test_a_resume_from_inside_an_accumulation_window_warns(tmp_path):
+    """``val_check_interval=3`` with windows of 2: ``ModelCheckpoint`` saves inside a window,
+    whose accumulated gradient Lightning's checkpoint does not hold; the resumed run cannot
+    equal the uninterrupted one, and says so (the GraB order itself resumes exactly)."""
+    full, _ = validated_fit(tmp_path / "full", 3)
+    with pytest.warns(UserWarning, match=r"GraBCallback.*inside an accumulation window"):
+        resumed, _ = validated_fit(tmp_path / "resumed", 3, tmp_path / "full" / "step=7.ckpt")
+    assert resumed.rows == full.rows[15 * B :]  # the data resumes exactly

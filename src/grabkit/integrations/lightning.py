@@ -200,6 +200,11 @@ class GraBCallback(Callback):
     ``EarlyStopping`` or ``Timer(max_time)``, ``-1`` from ``on_train_batch_start``): Lightning
     resumes it with the next epoch whole, and so does the sampler (decided at train start from
     ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch).
+    A checkpoint saved inside an accumulation window (``ModelCheckpoint`` at a validation
+    whose ``val_check_interval`` is not a multiple of ``accumulate_grad_batches``, or
+    ``trainer.save_checkpoint`` from a batch hook) holds no accumulated gradient: Lightning
+    steps on the window's remaining microbatches, so the resumed run differs from the
+    uninterrupted one (the order resumes exactly); the callback warns.
     Lightning writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
@@ -218,6 +223,7 @@ class GraBCallback(Callback):
         self._trainer: Any = None  # whose epoch counter says when an epoch is over
         self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
         self._loaded: dict[str, Any] | None = None  # loaded for this fit, read at train start
+        self._open = 0  # backwards since the last optimizer step (checkpointed)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -250,6 +256,17 @@ class GraBCallback(Callback):
         loaded, self._loaded = self._loaded, None
         if message is None and loaded is not None and not trainer.fit_loop.restarting:
             self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
+        elif message is None and loaded is not None and self._open:
+            rank_zero_warn(
+                f"GraBCallback: this checkpoint was saved inside an accumulation window, after "
+                f"{self._open} of its microbatches; Lightning's checkpoint does not hold their "
+                "accumulated gradient, so the resumed run steps on the window's remaining "
+                "microbatches only and differs from the uninterrupted run (the GraB order "
+                "resumes exactly). Checkpoint at optimizer steps (ModelCheckpoint("
+                "every_n_train_steps=...); a checkpoint saved at validation needs a "
+                "val_check_interval that is a multiple of accumulate_grad_batches)."
+            )
+        self._open = 0
         if message is None and self._resumed_at_epoch_end and _is_stateful(loader):
             message = (
                 f"GraBCallback: this run resumes from a checkpoint taken at an epoch's last step "
@@ -266,6 +283,10 @@ class GraBCallback(Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
         step_sampler(self.sampler, _loss_scaler(trainer))
+        self._open += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._open = 0
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
@@ -273,7 +294,7 @@ class GraBCallback(Callback):
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
         ended = _lightning_epoch_over(self._trainer)
         state = rewound_state(self.sampler.state_dict(), self.sampler.num_samples, ended=ended)
-        return {"sampler": state}
+        return {"sampler": state, "open_microbatches": self._open}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -289,6 +310,7 @@ class GraBCallback(Callback):
         self._resumed_at_epoch_end = bool(state.get("ended"))
         self._pending = None
         self._loaded = state
+        self._open = int(state_dict.get("open_microbatches", 0))
 
     def _end_epoch_of(self, state: dict[str, Any]) -> None:
         """The loaded ``state``'s epoch is over: Lightning resumes with the next epoch.
@@ -434,13 +456,16 @@ class NoiseScaleCallback(Callback):
     Measuring never changes training (the hook all-reduces as DDP's own does).
 
     Checkpoints. The estimator's state goes into Lightning's checkpoint; a resume from one saved
-    at an optimizer step (``ModelCheckpoint`` saves only there) continues the uninterrupted
+    at an optimizer step (``ModelCheckpoint(every_n_train_steps=...)``) continues the uninterrupted
     estimate exactly, provided Lightning resumes the data where it stopped (a plain
     ``DataLoader`` restarts the epoch's batches from its first one; torchdata's
     ``StatefulDataLoader`` resumes exactly). A checkpoint saved inside an accumulation window
-    (``trainer.save_checkpoint`` from a batch hook, ``OnExceptionCheckpoint``) does not hold the
-    window's accumulated gradient, so the resumed run steps on the window's remaining microbatches
-    only: that window is left out of the estimate (on every rank), with a warning.
+    (``trainer.save_checkpoint`` from a batch hook, ``OnExceptionCheckpoint``, ``ModelCheckpoint``
+    at a validation inside a window) does not hold the window's accumulated gradient, so the
+    resumed run steps on the window's remaining microbatches only: that window is left out of
+    the estimate (on every rank), with a warning. After an epoch Lightning ended early
+    (``should_stop`` inside a window, the checkpoint saved at the epoch's end) Lightning starts
+    the next epoch from a zero gradient instead: the saved window is dropped, nothing is left out.
 
     Args:
         count_fn: batch -> examples; default :func:`batch_count`.
@@ -487,6 +512,33 @@ class NoiseScaleCallback(Callback):
         if self._pending_state is not None:
             self.estimator.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """A resume from inside a window loses it, unless Lightning begins a fresh epoch.
+
+        A checkpoint taken inside an accumulation window holds none of its gradient. Lightning
+        continues that window (``fit_loop.restarting``: a checkpoint from inside the epoch, or
+        iteration-based training) on its remaining microbatches only, so the window is left
+        out; after an epoch Lightning ended early (``should_stop`` inside a window, then
+        ``ModelCheckpoint`` at the epoch's end) it starts the next epoch with a zero gradient
+        instead: the saved window's microbatches are dropped and no window was cut.
+        """
+        if not self._lost_window:
+            return
+        if not trainer.fit_loop.restarting:
+            self._lost_window, self._open = False, 0
+            if self.estimator is not None:  # one process: the saved microbatches, never closed
+                self.estimator.discard_step()
+            return
+        rank_zero_warn(
+            f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
+            f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
+            "their accumulated gradient, so the resumed run steps on the window's remaining "
+            "microbatches only, and the window is left out of the noise-scale estimate. For "
+            "an exact resume, checkpoint at optimizer steps (ModelCheckpoint(every_n_train_steps"
+            "=...); a checkpoint saved at validation needs a val_check_interval that is a "
+            "multiple of accumulate_grad_batches)."
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._count = self.count_fn(batch)
@@ -565,15 +617,7 @@ class NoiseScaleCallback(Callback):
         if "estimator" not in state_dict:
             return
         self._open = int(state_dict.get("open_microbatches", 0))
-        if self._open:
-            self._lost_window = True
-            rank_zero_warn(
-                f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
-                f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
-                "their accumulated gradient, so the resumed run steps on the window's remaining "
-                "microbatches only, and the window is left out of the noise-scale estimate. For "
-                "an exact resume, checkpoint at optimizer steps (as ModelCheckpoint does)."
-            )
+        self._lost_window = self._open > 0  # confirmed at train start
         owner = self.distributed if self.distributed is not None else self.estimator
         if owner is None:
             self._pending_state = state_dict["estimator"]
