@@ -169,9 +169,7 @@ def noise_reference(first_epoch_batches: int):
 
 
 @pytest.mark.parametrize("at", [2, 5])
-def test_the_noise_scale_resumed_after_an_early_stop_measures_the_next_epochs_windows(
-    tmp_path, at
-):
+def test_the_noise_scale_resumed_after_an_early_stop_measures_the_next_epochs_windows(tmp_path, at):
     """``should_stop`` inside a window: Lightning resumes with the next epoch, whose first
     window is whole (its gradient starts at zero) and measured; no window was cut."""
     noise_fit(tmp_path / "first", stop_at=at)
