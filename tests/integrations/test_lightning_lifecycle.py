@@ -230,3 +230,18 @@ def test_a_resume_from_inside_an_accumulation_window_warns(tmp_path):
     with pytest.warns(UserWarning, match=r"GraBCallback.*inside an accumulation window"):
         resumed, _ = validated_fit(tmp_path / "resumed", 3, tmp_path / "full" / "step=7.ckpt")
     assert resumed.rows == full.rows[15 * B :]  # the data resumes exactly
+
+
+def test_several_train_loaders_are_refused_naming_them(tmp_path):
+    """A CombinedLoader's batch holds rows of every loader, one backward over all of them."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[GraBCallback(sampler)],
+    )  # fmt: skip
+    loaders = {"grab": DataLoader(dataset, sampler=sampler, batch_size=B)}
+    loaders["other"] = DataLoader(dataset, batch_size=B)
+    with pytest.raises(ValueError, match=r"2 loaders at once \(a CombinedLoader\)"):
+        trainer.fit(module, loaders)

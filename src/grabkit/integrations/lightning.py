@@ -129,6 +129,14 @@ def _held_samplers(*owners: Any) -> list[GraBSampler]:
 
 def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
     """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
+    if isinstance(loader, (Mapping, list, tuple)):  # several loaders: a CombinedLoader
+        return (
+            f"GraBCallback: the Trainer trains on {len(loader)} loaders at once (a "
+            "CombinedLoader); GraBCallback steps the GraBSampler after every backward with the "
+            "examples of one batch of its loader, and a backward over batches of several "
+            "loaders would credit their gradients to the sampler's examples. Train on the one "
+            "loader that draws from the GraBSampler."
+        )
     drawn = getattr(loader, "sampler", None)
     candidates = [drawn, getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     if any(s is sampler for s in candidates):
