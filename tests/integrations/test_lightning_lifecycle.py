@@ -22,7 +22,11 @@ L = pytest.importorskip("lightning.pytorch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from grabkit.integrations.lightning import GraBCallback, NoiseScaleCallback  # noqa: E402
+from grabkit.integrations.lightning import (  # noqa: E402
+    ExampleGradientNormsCallback,
+    GraBCallback,
+    NoiseScaleCallback,
+)
 from grabkit.noise import AccumulationNoiseScale  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
 
@@ -245,3 +249,38 @@ def test_several_train_loaders_are_refused_naming_them(tmp_path):
     loaders["other"] = DataLoader(dataset, batch_size=B)
     with pytest.raises(ValueError, match=r"2 loaders at once \(a CombinedLoader\)"):
         trainer.fit(module, loaders)
+
+
+class LoggedNorms(L.Callback):
+    """The per-example norms callback's summary at every optimizer step (it runs first)."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norms = next(c for c in trainer.callbacks if isinstance(c, ExampleGradientNormsCallback))
+        self.values.append(dict(norms.last))
+
+
+def norms_fit(root, **options) -> list[dict[str, float]]:
+    module, logged = Classifier(), LoggedNorms()
+    callbacks = [ExampleGradientNormsCallback(module.net), logged, *options.pop("callbacks", [])]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=callbacks, **options,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B))
+    return logged.values
+
+
+def test_per_example_norms_follow_a_scheduled_accumulation(tmp_path):
+    """``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at every epoch's
+    start (1 at fit start): each logged norm is still the gradient of the example's own loss,
+    the same as under a fixed ``accumulate_grad_batches`` (it was 1 / 2 of it)."""
+    fixed = norms_fit(tmp_path / "fixed", accumulate_grad_batches=ACCUMULATE)
+    scheduler = L.callbacks.GradientAccumulationScheduler({0: ACCUMULATE})
+    scheduled = norms_fit(tmp_path / "scheduled", callbacks=[scheduler])
+    assert len(scheduled) == len(fixed) == 2 * N // (B * ACCUMULATE)
+    for got, expected in zip(scheduled, fixed, strict=True):
+        assert got == pytest.approx(expected, rel=1e-12)

@@ -727,7 +727,8 @@ class ExampleGradientNormsCallback(Callback):
     logged with ``pl_module.log_dict`` as ``grad_norm_per_example/{min,q10,median,q90,max,mean,
     count}`` and, when the logger's experiment has ``add_histogram`` (TensorBoard), as a
     histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss
-    (Lightning's division by ``accumulate_grad_batches`` undone; see
+    (Lightning's division by ``accumulate_grad_batches`` undone, the value in force at each
+    backward, so a ``GradientAccumulationScheduler``'s too; see
     ``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
     statistics on the model are shared (one set of hooks; a sketching sampler's give estimated
     norms).
@@ -756,9 +757,14 @@ class ExampleGradientNormsCallback(Callback):
                 stats = sampler.stats
         module = self.module if self.module is not None else pl_module
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
-        self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
         # 16-mixed: the loss scale divided out (every capture runs before the scaler's update)
         self.norms.grad_scaler = _loss_scaler(trainer)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # Lightning divides each loss by the accumulation in force for this backward, which a
+        # GradientAccumulationScheduler changes at epoch starts: undone now, backward by backward
+        self.norms.scale = float(trainer.accumulate_grad_batches)
+        self.norms.capture()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         norms = self.norms.take()
