@@ -284,3 +284,49 @@ def test_per_example_norms_follow_a_scheduled_accumulation(tmp_path):
     assert len(scheduled) == len(fixed) == 2 * N // (B * ACCUMULATE)
     for got, expected in zip(scheduled, fixed, strict=True):
         assert got == pytest.approx(expected, rel=1e-12)
+
+
+def scheduled_noise(root, scheduling: dict[int, int]):
+    module, noise = Classifier(), NoiseScaleCallback(update_rate=RATE)
+    scheduler = L.callbacks.GradientAccumulationScheduler(scheduling)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=[scheduler, noise],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B))
+    return module, noise.result
+
+
+def scheduled_reference(windows: list[int]):
+    """The plain loop: epoch e in windows of ``windows[e]`` batches, each loss divided by it;
+    windows of one batch are not measured (no microbatch to compare with the mean)."""
+    net, dataset = network(), data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    estimator = AccumulationNoiseScale(net, update_rate=RATE)
+    for window in windows:
+        for index in range(N // B):
+            x, y, _ = dataset[index * B : (index + 1) * B]
+            (F.cross_entropy(net(x), y) / window).backward()
+            estimator.end_microbatch(B)
+            if (index + 1) % window == 0:
+                if window > 1:
+                    estimator.end_step()
+                else:
+                    estimator.discard_step()
+                optimizer.step()
+                optimizer.zero_grad()
+    return net, estimator.estimate
+
+
+@pytest.mark.parametrize("scheduling", [{0: 2, 1: 3}, {0: 1, 1: 2}])
+def test_the_noise_scale_follows_a_scheduled_accumulation(tmp_path, scheduling):
+    """``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at each epoch's start
+    (1 at setup): measured in the windows it makes, an epoch of windows of 1 left out."""
+    module, result = scheduled_noise(tmp_path, scheduling)
+    net, expected = scheduled_reference([scheduling[0], scheduling[1]])
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(module.net.named_parameters())[name], value), name
+    assert result.observations == expected.observations
+    assert result.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
+    assert result.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-12)

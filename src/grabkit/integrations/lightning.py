@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
@@ -452,7 +453,9 @@ class NoiseScaleCallback(Callback):
     gradients and updates the scale), and a window that overflowed is skipped.
 
     * One process: ``AccumulationNoiseScale``, the window's microbatch gradients against their
-      mean, closed after the window's last backward; needs ``accumulate_grad_batches >= 2``.
+      mean, closed after the window's last backward; needs ``accumulate_grad_batches >= 2``,
+      or a ``GradientAccumulationScheduler`` (read window by window; windows of one batch are
+      left out).
     * DDP (``strategy="ddp"`` / ``"ddp_spawn"``, any ``accumulate_grad_batches``):
       ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one, read in
       DDP's communication hook (so DDP's hook slot must be free), counted in each rank's local
@@ -507,7 +510,7 @@ class NoiseScaleCallback(Callback):
                 self.distributed.load_state_dict(self._pending_state)
                 self._pending_state = None
             return
-        if trainer.accumulate_grad_batches < 2:
+        if trainer.accumulate_grad_batches < 2 and not _schedules_accumulation(trainer):
             raise ValueError(
                 "NoiseScaleCallback compares microbatch gradients with their mean, so in one "
                 "process it needs Trainer(accumulate_grad_batches >= 2), but got "
@@ -640,8 +643,15 @@ def _loss_scaler(trainer: Any) -> Any:
 
 def _is_mean_window(counts: list[float], accumulate: int) -> bool:
     """Whether Lightning's accumulated gradient is the mean over the window's examples: each
-    loss is divided by ``accumulate``, so the window needs that many microbatches, of one size."""
-    return len(counts) == accumulate and len(set(counts)) == 1
+    loss is divided by ``accumulate``, so the window needs that many microbatches, of one size
+    (and two at least, to compare a microbatch with the mean)."""
+    return accumulate >= 2 and len(counts) == accumulate and len(set(counts)) == 1
+
+
+def _schedules_accumulation(trainer: Any) -> bool:
+    """A ``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at each epoch's
+    start (1 until then); the windows are read as they come, those of one batch left out."""
+    return any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
 
 
 def _ddp_model(trainer: Any) -> nn.Module:
