@@ -22,7 +22,9 @@ L = pytest.importorskip("lightning.pytorch")
 
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+from grabkit import OptimizerWrapperGNTS  # noqa: E402
 from grabkit.integrations.lightning import (  # noqa: E402
+    AdaptiveAccumulationCallback,
     ExampleGradientNormsCallback,
     GraBCallback,
     NoiseScaleCallback,
@@ -330,3 +332,22 @@ def test_the_noise_scale_follows_a_scheduled_accumulation(tmp_path, scheduling):
     assert result.observations == expected.observations
     assert result.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
     assert result.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-12)
+
+
+class Adaptive(Classifier):
+    def configure_optimizers(self):
+        return OptimizerWrapperGNTS(torch.optim.SGD(self.parameters(), lr=LR), norm_threshold=0.5)
+
+
+def test_adaptive_accumulation_refuses_a_scheduled_accumulation(tmp_path):
+    """A ``GradientAccumulationScheduler`` makes Lightning accumulate after fit start (where
+    ``accumulate_grad_batches`` still reads 1): Lightning would divide every loss and step the
+    wrapper once per window, hiding microbatches from it."""
+    scheduler = L.callbacks.GradientAccumulationScheduler({0: 2})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[scheduler, AdaptiveAccumulationCallback()],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
+        trainer.fit(Adaptive(), DataLoader(data(), batch_size=B))

@@ -411,11 +411,15 @@ class AdaptiveAccumulationCallback(Callback):
                 "; "
                 f"got {[type(o).__name__ for o in trainer.optimizers]}."
             )
-        if trainer.accumulate_grad_batches != 1:
+        scheduled = _schedules_accumulation(trainer)
+        if trainer.accumulate_grad_batches != 1 or scheduled:
             raise ValueError(
                 "AdaptiveAccumulationCallback: the wrapper decides when to step, so "
                 "Trainer(accumulate_grad_batches=...) should be 1, but got "
-                f"{trainer.accumulate_grad_batches}."
+                f"{trainer.accumulate_grad_batches}"
+                + (" and a GradientAccumulationScheduler" if scheduled else "")
+                + "; Lightning would divide every loss and step the wrapper once per window, "
+                "hiding microbatches from it. Leave accumulation to the wrapper."
             )
         self.wrapper = wrapper = wrappers[0]
         _hand_clipping_to(wrapper, trainer)
