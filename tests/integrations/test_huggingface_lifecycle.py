@@ -1,4 +1,6 @@
-"""``GrabkitTrainer`` at Trainer lifecycle edges, tiny BERT from a config, CPU.
+"""``GrabkitTrainer`` at Trainer lifecycle edges, tiny BERT from a config, CPU: evaluation
+during training, a fit stopped by a callback or ended, then resumed with more epochs, and the
+weighting of a model whose loss ignores ``num_items_in_batch``.
 
 Trainer decides how a window's microbatches are weighted from the model's signature: a forward
 that takes ``**kwargs`` is taken to normalize its loss by ``num_items_in_batch`` (the window's
@@ -17,6 +19,7 @@ pytest.importorskip("transformers")
 
 from tests.integrations.test_huggingface import arguments
 from tests.integrations.tiny import batch, dataset, params, tiny_bert
+from transformers import TrainerCallback
 
 from grabkit.integrations.huggingface import GrabkitTrainer
 from grabkit.noise import AccumulationNoiseScale
@@ -58,3 +61,53 @@ def test_a_loss_that_ignores_num_items_is_weighted_as_trainer_weights_it(tmp_pat
     assert got.observations == expected.observations == 2
     assert got.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-5)
     assert got.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-5)
+
+
+class _StopAt(TrainerCallback):
+    """Stop training after optimizer step ``at`` (as ``EarlyStoppingCallback`` does)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
+
+
+def _run(out, resume=None, callbacks=(), **overrides) -> GrabkitTrainer:
+    """3 updates an epoch; GraB and the noise scale; Trainer divides each mean by the steps."""
+    trainer = GrabkitTrainer(
+        tiny_bert(), arguments(out, **overrides), train_dataset=dataset(),
+        eval_dataset=dataset()[:8], grab={"record_orders": True},
+        noise_scale={"update_rate": 0.5}, callbacks=list(callbacks),
+    )  # fmt: skip
+    trainer.model_accepts_loss_kwargs = False
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _assert_same_run(got: GrabkitTrainer, expected: GrabkitTrainer) -> None:
+    assert got.state.global_step == expected.state.global_step
+    assert got.grab_sampler.orders_history[-1] == expected.grab_sampler.orders_history[-1]
+    for name, value in params(expected.model).items():
+        assert torch.equal(params(got.model)[name], value), name
+    assert got.noise_scale_result.as_dict() == expected.noise_scale_result.as_dict()
+
+
+def test_evaluation_stops_and_continued_fits_leave_the_uninterrupted_run(tmp_path):
+    """Evaluation after every step (forwards without gradients) changes nothing; a fit stopped
+    by a callback mid-epoch, or ended after 2 epochs, and resumed from its checkpoint with 3
+    epochs ends with the 3-epoch run's order, parameters and estimate."""
+    plain = _run(tmp_path / "plain", num_train_epochs=3)
+    evaluated = _run(tmp_path / "eval", num_train_epochs=3, eval_strategy="steps", eval_steps=1)
+    _assert_same_run(evaluated, plain)
+    assert any("eval_loss" in entry for entry in evaluated.state.log_history)
+    saving = {"save_strategy": "steps", "save_steps": 4}
+    _run(tmp_path / "stopped", callbacks=[_StopAt(4)], num_train_epochs=3, **saving)
+    resumed = _run(
+        tmp_path / "stopped", str(tmp_path / "stopped" / "checkpoint-4"), num_train_epochs=3
+    )
+    _assert_same_run(resumed, plain)
+    _run(tmp_path / "two", num_train_epochs=2, save_strategy="epoch")
+    continued = _run(tmp_path / "two", str(tmp_path / "two" / "checkpoint-6"), num_train_epochs=3)
+    _assert_same_run(continued, plain)
