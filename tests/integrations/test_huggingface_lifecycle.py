@@ -63,6 +63,40 @@ def test_a_loss_that_ignores_num_items_is_weighted_as_trainer_weights_it(tmp_pat
     assert got.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-5)
 
 
+class _NormalisedHead(torch.nn.Module):
+    """A classifier with a BatchNorm whose forward takes ``**kwargs`` (so Trainer passes it
+    ``num_items_in_batch``) and returns its own mean loss, as BERT's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+        ).double()
+
+    def forward(self, x, labels=None, **kwargs):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_the_weighting_probe_leaves_the_running_statistics_as_training_left_them(tmp_path):
+    """The probe's two extra forwards run in training mode: a BatchNorm's running statistics
+    must end as in the run without the noise scale, bitwise, with the parameters."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 6, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (20,), generator=gen)
+    data = [{"x": x[i], "labels": y[i]} for i in range(20)]
+    runs = []
+    for options in ({}, {"noise_scale": {"update_rate": 0.5}}):
+        args = arguments(tmp_path, num_train_epochs=1, train_sampling_strategy="sequential")
+        trainer = GrabkitTrainer(_NormalisedHead(), args, train_dataset=data, **options)
+        trainer.train()
+        runs.append(trainer.model.state_dict())
+    assert runs[1]["net.1.num_batches_tracked"] == runs[0]["net.1.num_batches_tracked"] == 5
+    for name, value in runs[0].items():
+        assert torch.equal(runs[1][name], value), name
+
+
 class _StopAt(TrainerCallback):
     """Stop training after optimizer step ``at`` (as ``EarlyStoppingCallback`` does)."""
 

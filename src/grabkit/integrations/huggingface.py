@@ -474,20 +474,27 @@ class GrabkitTrainer(Trainer):
         model that computes its own microbatch mean anyway (``BertForSequenceClassification``)
         is trained on the sum of its microbatch means: equal shares, whatever their sizes. Two
         forwards without gradients, with ``num_items_in_batch`` and twice it, from one random
-        state (dropout alike) that is restored after (training unchanged): a loss that follows
-        them halves. None: a zero loss, nothing to compare.
+        state (dropout alike), the random state and the model's buffers (a BatchNorm's running
+        statistics) restored after, so training is unchanged: a loss that follows them halves.
+        None: a zero loss, nothing to compare.
         """
         device = next(model.parameters()).device
         devices = [device] if device.type == "cuda" else []
+        buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
         losses = []
-        for items in (num_items_in_batch, num_items_in_batch * 2):
-            with (
-                torch.random.fork_rng(devices=devices),
-                torch.no_grad(),
-                self.compute_loss_context_manager(),
-            ):
-                loss = self.compute_loss(model, inputs, num_items_in_batch=items)
-            losses.append(float(loss.detach().float().mean()))
+        try:
+            for items in (num_items_in_batch, num_items_in_batch * 2):
+                with (
+                    torch.random.fork_rng(devices=devices),
+                    torch.no_grad(),
+                    self.compute_loss_context_manager(),
+                ):
+                    loss = self.compute_loss(model, inputs, num_items_in_batch=items)
+                losses.append(float(loss.detach().float().mean()))
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
         if losses[0] == 0.0:
             return None
         return abs(losses[0] - 2.0 * losses[1]) <= 1e-3 * abs(losses[0])
