@@ -113,6 +113,14 @@ to steps it does not check that changes nothing the engine sees (a loss term add
 thousand); those steps' statistics are returned unchecked. ``check_identity="always"`` checks every
 step, at the cost above.
 
+Which steps are checked is drawn when the step begins (``begin_step``: the warm-up, or the
+draw), so that an engine that hooks the parameters only on checked steps (sketches: no
+gradient copy to keep) hooks them from the step's start; a step checked only because its
+structure changed is known at its first backward, and hooked from there. On such a step alone, a
+backward that reaches the parameters through no tracked layer (a separate
+``penalty.backward()`` run before the step's main backward) is not seen; the same pattern on the
+next steps, checked as the new structure's warm-up, is.
+
 **The check's limit.** A sum cannot see which row belongs to which example: gradients credited to
 the wrong examples (a misattribution) still add up to G and pass. So do per-example gradients of
 a loss that couples the examples (a batch-level statistic inside the loss), for the same reason.
@@ -432,16 +440,28 @@ class IdentityCheck:
         self._last_structure: Hashable = None
         self._checked_in_a_row = 0  # checked steps since the structure last changed
         self._active: bool | None = None  # this step checked? (None: not decided yet)
+        self._drawn = True  # this step checked unless the schedule's structure rule says so
         # running means of a checked step's time without the check, and of the check's time
         self._step_time, self._check_time = _RunningMean(), _RunningMean()
         self._timed_from: float | None = None  # CPU clock at the last checked step's decision
         self._spent = 0.0  # seconds of the current checked step spent in the check's own code
         self.steps = self.checked_steps = 0
 
-    def begin_step(self) -> None:
+    def begin_step(self) -> bool:
+        """Forget the finished step and draw whether this one is checked. True when it is
+        checked whatever its structure turns out to be (``every_step``, the warm-up, or the
+        draw); False when only a change of its structure, seen at the decision (``active``),
+        would check it (the engine hooks the parameters from the step's start on the first
+        kind)."""
         self._active = None
         self.gradient_sides = {}
         self.floors = {}
+        self._drawn = (
+            self.every_step
+            or self._checked_in_a_row < WARMUP_STEPS
+            or self._draws.random() < self.rate()
+        )
+        return self._drawn
 
     @property
     def active(self) -> bool:
@@ -473,7 +493,7 @@ class IdentityCheck:
         structure = None if self._structure is None else self._structure()
         if structure != self._last_structure:
             self._last_structure, self._checked_in_a_row = structure, 0
-        if self._checked_in_a_row >= WARMUP_STEPS and self._draws.random() >= self.rate():
+        if self._checked_in_a_row >= WARMUP_STEPS and not self._drawn:
             return False
         self._checked_in_a_row += 1
         for axis in self.moving:  # this step's blocks
