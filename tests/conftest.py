@@ -1,4 +1,5 @@
-"""Shared fixtures: the location of the real datasets (tests that use them skip when absent)."""
+"""Shared fixtures: the location of the real datasets (tests that use them skip when absent), and
+the property tests' reproducible Hypothesis profile."""
 
 from __future__ import annotations
 
@@ -6,6 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so that a CI run reproduces a local one;
+# ``HYPOTHESIS_PROFILE=explore pytest ...`` draws fresh examples to look for new failures.
+settings.register_profile("reproducible", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "reproducible"))
 
 #: ``../shared/data`` beside the checkout, or the folder ``GRABKIT_DATA`` names
 SHARED_DATA = Path(
