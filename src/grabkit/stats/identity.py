@@ -94,7 +94,8 @@ small MLP 12-19% of a plain step on the CPU, on a small GPT 5-6%. By default
 * every step of the first ``WARMUP_STEPS`` (8) after the engine attaches, and again after every
   change of the step's structure as the engine sees it at the step's first delivered gradient
   (the number of calls of each layer, the functional uses recorded, the batch terms declared,
-  a grouped batch) or of the trainable set (a new check);
+  a grouped batch; where the parameters are not hooked at every step, at the first output
+  gradient of its first accumulating backward) or of the trainable set (a new check);
 * after that, each step with probability ``rate() = BUDGET * step time / check time`` (both
   running means of the calling thread's CPU seconds over the checked steps, measured as it
   runs: the check's own code, and the step from its first delivered gradient to the next
