@@ -31,9 +31,6 @@ class Backwards:
         #: pre-hooks, ``PerSampleStats._on_param_grad``)
         self.accumulated: dict[int, set[str]] = {}
         self.with_graph: set[int] = set()  # tasks whose hooks ran with grad mode on
-        #: tasks whose parameters the engine read from an output-gradient hook
-        #: (``PerSampleStats._follow_backward``)
-        self.followed: set[int] = set()
 
     def output_gradient(self) -> int:
         """Note an output-gradient hook of the current task; return the task (the id of the

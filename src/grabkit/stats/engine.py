@@ -10,14 +10,7 @@ gradient a backward adds into ``.grad`` (local: before any DDP all-reduce) and c
 that step are still held: one tensor the size of the trainable parameters lives between steps
 instead of a fresh one being allocated, and page-faulted in, at every backward. Nothing else
 runs during the step but the identity check's probe of that gradient (see
-``grabkit.stats.identity``). Without a copy to keep (``keep_batch_gradients=False``: the
-sketches) and with the check on its schedule, the parameters are hooked only on the steps the
-check checks (from the step's start where the schedule knows it then, else from the backward's
-first output gradient); on the others a backward's first output-gradient hook reads which
-parameters it accumulates into from the graph the backward runs
-(``torch._C._will_engine_execute_node`` on their ``AccumulateGrad`` nodes: what their hooks
-would have seen), a Python call per layer call fewer than one per parameter. Norms, dots, Gram
-matrices and weighted sums are computed on read,
+``grabkit.stats.identity``): norms, dots, Gram matrices and weighted sums are computed on read,
 layer by layer, from those factors (see ``grabkit.stats.rules``), never building a (B, d)
 tensor.
 
@@ -162,7 +155,7 @@ def _attached(module: nn.Module) -> PerSampleStats | None:
 
 def _detach(
     handle_lists: tuple[list[Any], ...],
-    nodes: dict[str, Any],
+    nodes: list[Any],
     engine: weakref.ref[PerSampleStats],
 ) -> None:
     """Remove an engine's hooks and registrations (by ``close()``, or when it is collected)."""
@@ -660,17 +653,7 @@ class PerSampleStats(StatisticsSource):
         self._model_handles: list[Any] = []
         self._handles: list[Any] = []
         self._enter_handles: list[Any] = []
-        #: name -> the ``AccumulateGrad`` node of each trainable parameter (kept alive: hooks
-        #: and ``_will_engine_execute_node`` need this very node)
-        self._grad_nodes: dict[str, Any] = {}
-        #: the per-parameter gradient hooks of this step only (see ``_hooks_per_parameter``)
-        self._step_handles: list[Any] = []
-        # The delivered gradient is read by a hook on every parameter's AccumulateGrad node at
-        # every backward only where it is needed at every step: a copy kept for total() and the
-        # weighted sums, or the identity check on every step. Otherwise (sketches) a backward's
-        # parameters are read once per backward from its first output-gradient hook
-        # (``_follow_backward``), and the parameters are hooked only on checked steps.
-        self._hooks_per_parameter = self.keep_batch_gradients or check_identity == "always"
+        self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._layers: list[_TrackedLayer] = []
         self._functional: dict[tuple, _TrackedLayer] = {}
@@ -811,9 +794,9 @@ class PerSampleStats(StatisticsSource):
             if is_sharded(p):  # fully_shard: the forward differentiates an unsharded copy
                 sharded.append((name, p))
                 continue
-            node = self._grad_nodes[name] = _accumulate_grad_node(p)
-            if self._hooks_per_parameter:
-                self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
+            node = _accumulate_grad_node(p)
+            self._handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
+            self._grad_nodes.append(node)  # kept alive: the hook lives on this very node
         if sharded:  # taps on the unsharded copies (grabkit.taps)
             on_grad = _WeakHook(me, "_on_tapped_grad", [name for name, _ in sharded])
             self._handles.append(GradientTaps(sharded, on_grad, self.model))
@@ -860,18 +843,13 @@ class PerSampleStats(StatisticsSource):
         _ATTACHED[model] = me
         # run by close(), or when the engine is collected unclosed: the hooks go either way
         self._detach = weakref.finalize(
-            self,
-            _detach,
-            (self._handles, self._model_handles, self._step_handles),
-            self._grad_nodes,
-            me,
+            self, _detach, (self._handles, self._model_handles), self._grad_nodes, me
         )
 
     def _detach_layers(self) -> None:
-        for handle in [*self._handles, *self._step_handles]:
+        for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._step_handles.clear()
         self._enter_handles.clear()
         self._grad_nodes.clear()
         for layer in self._layers:
@@ -933,11 +911,8 @@ class PerSampleStats(StatisticsSource):
         # id of the node that made each layer output of the step -> (node, layer name, output
         # number, shape): dim 0 of those holds the examples (``grabkit.stats.batch_dim``)
         self._batch_first_nodes: dict[int, Anchor] = {}
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles.clear()
-        if self._identity is not None and self._identity.begin_step():
-            self._hook_parameters_for_step()  # a step checked whatever its structure
+        if self._identity is not None:
+            self._identity.begin_step()
         self.generation += 1
         self._statistics: StepStatistics | None = None
         self._batch: _ModelBatch | None = None
@@ -1301,8 +1276,6 @@ class PerSampleStats(StatisticsSource):
     # -- gradients ---------------------------------------------------------------------------
     def _on_output_grad(self, call: _Call, grad: torch.Tensor) -> None:
         task = self._backwards.output_gradient()
-        if not self._hooks_per_parameter and task not in self._backwards.followed:
-            self._follow_backward(task)
         grad = grad.detach()
         previous = call.grads.get(task)
         call.grads[task] = grad if previous is None else previous + grad
@@ -1321,8 +1294,6 @@ class PerSampleStats(StatisticsSource):
         if grad is None:
             return
         task = self._backwards.output_gradient()
-        if not self._hooks_per_parameter and task not in self._backwards.followed:
-            self._follow_backward(task)
         if grad.shape != shape:
             grad = grad.reshape(shape)
         if grad.requires_grad:
@@ -1340,8 +1311,6 @@ class PerSampleStats(StatisticsSource):
 
     def _on_output_slot_grad(self, call: _Call, slot: int, slots: int, grad: torch.Tensor) -> None:
         task = self._backwards.output_gradient()
-        if not self._hooks_per_parameter and task not in self._backwards.followed:
-            self._follow_backward(task)
         per_slot = call.grads.get(task)
         if per_slot is None:
             per_slot = call.grads[task] = [None] * slots
@@ -1394,46 +1363,6 @@ class PerSampleStats(StatisticsSource):
             self._param_grads[name] = spare.copy_(grad)
         else:
             self._param_grads[name] = grad.clone()
-
-    def _hook_parameters_for_step(self) -> None:
-        """Hook every trainable parameter's ``AccumulateGrad`` node for this step only (a step
-        the identity check checks: it reads each delivered gradient), where they are not hooked
-        at every step. Removed when the next step begins."""
-        if self._hooks_per_parameter or self._step_handles:
-            return
-        me = self._me
-        for name, node in self._grad_nodes.items():
-            self._step_handles.append(node.register_prehook(_WeakHook(me, "_on_param_grad", name)))
-
-    def _follow_backward(self, task: int) -> None:
-        """The first output-gradient hook of graph task ``task`` in this step, where the
-        parameters are not hooked at every step: note which of them the backward accumulates
-        into (their ``AccumulateGrad`` nodes are in its graph and will run; fixed when the task
-        starts), as their own hooks would. ``torch.autograd.grad`` accumulates into none (asked
-        about a parameter it captures, torch raises: none either). The first accumulating
-        backward of a step is where the identity check decides whether the step is checked; a
-        checked step not hooked from its start (only its new structure checks it) is hooked
-        now, before any of its layers' parameters receive a gradient."""
-        backwards = self._backwards
-        backwards.followed.add(task)
-        try:
-            names = {
-                name
-                for name, node in self._grad_nodes.items()
-                if torch._C._will_engine_execute_node(node)
-            }
-        except RuntimeError:  # autograd.grad with parameters among its inputs
-            return
-        if not names:
-            return
-        previous = backwards.accumulated.get(task)
-        backwards.accumulated[task] = names if previous is None else previous | names
-        self._backward_seen = self._gradient_seen = True
-        for name in names:
-            self._param_grads.setdefault(name, None)  # noted: the gradient comes
-        identity = self._identity
-        if identity is not None and identity.active:
-            self._hook_parameters_for_step()
 
     # -- loss terms that are not sums over examples --------------------------------------------
     def batch_term(self, term: torch.Tensor) -> torch.Tensor:

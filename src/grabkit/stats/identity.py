@@ -94,8 +94,7 @@ small MLP 12-19% of a plain step on the CPU, on a small GPT 5-6%. By default
 * every step of the first ``WARMUP_STEPS`` (8) after the engine attaches, and again after every
   change of the step's structure as the engine sees it at the step's first delivered gradient
   (the number of calls of each layer, the functional uses recorded, the batch terms declared,
-  a grouped batch; where the parameters are not hooked at every step, at the first output
-  gradient of its first accumulating backward) or of the trainable set (a new check);
+  a grouped batch) or of the trainable set (a new check);
 * after that, each step with probability ``rate() = BUDGET * step time / check time`` (both
   running means of the calling thread's CPU seconds over the checked steps, measured as it
   runs: the check's own code, and the step from its first delivered gradient to the next
@@ -113,14 +112,6 @@ about 1 step in 20, on the small GPT about 1 in 12. What the schedule can miss: 
 to steps it does not check that changes nothing the engine sees (a loss term added on one step in a
 thousand); those steps' statistics are returned unchecked. ``check_identity="always"`` checks every
 step, at the cost above.
-
-Which steps are checked is drawn when the step begins (``begin_step``: the warm-up, or the
-draw), so that an engine that hooks the parameters only on checked steps (sketches: no
-gradient copy to keep) hooks them from the step's start; a step checked only because its
-structure changed is known at its first backward, and hooked from there. On such a step alone, a
-backward that reaches the parameters through no tracked layer (a separate
-``penalty.backward()`` run before the step's main backward) is not seen; the same pattern on the
-next steps, checked as the new structure's warm-up, is.
 
 **The check's limit.** A sum cannot see which row belongs to which example: gradients credited to
 the wrong examples (a misattribution) still add up to G and pass. So do per-example gradients of
@@ -441,28 +432,16 @@ class IdentityCheck:
         self._last_structure: Hashable = None
         self._checked_in_a_row = 0  # checked steps since the structure last changed
         self._active: bool | None = None  # this step checked? (None: not decided yet)
-        self._drawn = True  # this step checked unless the schedule's structure rule says so
         # running means of a checked step's time without the check, and of the check's time
         self._step_time, self._check_time = _RunningMean(), _RunningMean()
         self._timed_from: float | None = None  # CPU clock at the last checked step's decision
         self._spent = 0.0  # seconds of the current checked step spent in the check's own code
         self.steps = self.checked_steps = 0
 
-    def begin_step(self) -> bool:
-        """Forget the finished step and draw whether this one is checked. True when it is
-        checked whatever its structure turns out to be (``every_step``, the warm-up, or the
-        draw); False when only a change of its structure, seen at the decision (``active``),
-        would check it (the engine hooks the parameters from the step's start on the first
-        kind)."""
+    def begin_step(self) -> None:
         self._active = None
         self.gradient_sides = {}
         self.floors = {}
-        self._drawn = (
-            self.every_step
-            or self._checked_in_a_row < WARMUP_STEPS
-            or self._draws.random() < self.rate()
-        )
-        return self._drawn
 
     @property
     def active(self) -> bool:
@@ -494,7 +473,7 @@ class IdentityCheck:
         structure = None if self._structure is None else self._structure()
         if structure != self._last_structure:
             self._last_structure, self._checked_in_a_row = structure, 0
-        if self._checked_in_a_row >= WARMUP_STEPS and not self._drawn:
+        if self._checked_in_a_row >= WARMUP_STEPS and self._draws.random() >= self.rate():
             return False
         self._checked_in_a_row += 1
         for axis in self.moving:  # this step's blocks
