@@ -28,8 +28,9 @@ def fresh_accelerator_state():
     GradientState._reset_state()
 
 
-def run(root, registered, *, stop_after=None, resume=False, epochs=2):
-    """GraB loop under accelerate; save_state after ``stop_after`` updates and stop there."""
+def run(root, registered, *, stop_after=None, resume=False, epochs=2, skip=0):
+    """GraB loop under accelerate; save_state after ``stop_after`` updates and stop there;
+    ``skip``: the resumed epoch through ``accelerator.skip_first_batches(loader, skip)``."""
     accelerator = Accelerator(cpu=True, project_dir=str(root))
     model, data = tiny_bert(), dataset()
     sampler = GraBSampler(data, model=model, seed=0)
@@ -43,7 +44,9 @@ def run(root, registered, *, stop_after=None, resume=False, epochs=2):
     start_epoch = sampler.epoch
     for epoch in range(start_epoch, epochs):
         loader.set_epoch(epoch)  # the prepared loader's count: it renumbers the sampler
-        for batch in loader:
+        batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+        skip = 0
+        for batch in batches:
             accelerator.backward(model(**batch).loss)
             sampler.step()
             optimizer.step()
@@ -63,6 +66,16 @@ def test_save_state_load_state_resumes_bitwise(tmp_path):
     assert torch.equal(sampler.order, full_sampler.order)
     for name, value in params(model).items():
         assert torch.equal(value, params(full_model)[name]), name
+
+
+def test_skip_first_batches_after_a_sampler_checkpoint_is_refused(tmp_path):
+    """accelerate's own recipe skips the batches trained before the checkpoint, but
+    ``SamplerCheckpoint`` already resumes the epoch's untrained rest: the skipped batches would
+    never be trained (2 of them, 8 examples) and GraB would credit the gradients of the batches
+    after them to their examples. Refused at the resumed loader's first batch."""
+    run(tmp_path, SamplerCheckpoint, stop_after=2)
+    with pytest.raises(ValueError, match=r"skip_first_batches.*SamplerCheckpoint"):
+        run(tmp_path, SamplerCheckpoint, resume=True, skip=2)
 
 
 def test_naive_registered_sampler_loses_the_prefetched_batch(tmp_path):

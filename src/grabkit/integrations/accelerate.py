@@ -22,11 +22,13 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
   ``load_state`` the next ``iter(loader)`` yields exactly the untrained rest of the epoch. Do
-  not also ``skip_first_batches``. A state saved at an epoch's last step resumes with the next
-  epoch: accelerate's recipe (``load_state``, then the epoch loop from the saved epoch + 1, i.e.
-  ``step // len(loader)``) works unchanged, a ``DataLoader(drop_last=True)`` whose dropped rest
-  was never stepped included (the prepared loader says when it yielded its last batch). Under
-  several processes rank 0's state is saved and every rank loads it as its own.
+  not also ``skip_first_batches`` (accelerate's recipe for loaders that restart their epoch):
+  the resumed loader's first batch refuses it. A state saved at an epoch's last step resumes
+  with the next epoch: accelerate's recipe (``load_state``, then the epoch loop from the saved
+  epoch + 1, i.e. ``step // len(loader)``) works unchanged, a ``DataLoader(drop_last=True)``
+  whose dropped rest was never stepped included (the prepared loader says when it yielded its
+  last batch). Under several processes rank 0's state is saved and every rank loads it as its
+  own.
 * :func:`shard_by_sampler`: several processes. Build the ``GraBSampler`` after ``Accelerator()``
   with ``statistics="sketch"`` (it splits every epoch across the ranks, and its steps gather the
   ranks' sketches) and call ``shard_by_sampler`` on the prepared loader, so that accelerate's
@@ -135,6 +137,8 @@ class SamplerCheckpoint:
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples)  # "ended" at an epoch's end
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        # its next iter() refuses accelerate's skip_first_batches (wiring.check_not_skipped)
+        sampler.resumes_untrained_rest = True
 
 
 def _active_loaders() -> list[Any]:

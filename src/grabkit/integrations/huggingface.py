@@ -38,8 +38,10 @@ What it wires, and why plain callbacks cannot:
   scale is divided out of each microbatch's norms); the microbatches are weighted as
   Trainer weights them, so the estimate is per label token for models whose loss Trainer
   normalizes by ``num_items_in_batch`` (causal LMs) and per example otherwise
-  (``grabkit.integrations.trainer_noise``). One process: ``gradient_accumulation_steps >= 2``;
-  several: ``DDPNoiseScale`` on the DDP model.
+  (``grabkit.integrations.trainer_noise``); a model that Trainer takes to normalize so but
+  that returns its own mean (``BertForSequenceClassification``) is seen to on the first
+  microbatch, and weighted as Trainer then weights it, by equal shares. One process:
+  ``gradient_accumulation_steps >= 2``; several: ``DDPNoiseScale`` on the DDP model.
 * ``grouping``: each padded batch runs through the model's body one length group at a time
   (``GroupedForward``, planning options as a dict), with the padded run's loss and gradients.
 * ``count``: the weight of a microbatch for the wrapper and the noise scale: ``"auto"`` (what
@@ -256,6 +258,7 @@ class GrabkitTrainer(Trainer):
         self.grouped_forward: GroupedForward | None = None  # while (and after) training
         self._resume_folder: str | None = None
         self._wrapper_clip: float | None = None  # max_grad_norm, moved to the wrapper
+        self._items_followed: bool | None = None  # the loss follows num_items_in_batch
         self._check_combination(noise_scale)
         if self.grouping_options is not None:
             GroupedForward(self.model, **self.grouping_options)  # options checked now
@@ -463,8 +466,45 @@ class GrabkitTrainer(Trainer):
             check_padded_labels(inputs.get("labels"), inputs.get("attention_mask"))
         return super().compute_loss(model, inputs, *args, **kwargs)
 
+    def _loss_follows_items(self, model, inputs, num_items_in_batch) -> bool | None:
+        """Whether the model's loss is normalized by ``num_items_in_batch``, as Trainer assumes.
+
+        Trainer decides from the forward's signature (``**kwargs``) that the model divides its
+        loss by the window's labels, and then does not divide it by the accumulation steps. A
+        model that computes its own microbatch mean anyway (``BertForSequenceClassification``)
+        is trained on the sum of its microbatch means: equal shares, whatever their sizes. Two
+        forwards without gradients, with ``num_items_in_batch`` and twice it, from one random
+        state (dropout alike), the random state and the model's buffers (a BatchNorm's running
+        statistics) restored after, so training is unchanged: a loss that follows them halves.
+        None: a zero loss, nothing to compare.
+        """
+        device = next(model.parameters()).device
+        devices = [device] if device.type == "cuda" else []
+        buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+        losses = []
+        try:
+            for items in (num_items_in_batch, num_items_in_batch * 2):
+                with (
+                    torch.random.fork_rng(devices=devices),
+                    torch.no_grad(),
+                    self.compute_loss_context_manager(),
+                ):
+                    loss = self.compute_loss(model, inputs, num_items_in_batch=items)
+                losses.append(float(loss.detach().float().mean()))
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        if losses[0] == 0.0:
+            return None
+        return abs(losses[0] - 2.0 * losses[1]) <= 1e-3 * abs(losses[0])
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         weighting = self._weighting(num_items_in_batch)
+        if self.noise_scale is not None and weighting == "items" and self._items_followed is None:
+            self._items_followed = self._loss_follows_items(model, inputs, num_items_in_batch)
+        if self._items_followed is False:
+            weighting = "steps"  # Trainer sums the model's own means: equal shares
         count = self._microbatch_count(inputs, weighting)
         wrapper = self._adaptive_wrapper()
         if count <= 0 and (wrapper is not None or self.noise_scale is not None):

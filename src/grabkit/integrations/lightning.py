@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.utils.data import DistributedSampler
@@ -129,6 +130,14 @@ def _held_samplers(*owners: Any) -> list[GraBSampler]:
 
 def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
     """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
+    if isinstance(loader, (Mapping, list, tuple)):  # several loaders: a CombinedLoader
+        return (
+            f"GraBCallback: the Trainer trains on {len(loader)} loaders at once (a "
+            "CombinedLoader); GraBCallback steps the GraBSampler after every backward with the "
+            "examples of one batch of its loader, and a backward over batches of several "
+            "loaders would credit their gradients to the sampler's examples. Train on the one "
+            "loader that draws from the GraBSampler."
+        )
     drawn = getattr(loader, "sampler", None)
     candidates = [drawn, getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
     if any(s is sampler for s in candidates):
@@ -195,8 +204,17 @@ class GraBCallback(Callback):
     and resumes with the next epoch, as Lightning does (``grabkit.integrations.resume``), and so
     is one saved after the last batch of an epoch that Lightning ends before the sampler's last
     example (``limit_train_batches``, a ``DataLoader(drop_last=True)`` whose last batch is
-    partial): the rest of that epoch is never trained, as in the uninterrupted run. Lightning
-    writes the callback state
+    partial): the rest of that epoch is never trained, as in the uninterrupted run. So is one
+    saved at the end of an epoch that Lightning ended early (``should_stop`` from
+    ``EarlyStopping`` or ``Timer(max_time)``, ``-1`` from ``on_train_batch_start``): Lightning
+    resumes it with the next epoch whole, and so does the sampler (decided at train start from
+    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch).
+    A checkpoint saved inside an accumulation window (``ModelCheckpoint`` at a validation
+    whose ``val_check_interval`` is not a multiple of ``accumulate_grad_batches``, or
+    ``trainer.save_checkpoint`` from a batch hook) holds no accumulated gradient: Lightning
+    steps on the window's remaining microbatches, so the resumed run differs from the
+    uninterrupted one (the order resumes exactly); the callback warns.
+    Lightning writes the callback state
     of rank 0 only, and every rank loads it: under several processes that state is every rank's,
     since each ``step()`` is a collective that checks that all ranks stepped the same number of
     local examples, and the sketches are gathered, so the ordering state, order and position
@@ -213,6 +231,8 @@ class GraBCallback(Callback):
         self._pending: dict[str, Any] | None = None  # a state loaded before the sampler exists
         self._trainer: Any = None  # whose epoch counter says when an epoch is over
         self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
+        self._loaded: dict[str, Any] | None = None  # loaded for this fit, read at train start
+        self._open = 0  # backwards since the last optimizer step (checkpointed)
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -242,6 +262,20 @@ class GraBCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         loader = trainer.train_dataloader
         message = _loader_error(loader, self.sampler)
+        loaded, self._loaded = self._loaded, None
+        if message is None and loaded is not None and not trainer.fit_loop.restarting:
+            self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
+        elif message is None and loaded is not None and self._open:
+            rank_zero_warn(
+                f"GraBCallback: this checkpoint was saved inside an accumulation window, after "
+                f"{self._open} of its microbatches; Lightning's checkpoint does not hold their "
+                "accumulated gradient, so the resumed run steps on the window's remaining "
+                "microbatches only and differs from the uninterrupted run (the GraB order "
+                "resumes exactly). Checkpoint at optimizer steps (ModelCheckpoint("
+                "every_n_train_steps=...); a checkpoint saved at validation needs a "
+                "val_check_interval that is a multiple of accumulate_grad_batches)."
+            )
+        self._open = 0
         if message is None and self._resumed_at_epoch_end and _is_stateful(loader):
             message = (
                 f"GraBCallback: this run resumes from a checkpoint taken at an epoch's last step "
@@ -258,6 +292,10 @@ class GraBCallback(Callback):
     def on_after_backward(self, trainer, pl_module) -> None:
         # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
         step_sampler(self.sampler, _loss_scaler(trainer))
+        self._open += 1
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._open = 0
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
@@ -265,7 +303,7 @@ class GraBCallback(Callback):
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
         ended = _lightning_epoch_over(self._trainer)
         state = rewound_state(self.sampler.state_dict(), self.sampler.num_samples, ended=ended)
-        return {"sampler": state}
+        return {"sampler": state, "open_microbatches": self._open}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -280,6 +318,24 @@ class GraBCallback(Callback):
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
         self._resumed_at_epoch_end = bool(state.get("ended"))
         self._pending = None
+        self._loaded = state
+        self._open = int(state_dict.get("open_microbatches", 0))
+
+    def _end_epoch_of(self, state: dict[str, Any]) -> None:
+        """The loaded ``state``'s epoch is over: Lightning resumes with the next epoch.
+
+        A checkpoint taken at the end of an epoch that Lightning ended early (``should_stop``
+        from ``EarlyStopping`` or ``Timer``, ``-1`` returned from ``on_train_batch_start``)
+        holds a position inside the sampler's epoch; Lightning has finished that epoch (it ran
+        its end) and starts the next one whole, as a plain ``DataLoader`` does. Read at train
+        start, where ``fit_loop.restarting`` says whether Lightning continues inside the saved
+        epoch (a checkpoint from inside it, or iteration-based training with ``max_steps``).
+        """
+        if state.get("ended"):
+            return
+        sampler = self.sampler
+        state = rewound_state(state, sampler.num_samples, ended=True)
+        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
 
 
 def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> None:
@@ -355,11 +411,15 @@ class AdaptiveAccumulationCallback(Callback):
                 "; "
                 f"got {[type(o).__name__ for o in trainer.optimizers]}."
             )
-        if trainer.accumulate_grad_batches != 1:
+        scheduled = _schedules_accumulation(trainer)
+        if trainer.accumulate_grad_batches != 1 or scheduled:
             raise ValueError(
                 "AdaptiveAccumulationCallback: the wrapper decides when to step, so "
                 "Trainer(accumulate_grad_batches=...) should be 1, but got "
-                f"{trainer.accumulate_grad_batches}."
+                f"{trainer.accumulate_grad_batches}"
+                + (" and a GradientAccumulationScheduler" if scheduled else "")
+                + "; Lightning would divide every loss and step the wrapper once per window, "
+                "hiding microbatches from it. Leave accumulation to the wrapper."
             )
         self.wrapper = wrapper = wrappers[0]
         _hand_clipping_to(wrapper, trainer)
@@ -397,7 +457,9 @@ class NoiseScaleCallback(Callback):
     gradients and updates the scale), and a window that overflowed is skipped.
 
     * One process: ``AccumulationNoiseScale``, the window's microbatch gradients against their
-      mean, closed after the window's last backward; needs ``accumulate_grad_batches >= 2``.
+      mean, closed after the window's last backward; needs ``accumulate_grad_batches >= 2``,
+      or a ``GradientAccumulationScheduler`` (read window by window; windows of one batch are
+      left out).
     * DDP (``strategy="ddp"`` / ``"ddp_spawn"``, any ``accumulate_grad_batches``):
       ``DDPNoiseScale``, each rank's local window gradient against the all-reduced one, read in
       DDP's communication hook (so DDP's hook slot must be free), counted in each rank's local
@@ -409,13 +471,16 @@ class NoiseScaleCallback(Callback):
     Measuring never changes training (the hook all-reduces as DDP's own does).
 
     Checkpoints. The estimator's state goes into Lightning's checkpoint; a resume from one saved
-    at an optimizer step (``ModelCheckpoint`` saves only there) continues the uninterrupted
+    at an optimizer step (``ModelCheckpoint(every_n_train_steps=...)``) continues the uninterrupted
     estimate exactly, provided Lightning resumes the data where it stopped (a plain
     ``DataLoader`` restarts the epoch's batches from its first one; torchdata's
     ``StatefulDataLoader`` resumes exactly). A checkpoint saved inside an accumulation window
-    (``trainer.save_checkpoint`` from a batch hook, ``OnExceptionCheckpoint``) does not hold the
-    window's accumulated gradient, so the resumed run steps on the window's remaining microbatches
-    only: that window is left out of the estimate (on every rank), with a warning.
+    (``trainer.save_checkpoint`` from a batch hook, ``OnExceptionCheckpoint``, ``ModelCheckpoint``
+    at a validation inside a window) does not hold the window's accumulated gradient, so the
+    resumed run steps on the window's remaining microbatches only: that window is left out of
+    the estimate (on every rank), with a warning. After an epoch Lightning ended early
+    (``should_stop`` inside a window, the checkpoint saved at the epoch's end) Lightning starts
+    the next epoch from a zero gradient instead: the saved window is dropped, nothing is left out.
 
     Args:
         count_fn: batch -> examples; default :func:`batch_count`.
@@ -449,7 +514,7 @@ class NoiseScaleCallback(Callback):
                 self.distributed.load_state_dict(self._pending_state)
                 self._pending_state = None
             return
-        if trainer.accumulate_grad_batches < 2:
+        if trainer.accumulate_grad_batches < 2 and not _schedules_accumulation(trainer):
             raise ValueError(
                 "NoiseScaleCallback compares microbatch gradients with their mean, so in one "
                 "process it needs Trainer(accumulate_grad_batches >= 2), but got "
@@ -462,6 +527,33 @@ class NoiseScaleCallback(Callback):
         if self._pending_state is not None:
             self.estimator.load_state_dict(self._pending_state)
             self._pending_state = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """A resume from inside a window loses it, unless Lightning begins a fresh epoch.
+
+        A checkpoint taken inside an accumulation window holds none of its gradient. Lightning
+        continues that window (``fit_loop.restarting``: a checkpoint from inside the epoch, or
+        iteration-based training) on its remaining microbatches only, so the window is left
+        out; after an epoch Lightning ended early (``should_stop`` inside a window, then
+        ``ModelCheckpoint`` at the epoch's end) it starts the next epoch with a zero gradient
+        instead: the saved window's microbatches are dropped and no window was cut.
+        """
+        if not self._lost_window:
+            return
+        if not trainer.fit_loop.restarting:
+            self._lost_window, self._open = False, 0
+            if self.estimator is not None:  # one process: the saved microbatches, never closed
+                self.estimator.discard_step()
+            return
+        rank_zero_warn(
+            f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
+            f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
+            "their accumulated gradient, so the resumed run steps on the window's remaining "
+            "microbatches only, and the window is left out of the noise-scale estimate. For "
+            "an exact resume, checkpoint at optimizer steps (ModelCheckpoint(every_n_train_steps"
+            "=...); a checkpoint saved at validation needs a val_check_interval that is a "
+            "multiple of accumulate_grad_batches)."
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._count = self.count_fn(batch)
@@ -540,15 +632,7 @@ class NoiseScaleCallback(Callback):
         if "estimator" not in state_dict:
             return
         self._open = int(state_dict.get("open_microbatches", 0))
-        if self._open:
-            self._lost_window = True
-            rank_zero_warn(
-                f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
-                f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
-                "their accumulated gradient, so the resumed run steps on the window's remaining "
-                "microbatches only, and the window is left out of the noise-scale estimate. For "
-                "an exact resume, checkpoint at optimizer steps (as ModelCheckpoint does)."
-            )
+        self._lost_window = self._open > 0  # confirmed at train start
         owner = self.distributed if self.distributed is not None else self.estimator
         if owner is None:
             self._pending_state = state_dict["estimator"]
@@ -563,8 +647,15 @@ def _loss_scaler(trainer: Any) -> Any:
 
 def _is_mean_window(counts: list[float], accumulate: int) -> bool:
     """Whether Lightning's accumulated gradient is the mean over the window's examples: each
-    loss is divided by ``accumulate``, so the window needs that many microbatches, of one size."""
-    return len(counts) == accumulate and len(set(counts)) == 1
+    loss is divided by ``accumulate``, so the window needs that many microbatches, of one size
+    (and two at least, to compare a microbatch with the mean)."""
+    return accumulate >= 2 and len(counts) == accumulate and len(set(counts)) == 1
+
+
+def _schedules_accumulation(trainer: Any) -> bool:
+    """A ``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at each epoch's
+    start (1 until then); the windows are read as they come, those of one batch left out."""
+    return any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks)
 
 
 def _ddp_model(trainer: Any) -> nn.Module:
@@ -650,7 +741,8 @@ class ExampleGradientNormsCallback(Callback):
     logged with ``pl_module.log_dict`` as ``grad_norm_per_example/{min,q10,median,q90,max,mean,
     count}`` and, when the logger's experiment has ``add_histogram`` (TensorBoard), as a
     histogram ``grad_norm_per_example``. A norm is the gradient of an example's own loss
-    (Lightning's division by ``accumulate_grad_batches`` undone; see
+    (Lightning's division by ``accumulate_grad_batches`` undone, the value in force at each
+    backward, so a ``GradientAccumulationScheduler``'s too; see
     ``grabkit.integrations.example_norms``). A ``GraBCallback``'s sampler
     statistics on the model are shared (one set of hooks; a sketching sampler's give estimated
     norms).
@@ -679,9 +771,14 @@ class ExampleGradientNormsCallback(Callback):
                 stats = sampler.stats
         module = self.module if self.module is not None else pl_module
         self.norms = ExampleGradientNorms(module, stats, self.loss_reduction, self.quantiles)
-        self.norms.scale = float(trainer.accumulate_grad_batches)  # Lightning divides each loss
         # 16-mixed: the loss scale divided out (every capture runs before the scaler's update)
         self.norms.grad_scaler = _loss_scaler(trainer)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        # Lightning divides each loss by the accumulation in force for this backward, which a
+        # GradientAccumulationScheduler changes at epoch starts: undone now, backward by backward
+        self.norms.scale = float(trainer.accumulate_grad_batches)
+        self.norms.capture()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         norms = self.norms.take()

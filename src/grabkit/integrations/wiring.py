@@ -19,7 +19,13 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["check_not_resharded", "check_sampler_iteration", "check_wiring", "frames_self"]
+__all__ = [
+    "check_not_resharded",
+    "check_not_skipped",
+    "check_sampler_iteration",
+    "check_wiring",
+    "frames_self",
+]
 
 _MAX_FRAMES = 80
 
@@ -163,9 +169,41 @@ def check_not_resharded(num_replicas: int, rank: int) -> None:
         )
 
 
+def check_not_skipped(sampler: Any) -> None:
+    """Raise when accelerate's ``skip_first_batches`` skips batches of a sampler that resumes
+    the untrained rest of its epoch itself (restored by ``SamplerCheckpoint``).
+
+    accelerate's resume recipe (``load_state``, then ``skip_first_batches(loader, n)``) is for
+    loaders that restart their epoch; ``SamplerCheckpoint`` hands the trained examples' position
+    back to the sampler, whose next ``iter()`` yields only the epoch's untrained rest. Skipping
+    on top would never train ``n`` batches of it, and GraB, stepping the next unstepped examples
+    after each backward, would credit the gradients of the batches after them to theirs.
+    Checked at the first ``iter()`` after the restore (the flag is cleared there).
+    """
+    if not getattr(sampler, "resumes_untrained_rest", False):
+        return
+    sampler.resumes_untrained_rest = False
+    for owner in frames_self(depth=2):
+        skipped = getattr(owner, "skip_batches", 0)
+        skipper = _is(owner, "accelerate", "SkipBatchSampler") or _is(
+            owner, "accelerate", "SkipDataLoader"
+        )
+        if skipper and isinstance(skipped, int) and skipped > 0:
+            raise ValueError(
+                f"accelerate's skip_first_batches skips {skipped} batch(es) of a GraBSampler "
+                "that SamplerCheckpoint restored: its next iter() already yields only the "
+                "epoch's untrained rest, so the skipped batches would never be trained and GraB "
+                "would credit the gradients of the batches after them to their examples. Drop "
+                "skip_first_batches from the resume (after load_state, iterate the prepared "
+                "loader itself: SamplerCheckpoint resumes the epoch exactly)."
+            )
+
+
 def check_sampler_iteration(sampler: Any) -> None:
     """What a GraB sampler checks at each ``iter()``: refused when accelerate re-splits its
-    batches; warned (once) when a framework iterates it without the GraB integration."""
+    batches or skips batches of an epoch it resumes itself; warned (once) when a framework
+    iterates it without the GraB integration."""
     check_not_resharded(sampler.num_replicas, sampler.rank)
+    check_not_skipped(sampler)
     if not getattr(sampler, "_wiring_warned", False):
         check_wiring(sampler, "sampler")

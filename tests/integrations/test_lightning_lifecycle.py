@@ -1,0 +1,353 @@
+"""grabkit's Lightning callbacks at lifecycle edges: an epoch that Lightning ends early, resumed.
+
+``trainer.should_stop`` (``EarlyStopping``, ``Timer(max_time)``, a callback) and a hook that
+returns -1 from ``on_train_batch_start`` end an epoch after any batch, inside an accumulation
+window too; Lightning then runs the epoch's end (``ModelCheckpoint`` saves there) and a run
+resumed from that checkpoint starts the *next* epoch (a plain ``DataLoader`` trains it whole).
+The GraB sampler must do the same: its epoch is over although examples of it were never
+stepped; and the noise scale must measure the next epoch's first window, which starts from a
+zero gradient (no window was cut by the checkpoint). The reference is the obvious loop: the cut
+epoch's batches (the open window's gradient never applied), then whole epochs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning.pytorch")
+
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from grabkit import OptimizerWrapperGNTS  # noqa: E402
+from grabkit.integrations.lightning import (  # noqa: E402
+    AdaptiveAccumulationCallback,
+    ExampleGradientNormsCallback,
+    GraBCallback,
+    NoiseScaleCallback,
+)
+from grabkit.noise import AccumulationNoiseScale  # noqa: E402
+from grabkit.order import GraBSampler  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+N, B, ACCUMULATE, LR, RATE = 24, 2, 2, 0.3, 0.5  # 12 batches, 6 updates an epoch
+
+
+def data() -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
+    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen), torch.arange(N))
+
+
+def network() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+    ).double()
+
+
+class Classifier(L.LightningModule):
+    """Records the rows it trains, in order; ends its first epoch after batch ``stop_at``
+    (0-based): ``should_stop`` ends the fit there, ``-1`` returned from
+    ``on_train_batch_start`` (a LightningModule hook's answer) only the epoch."""
+
+    def __init__(self, stop_at: int | None = None, how: str = "stop") -> None:
+        super().__init__()
+        self.net, self.rows = network(), []
+        self.stop_at, self.how = stop_at, how
+
+    def on_train_batch_start(self, batch, batch_idx):
+        first_epoch = self.stop_at is not None and self.current_epoch == 0
+        if self.how == "skip" and first_epoch and batch_idx == self.stop_at + 1:
+            return -1
+        return None
+
+    def training_step(self, batch, batch_idx):
+        x, y, rows = batch
+        self.rows += rows.tolist()
+        if self.how == "stop" and self.stop_at is not None and batch_idx == self.stop_at:
+            self.trainer.should_stop = True
+        return F.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y, _ = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def fit(root, ckpt_path=None, stop_at=None, how="stop"):
+    module, dataset = Classifier(stop_at, how), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root),
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def reference(first_epoch_batches: int, epochs: int):
+    """The plain loop: epoch 0 cut after ``first_epoch_batches`` (an open window's gradient
+    dropped, as the stopped run never applies it), then whole epochs, the loss of each batch
+    divided by the accumulation as Lightning divides it."""
+    net, dataset = network(), data()
+    sampler = GraBSampler(dataset, model=net, seed=0, record_orders=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    rows: list[int] = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        batches = first_epoch_batches if epoch == 0 else N // B
+        for index in range(batches):
+            picked = order[index * B : (index + 1) * B]
+            x, y, row = dataset[picked]
+            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
+            sampler.step()
+            rows += row.tolist()
+            if (index + 1) % ACCUMULATE == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        optimizer.zero_grad()
+    return net, sampler, rows
+
+
+@pytest.mark.parametrize("how", ["stop", "skip"])
+@pytest.mark.parametrize("at", [2, 5])  # inside the second window; at the end of the third
+def test_a_resume_after_an_epoch_ended_early_starts_the_next_epoch(tmp_path, how, at):
+    """Saved at the end of the cut epoch 0 (``should_stop`` ends the fit there, -1 only the
+    epoch): the resumed run trains epochs 1 and 2 whole, as with a plain ``DataLoader``."""
+    first, first_sampler = fit(tmp_path / "first", stop_at=at, how=how)
+    resumed, sampler = fit(tmp_path / "resumed", tmp_path / "first" / "epoch=0.ckpt")
+    net, expected, rows = reference(at + 1, 3)
+    cut = (at + 1) * B
+    assert first.rows[:cut] + resumed.rows == rows  # the cut epoch's rest never trained
+    if how == "skip" and (at + 1) % ACCUMULATE == 0:  # the uninterrupted run (an open
+        # window's gradient would stay in .grad into the next epoch: Lightning's, not GraB's)
+        assert first.rows == rows
+        assert first_sampler.orders_history[-1] == expected.orders_history[-1]
+    assert sampler.orders_history[-1] == expected.orders_history[-1]
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def noise_fit(root, ckpt_path=None, stop_at=None):
+    module = Classifier(stop_at)
+    noise = NoiseScaleCallback(update_rate=RATE)
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root), callbacks=[noise, saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B), ckpt_path=ckpt_path)
+    return module, noise.result
+
+
+def noise_reference(first_epoch_batches: int):
+    """The plain loop: epoch 0's first batches (an open window never closed, so not measured),
+    then whole epochs, every full window measured."""
+    net, dataset = network(), data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    estimator = AccumulationNoiseScale(net, update_rate=RATE)
+    for epoch in range(3):
+        batches = first_epoch_batches if epoch == 0 else N // B
+        for index in range(batches):
+            x, y, _ = dataset[index * B : (index + 1) * B]
+            (F.cross_entropy(net(x), y) / ACCUMULATE).backward()
+            estimator.end_microbatch(B)
+            if (index + 1) % ACCUMULATE == 0:
+                estimator.end_step()
+                optimizer.step()
+                optimizer.zero_grad()
+        if batches % ACCUMULATE:
+            estimator.discard_step()
+            optimizer.zero_grad()
+    return net, estimator.estimate
+
+
+@pytest.mark.parametrize("at", [2, 5])
+def test_the_noise_scale_resumed_after_an_early_stop_measures_the_next_epochs_windows(tmp_path, at):
+    """``should_stop`` inside a window: Lightning resumes with the next epoch, whose first
+    window is whole (its gradient starts at zero) and measured; no window was cut."""
+    noise_fit(tmp_path / "first", stop_at=at)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about: no window was cut
+        warnings.filterwarnings("ignore", message=r"(?s)(?!NoiseScaleCallback).*")
+        resumed, result = noise_fit(tmp_path / "resumed", tmp_path / "first" / "epoch=0.ckpt")
+    net, expected = noise_reference(at + 1)
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+    assert result.observations == expected.observations
+    assert result.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
+    assert result.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-12)
+
+
+def validated_fit(root, every: int, ckpt_path=None):
+    """GraB with a validation loop every ``every`` batches, ``ModelCheckpoint`` saving at each
+    validation's end (its default with a monitored metric)."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    saver = L.callbacks.ModelCheckpoint(
+        dirpath=str(root), filename="{step}", save_top_k=-1, monitor="val_loss"
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root), val_check_interval=every,
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    validation = DataLoader(data(), batch_size=3)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    trainer.fit(module, loader, validation, ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def test_validation_inside_the_epoch_changes_nothing_and_resumes_exactly(tmp_path):
+    """Validation runs forwards (no gradient) between training batches: the orders and the
+    parameters are those of the run without it, and a resume from a checkpoint saved at a
+    validation's end (at an optimizer step) equals the uninterrupted run."""
+    plain, plain_sampler = fit(tmp_path / "plain")
+    full, full_sampler = validated_fit(tmp_path / "full", 4)
+    assert full_sampler.orders_history == plain_sampler.orders_history[:2]
+    assert full.rows == plain.rows[: 2 * N]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="GraBCallback")
+        resumed, sampler = validated_fit(tmp_path / "resumed", 4, tmp_path / "full" / "step=2.ckpt")
+    assert resumed.rows == full.rows[8:]
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def test_a_resume_from_inside_an_accumulation_window_warns(tmp_path):
+    """``val_check_interval=3`` with windows of 2: ``ModelCheckpoint`` saves inside a window,
+    whose accumulated gradient Lightning's checkpoint does not hold; the resumed run cannot
+    equal the uninterrupted one, and says so (the GraB order itself resumes exactly)."""
+    full, _ = validated_fit(tmp_path / "full", 3)
+    with pytest.warns(UserWarning, match=r"GraBCallback.*inside an accumulation window"):
+        resumed, _ = validated_fit(tmp_path / "resumed", 3, tmp_path / "full" / "step=7.ckpt")
+    assert resumed.rows == full.rows[15 * B :]  # the data resumes exactly
+
+
+def test_several_train_loaders_are_refused_naming_them(tmp_path):
+    """A CombinedLoader's batch holds rows of every loader, one backward over all of them."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[GraBCallback(sampler)],
+    )  # fmt: skip
+    loaders = {"grab": DataLoader(dataset, sampler=sampler, batch_size=B)}
+    loaders["other"] = DataLoader(dataset, batch_size=B)
+    with pytest.raises(ValueError, match=r"2 loaders at once \(a CombinedLoader\)"):
+        trainer.fit(module, loaders)
+
+
+class LoggedNorms(L.Callback):
+    """The per-example norms callback's summary at every optimizer step (it runs first)."""
+
+    def __init__(self) -> None:
+        self.values: list[dict[str, float]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        norms = next(c for c in trainer.callbacks if isinstance(c, ExampleGradientNormsCallback))
+        self.values.append(dict(norms.last))
+
+
+def norms_fit(root, **options) -> list[dict[str, float]]:
+    module, logged = Classifier(), LoggedNorms()
+    callbacks = [ExampleGradientNormsCallback(module.net), logged, *options.pop("callbacks", [])]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=callbacks, **options,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B))
+    return logged.values
+
+
+def test_per_example_norms_follow_a_scheduled_accumulation(tmp_path):
+    """``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at every epoch's
+    start (1 at fit start): each logged norm is still the gradient of the example's own loss,
+    the same as under a fixed ``accumulate_grad_batches`` (it was 1 / 2 of it)."""
+    fixed = norms_fit(tmp_path / "fixed", accumulate_grad_batches=ACCUMULATE)
+    scheduler = L.callbacks.GradientAccumulationScheduler({0: ACCUMULATE})
+    scheduled = norms_fit(tmp_path / "scheduled", callbacks=[scheduler])
+    assert len(scheduled) == len(fixed) == 2 * N // (B * ACCUMULATE)
+    for got, expected in zip(scheduled, fixed, strict=True):
+        assert got == pytest.approx(expected, rel=1e-12)
+
+
+def scheduled_noise(root, scheduling: dict[int, int]):
+    module, noise = Classifier(), NoiseScaleCallback(update_rate=RATE)
+    scheduler = L.callbacks.GradientAccumulationScheduler(scheduling)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=[scheduler, noise],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B))
+    return module, noise.result
+
+
+def scheduled_reference(windows: list[int]):
+    """The plain loop: epoch e in windows of ``windows[e]`` batches, each loss divided by it;
+    windows of one batch are not measured (no microbatch to compare with the mean)."""
+    net, dataset = network(), data()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    estimator = AccumulationNoiseScale(net, update_rate=RATE)
+    for window in windows:
+        for index in range(N // B):
+            x, y, _ = dataset[index * B : (index + 1) * B]
+            (F.cross_entropy(net(x), y) / window).backward()
+            estimator.end_microbatch(B)
+            if (index + 1) % window == 0:
+                if window > 1:
+                    estimator.end_step()
+                else:
+                    estimator.discard_step()
+                optimizer.step()
+                optimizer.zero_grad()
+    return net, estimator.estimate
+
+
+@pytest.mark.parametrize("scheduling", [{0: 2, 1: 3}, {0: 1, 1: 2}])
+def test_the_noise_scale_follows_a_scheduled_accumulation(tmp_path, scheduling):
+    """``GradientAccumulationScheduler`` sets ``accumulate_grad_batches`` at each epoch's start
+    (1 at setup): measured in the windows it makes, an epoch of windows of 1 left out."""
+    module, result = scheduled_noise(tmp_path, scheduling)
+    net, expected = scheduled_reference([scheduling[0], scheduling[1]])
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(module.net.named_parameters())[name], value), name
+    assert result.observations == expected.observations
+    assert result.grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-12)
+    assert result.trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-12)
+
+
+class Adaptive(Classifier):
+    def configure_optimizers(self):
+        return OptimizerWrapperGNTS(torch.optim.SGD(self.parameters(), lr=LR), norm_threshold=0.5)
+
+
+def test_adaptive_accumulation_refuses_a_scheduled_accumulation(tmp_path):
+    """A ``GradientAccumulationScheduler`` makes Lightning accumulate after fit start (where
+    ``accumulate_grad_batches`` still reads 1): Lightning would divide every loss and step the
+    wrapper once per window, hiding microbatches from it."""
+    scheduler = L.callbacks.GradientAccumulationScheduler({0: 2})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[scheduler, AdaptiveAccumulationCallback()],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
+        trainer.fit(Adaptive(), DataLoader(data(), batch_size=B))
