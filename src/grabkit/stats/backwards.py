@@ -17,15 +17,10 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["Backwards", "GradientsByTask", "current_task"]
+__all__ = ["Backwards", "GradientsByTask"]
 
 #: task id -> an output's gradient (or, for a layer with several tracked outputs, a list per slot)
 GradientsByTask = dict[int, "torch.Tensor | list[torch.Tensor | None]"]
-
-
-def current_task() -> int:
-    """The id of the autograd graph task running now (-1 outside a backward)."""
-    return torch._C._current_graph_task_id()
 
 
 class Backwards:
@@ -38,8 +33,9 @@ class Backwards:
         self.with_graph: set[int] = set()  # tasks whose hooks ran with grad mode on
 
     def output_gradient(self) -> int:
-        """Note an output-gradient hook of the current task; return the task."""
-        task = current_task()
+        """Note an output-gradient hook of the current task; return the task (the id of the
+        autograd graph task running now)."""
+        task = torch._C._current_graph_task_id()
         if torch.is_grad_enabled():
             self.with_graph.add(task)
         return task

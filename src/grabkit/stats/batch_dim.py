@@ -30,9 +30,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["moved_batch_dim"]
+__all__ = ["Anchor", "moved_batch_dim"]
 
 _MAX_NODES = 64
+
+#: a layer output of the step: (the node that made it, the layer's name, its output number at
+#: that node, its shape)
+Anchor = tuple[Any, str, int, torch.Size]
 
 # nodes that keep dim 0 where their input's dim 0 has the output's size (copies, reshapes)
 _COPIES = frozenset(
@@ -203,17 +207,41 @@ def _inputs(node: Any, output_nr: int, dim: int) -> list[tuple[Any, int, int]]:
     return followed
 
 
-def moved_batch_dim(
-    x: torch.Tensor, anchors: dict[int, tuple[Any, str]]
-) -> tuple[str, int | str] | None:
+_REORDERS = frozenset(
+    {"IndexBackward0", "IndexSelectBackward0", "GatherBackward0", "FlipBackward0", "RollBackward0"}
+)
+
+#: nodes that may move dim 0 or its rows while keeping the shape: never taken by the shortcut
+_MAY_MOVE = _TRANSPOSES | _STRUCTURAL | _REORDERS
+
+
+def _next_to_anchor(x: torch.Tensor, anchors: dict[int, Anchor]) -> bool:
+    """The usual layer input, where the walk's answer is known without walking: a layer's
+    output itself, or one operation of one input away from it (an activation, a dropout, a
+    copy) with the same shape, which keeps dim 0 where it is (the walk would follow dim 0 to
+    dim 0 of the anchor). A few attribute reads instead of the walk's dozen calls."""
+    node = x.grad_fn
+    if id(node) in anchors:
+        return True
+    edges = node.next_functions
+    if len(edges) != 1:
+        return False
+    source, nr = edges[0]
+    anchor = anchors.get(id(source))
+    if anchor is None or anchor[2] != nr or node.name() in _MAY_MOVE:
+        return False
+    return x.shape == anchor[3]  # x is the node's output: the shape the walk would read
+
+
+def moved_batch_dim(x: torch.Tensor, anchors: dict[int, Anchor]) -> tuple[str, int | str] | None:
     """(layer name, where) when dim 0 of ``x`` is not the examples of the output of the layer
     named, an earlier call of the step: ``where`` is the dim != 0 of that output that dim 0 is
     (``NEW_AXIS``: an axis stacked from its outputs), or the name of the operation that
     reordered its rows (``h[perm]``, ``flip(0)``: row j is then another example's).
-    ``anchors``: id of the node that made each layer output -> (that node, layer name). None
+    ``anchors``: id of the node that made each layer output -> its ``Anchor``. None
     where no path shows it."""
     node = x.grad_fn
-    if node is None or not anchors:
+    if node is None or not anchors or _next_to_anchor(x, anchors):
         return None
     # (node, output number, the dim followed, the operation that reordered dim 0's rows or "")
     stack: list[tuple[Any, int, int, str]] = [(node, x.output_nr, 0, "")]

@@ -80,7 +80,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
-from grabkit.stats.batch_dim import moved_batch_dim
+from grabkit.stats.batch_dim import Anchor, moved_batch_dim
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
@@ -192,10 +192,15 @@ def _inside_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _functorch_transform_active() -> bool:
-    """True inside torch.func transforms (vmap, grad): such calls are not this model's step."""
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
+def _no_transform() -> bool:
+    return False
+
+
+#: True inside torch.func transforms (vmap, grad): such calls are not this model's step (the
+#: C function itself, called in every hook)
+_functorch_transform_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", _no_transform
+)
 
 
 class _Call:
@@ -208,8 +213,9 @@ class _Call:
     ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
     gradient edges (node, output number) of the hooked output tensors and their shapes, for
     ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
-    layer's output alive). ``group``: the group of a grouped batch the call's rows hold
-    (``grabkit.stats.rows``), None for an ordinary batch. ``weights``: for a rule that reads the
+    layer's output alive; plain tuples, made into ``GradientEdge``s only there). ``group``: the
+    group of a grouped batch the call's rows hold (``grabkit.stats.rows``), None for an
+    ordinary batch. ``weights``: for a rule that reads the
     layer's parameters at read time (``LayerRule.reads_parameters``), each parameter the call
     ran on and its version counter then, so that a read after an in-place update is refused.
     """
@@ -222,7 +228,7 @@ class _Call:
         self.captured = captured
         self.grads: GradientsByTask = {}
         self.batch_size = batch_size
-        self.outputs: list[tuple[GradientEdge, torch.Size]] = []
+        self.outputs: list[tuple[Any, int, torch.Size]] = []
         self.group = group
         self.weights: tuple[tuple[torch.Tensor, int], ...] = ()
 
@@ -378,8 +384,9 @@ class _ModelBatch:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(input as (B, ...), expanded output or None when the output is already per-example)."""
         b = self.size
-        model_state = x.dim() > 0 and x.shape[0] == b and self._is_model_state(x)
-        if x.dim() > 0 and x.shape[0] == b and not model_state:
+        batched = x.dim() > 0 and x.shape[0] == b
+        model_state = batched and x.grad_fn is None and self._is_model_state(x)
+        if batched and not model_state:
             if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
@@ -784,9 +791,10 @@ class PerSampleStats(StatisticsSource):
         """What the engine saw of this step so far, for the identity check's schedule: the
         number of calls of each layer and functional use, the declared batch terms, whether
         the batch is grouped (a change starts a new run of checked steps)."""
+        functional = self._functional
         return (
-            tuple(len(layer.calls) for layer in self._layers),
-            tuple((key, len(layer.calls)) for key, layer in self._functional.items()),
+            tuple([len(layer.calls) for layer in self._layers]),
+            tuple([(key, len(f.calls)) for key, f in functional.items()]) if functional else (),
             len(self._batch_terms),
             self._rows.grouped,
         )
@@ -988,9 +996,9 @@ class PerSampleStats(StatisticsSource):
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         self._refused: list[tuple[str, str]] = []
-        # id of the node that made each layer output of the step -> (node, layer name): dim 0
-        # of those holds the examples (``grabkit.stats.batch_dim``)
-        self._batch_first_nodes: dict[int, tuple[Any, str]] = {}
+        # id of the node that made each layer output of the step -> (node, layer name, output
+        # number, shape): dim 0 of those holds the examples (``grabkit.stats.batch_dim``)
+        self._batch_first_nodes: dict[int, Anchor] = {}
         if self._identity is not None:
             self._identity.begin_step()
         self.generation += 1
@@ -1020,15 +1028,19 @@ class PerSampleStats(StatisticsSource):
         """
         if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
             return
-        tensors: list[torch.Tensor] = []
-        _tensors_in((args, kwargs), tensors)
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
+            tensors = [args[0]]  # the usual call, model(x): no containers to look into
+        else:
+            tensors = []
+            _tensors_in((args, kwargs), tensors)
         if not tensors or tensors[0].dim() == 0 or _inside_backward():
             return
-        if self._step_finished():
+        if self._gradient_seen and self._step_finished():
             self._new_step()
         self._follow_trainable_set()
         self._model_called = True
-        self._watch_on()
+        if self._watch is not None:
+            self._watch_on()
         if tensors[0].dim() == 1 and tensors[0].is_floating_point():
             return
         self._batch = _ModelBatch(tensors, self.model)
@@ -1074,7 +1086,8 @@ class PerSampleStats(StatisticsSource):
     ) -> Any:
         if self._inert:
             return None
-        self._on_layer_exit(layer)
+        if self._watching:
+            self._on_layer_exit(layer)
         if not torch.is_grad_enabled() or _functorch_transform_active():
             return None
         # The engine's own tensor work is not the model's: no functional-use watch, and it may
@@ -1104,13 +1117,15 @@ class PerSampleStats(StatisticsSource):
             return replaced
         # A recomputed call (checkpointing) is recorded as one more call: with use_reentrant=True
         # only it receives the output gradient; with False only the original call does.
-        if self._step_finished():
+        if self._gradient_seen and self._step_finished():
             self._new_step()
-        self._check_training_mode(layer, module)
+        if layer.rule.training_mode_warning:
+            self._check_training_mode(layer, module)
         group = self._rows.tag()
         layer_input, expanded = self._layer_input(layer, args, kwargs, output, group)
         call = _Call(layer.rule.capture(module, layer_input), group=group)
-        self._note_weights(layer, call)
+        if layer.rule.reads_parameters:
+            self._note_weights(layer, call)
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         self._hook_output(call, hooked, layer.name)
@@ -1121,15 +1136,18 @@ class PerSampleStats(StatisticsSource):
         on the node that made it (or the tensor it is a view of, ``_gradient_source``), which
         runs after the tensor's own hooks, so a gradient hook of the user's on the output
         (``h.register_hook``) is part of what the layer's parameters receive, as in autograd."""
-        source = _gradient_source(hooked)
+        source = hooked if hooked._base is None else _gradient_source(hooked)
         if source.grad_fn is None:  # a leaf (no node to hook)
             hooked.register_hook(_WeakHook(self._me, "_on_output_grad", call))
             return
+        node = source.grad_fn
         hook = _WeakHook(self._me, "_on_node_grad", call, source.output_nr, hooked.shape)
-        source.grad_fn.register_prehook(hook)
-        for node in (source.grad_fn, hooked.grad_fn):  # the output's node, and its view's
-            self._batch_first_nodes[id(node)] = (node, name)
-        call.outputs.append((GradientEdge(source.grad_fn, source.output_nr), hooked.shape))
+        node.register_prehook(hook)
+        anchors = self._batch_first_nodes  # the output's node, and its view's
+        anchors[id(node)] = (node, name, source.output_nr, source.shape)
+        if hooked is not source:
+            anchors[id(hooked.grad_fn)] = (hooked.grad_fn, name, hooked.output_nr, hooked.shape)
+        call.outputs.append((node, source.output_nr, hooked.shape))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -1228,7 +1246,7 @@ class PerSampleStats(StatisticsSource):
             )
         layer_input = args[0] if args else next(iter(kwargs.values()))
         expanded = None
-        batch = self._batch_for(group)
+        batch = self._batch if group is None else self._batch_for(group)
         if group is None and not self._model_called:
             self._refuse_call_outside_the_model(layer.name)
         if isinstance(layer_input, torch.Tensor):
@@ -1240,9 +1258,10 @@ class PerSampleStats(StatisticsSource):
                     f"by the batch (shape {tuple(layer_input.shape)}), which its rule cannot "
                     f"take; give the input an explicit batch dim (expand it to (B, ...))."
                 )
-            if expanded is None and batch is not None:
+            if expanded is None and batch is not None and layer_input.grad_fn is not None:
                 self._check_not_moved(layer.name, layer_input, batch.size)
-            layer_input = _detached(layer_input)  # a reference, not a copy
+            if layer_input.requires_grad:
+                layer_input = layer_input.detach()  # a reference, not a copy
         if layer.rule.whole_call:
             layer_input = _detached_call(args, kwargs)
         return layer_input, expanded
@@ -1404,7 +1423,10 @@ class PerSampleStats(StatisticsSource):
         if grad is None:
             return
         task = self._backwards.output_gradient()
-        grad = _detached(grad if grad.shape == shape else grad.reshape(shape))
+        if grad.shape != shape:
+            grad = grad.reshape(shape)
+        if grad.requires_grad:
+            grad = grad.detach()
         previous = call.grads.get(task)
         call.grads[task] = grad if previous is None else previous + grad
         self._gradient_arrived()
@@ -1495,15 +1517,17 @@ class PerSampleStats(StatisticsSource):
             for call in layer.calls
             for output in call.outputs
         ]
-        inputs = [*params.values(), *(edge for _, (edge, _) in calls)]
-        grads = torch.autograd.grad(term, inputs, retain_graph=True, allow_unused=True)
+        edges = [GradientEdge(node, output_nr) for _, (node, output_nr, _) in calls]
+        grads = torch.autograd.grad(
+            term, [*params.values(), *edges], retain_graph=True, allow_unused=True
+        )
         record = BatchTerm()
         for (name, _), grad in zip(params.items(), grads, strict=False):
             if grad is not None:
                 record.param_grads[name] = grad.detach()
                 if self._identity is not None:
                     record.gradient_sides[name] = self._identity.gradient_side(name, grad)
-        for (call, (_, shape)), grad in zip(calls, grads[len(params) :], strict=True):
+        for (call, (_, _, shape)), grad in zip(calls, grads[len(params) :], strict=True):
             if grad is not None:  # in the output's shape (the edge may be a view's base)
                 record.call_grads[id(call)] = (call, grad.detach().view(shape))
         self._batch_terms.append(record)

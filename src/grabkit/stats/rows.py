@@ -177,6 +177,8 @@ class StepRows:
         checkpointing with use_reentrant=True after ``GroupedBatch.run`` returned) raises at
         once: which group's items its rows hold is unknown.
         """
+        if self.run is None and not _active.runs:  # the usual step: no grouped batch
+            return None
         active = _active_group()
         if active is None:
             if self.run is None:
