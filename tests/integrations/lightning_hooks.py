@@ -1,16 +1,35 @@
-"""What the Lightning resume tests share: a checkpoint at any batch, the estimates per step, each
-rank's loader of a DDP run, and a ``ddp_spawn`` strategy whose processes end cleanly."""
+"""What the Lightning tests share: their rows and network, a checkpoint at any batch, the estimates
+per step, each rank's loader of a DDP run, and a ``ddp_spawn`` strategy whose processes end
+cleanly."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import lightning.pytorch as L
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from grabkit.integrations.lightning import NoiseScaleCallback
+
+
+def classified_rows(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """The rows the Lightning tests train on: features (n, 6) in float64 and classes (n,) of 3,
+    seeded, and the generator that drew them (for a further column drawn after them)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
+    return x, torch.randint(0, 3, (n,), generator=gen), gen
+
+
+def small_classifier(hidden: int = 16) -> torch.nn.Module:
+    """Linear(6, hidden), Tanh, Linear(hidden, 3) in float64, seeded: every rank builds it alike
+    (float64, so that DDP's averaged update is the one-process update)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3)
+    ).double()
 
 
 class SpawnedDDP(DDPStrategy):

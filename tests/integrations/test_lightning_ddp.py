@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
-from tests.integrations.lightning_hooks import SpawnedDDP  # noqa: E402
+from tests.integrations.lightning_hooks import SpawnedDDP, classified_rows, small_classifier  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import GraBCallback  # noqa: E402
@@ -33,16 +33,12 @@ ACCUMULATE = 2  # 3 optimizer steps per epoch
 
 
 def data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen), torch.arange(N))
+    x, y, _ = classified_rows(N)
+    return TensorDataset(x, y, torch.arange(N))
 
 
 def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
-    ).double()
+    return small_classifier(16)
 
 
 def sampler_for(net: torch.nn.Module, **topology) -> GraBSampler:

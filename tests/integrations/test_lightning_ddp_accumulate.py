@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
-from tests.integrations.lightning_hooks import SaveAfterBatch, SpawnedDDP, rank_loader  # noqa: E402
+from tests.integrations.lightning_hooks import (  # noqa: E402
+    SaveAfterBatch,
+    SpawnedDDP,
+    classified_rows,
+    rank_loader,
+    small_classifier,
+)
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit.accumulate import (  # noqa: E402
@@ -48,9 +54,7 @@ THRESHOLD, CLIP = 0.6, 0.2
 def data() -> TensorDataset:
     """Rows x (N, 6), class y (N,), and whether the row is trained (N,): the token mask of the
     test whose ranks count different weights."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
-    y = torch.randint(0, 3, (N,), generator=gen)
+    x, y, gen = classified_rows(N)
     return TensorDataset(x, y, torch.rand(N, generator=gen) < 0.6)
 
 
@@ -60,10 +64,7 @@ def trained_rows(batch) -> float:
 
 
 def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
-    ).double()
+    return small_classifier(16)
 
 
 def wrap(kind: str, optimizer: torch.optim.Optimizer):

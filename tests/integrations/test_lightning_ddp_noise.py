@@ -22,7 +22,9 @@ from tests.integrations.lightning_hooks import (  # noqa: E402
     Estimates,
     SaveAfterBatch,
     SpawnedDDP,
+    classified_rows,
     rank_loader,
+    small_classifier,
 )
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -35,16 +37,12 @@ W, N, B, EPOCHS, RATE = 2, 48, 4, 2, 0.5  # 6 microbatches of B per rank and epo
 
 
 def data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen))
+    x, y, _ = classified_rows(N)
+    return TensorDataset(x, y)
 
 
 def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
-    ).double()
+    return small_classifier(16)
 
 
 class Classifier(L.LightningModule):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 L = pytest.importorskip("lightning.pytorch")
 
+from tests.integrations.lightning_hooks import classified_rows, small_classifier  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from grabkit import OptimizerWrapperGNTS  # noqa: E402
@@ -38,16 +39,12 @@ N, B, ACCUMULATE, LR, RATE = 24, 2, 2, 0.3, 0.5  # 12 batches, 6 updates an epoc
 
 
 def data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen), torch.arange(N))
+    x, y, _ = classified_rows(N)
+    return TensorDataset(x, y, torch.arange(N))
 
 
 def network() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
-    ).double()
+    return small_classifier(8)
 
 
 class Classifier(L.LightningModule):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 L = pytest.importorskip("lightning.pytorch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
-from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, triple  # noqa: E402
+from tests.integrations.lightning_hooks import Estimates, SaveAfterBatch, classified_rows, triple  # noqa: E402
 from torch.utils.data import DataLoader, Sampler, TensorDataset  # noqa: E402
 
 from grabkit.integrations.lightning import NoiseScaleCallback  # noqa: E402
@@ -31,9 +31,8 @@ N, B, EPOCHS, RATE = 36, 2, 2, 0.5  # 18 microbatches an epoch
 
 
 def data() -> TensorDataset:
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(N, 6, generator=gen, dtype=torch.float64)
-    return TensorDataset(x, torch.randint(0, 3, (N,), generator=gen), torch.arange(N))
+    x, y, _ = classified_rows(N)
+    return TensorDataset(x, y, torch.arange(N))
 
 
 class Replay(Sampler[int]):
