@@ -39,6 +39,7 @@ from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.windows import combine, gather_terms, rank_terms
 from grabkit.sharding import gradient_layout_of, local, world_size
 from grabkit.state import Stateful
+from grabkit.stats.structure import registrations
 from grabkit.stats.transfer import to_device
 from grabkit.taps import GradientTaps
 from grabkit.validation import check_positive
@@ -150,6 +151,9 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self.process_group = process_group
         self._params = [p for _, p in named]
         self._block_of = {p: i for i, p in enumerate(self._params)}
+        # the model, to notice parameters replaced or added after the hooks went on
+        self._model = params if isinstance(params, nn.Module) else None
+        self._registrations = registrations()
         self._device = local(self._params[0]).device
         self._row = 0  # the microbatch the hooks are measuring (the closed ones come before)
         estimator = MicrobatchNoiseScale(
@@ -215,7 +219,29 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self._squares[self._row, index] = _square_norm(grad)
         self._written[index] = True
 
+    def _check_parameters_unchanged(self) -> None:
+        """Refuse a model whose parameters were replaced or added since the estimator was built
+        (``model.head = nn.Linear(...)``, ``layer.weight = nn.Parameter(...)``,
+        ``load_state_dict(assign=True)``): the hooks sit on the old tensors, so the new ones'
+        gradients would be left out of |G|^2 and tr(Sigma) without a word. Costs one integer
+        compare unless a module or parameter was registered somewhere since the last check."""
+        if self._model is None or registrations() == self._registrations:
+            return
+        self._registrations = registrations()
+        now = {id(p): name for name, p in self._model.named_parameters() if p.requires_grad}
+        measured = {id(p) for p in self._params}
+        new = [name for key, name in now.items() if key not in measured]
+        if new:
+            raise ValueError(
+                f"AccumulationNoiseScale: the model got parameters after the estimator was "
+                f"built ({', '.join(repr(n) for n in new[:4])}{', ...' if len(new) > 4 else ''}; "
+                f"a replaced layer or weight, or load_state_dict(assign=True)): its gradient "
+                f"hooks sit on the parameters it was built on, so these would be left out of "
+                f"the estimate. Build a new estimator (and optimizer) after changing the model."
+            )
+
     def _close_microbatch(self, count: float) -> None:
+        self._check_parameters_unchanged()
         if self._repeated:
             self._forget_row()
             raise RuntimeError(
