@@ -266,14 +266,10 @@ class GraBCallback(Callback):
         if message is None and loaded is not None and not trainer.fit_loop.restarting:
             self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
         elif message is None and loaded is not None and self._open:
-            rank_zero_warn(
-                f"GraBCallback: this checkpoint was saved inside an accumulation window, after "
-                f"{self._open} of its microbatches; Lightning's checkpoint does not hold their "
-                "accumulated gradient, so the resumed run steps on the window's remaining "
-                "microbatches only and differs from the uninterrupted run (the GraB order "
-                "resumes exactly). Checkpoint at optimizer steps (ModelCheckpoint("
-                "every_n_train_steps=...); a checkpoint saved at validation needs a "
-                "val_check_interval that is a multiple of accumulate_grad_batches)."
+            _warn_resume_inside_window(
+                "GraBCallback",
+                self._open,
+                "and differs from the uninterrupted run (the GraB order resumes exactly)",
             )
         self._open = 0
         if message is None and self._resumed_at_epoch_end and _is_stateful(loader):
@@ -336,6 +332,19 @@ class GraBCallback(Callback):
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples, ended=True)
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+
+
+def _warn_resume_inside_window(callback: str, open_microbatches: int, consequence: str) -> None:
+    """Warn that a resume starts inside an accumulation window: Lightning's checkpoint holds
+    none of the window's gradient (``consequence``: what that costs the ``callback``)."""
+    rank_zero_warn(
+        f"{callback}: this checkpoint was saved inside an accumulation window, after "
+        f"{open_microbatches} of its microbatches; Lightning's checkpoint does not hold their "
+        f"accumulated gradient, so the resumed run steps on the window's remaining microbatches "
+        f"only, {consequence}. For an exact resume, checkpoint at optimizer steps "
+        "(ModelCheckpoint(every_n_train_steps=...); a checkpoint saved at validation needs a "
+        "val_check_interval that is a multiple of accumulate_grad_batches)."
+    )
 
 
 def _hand_clipping_to(wrapper: AdaptiveAccumulationWrapper, trainer: Any) -> None:
@@ -545,14 +554,10 @@ class NoiseScaleCallback(Callback):
             if self.estimator is not None:  # one process: the saved microbatches, never closed
                 self.estimator.discard_step()
             return
-        rank_zero_warn(
-            f"NoiseScaleCallback: this checkpoint was saved inside an accumulation window, "
-            f"after {self._open} of its microbatches; Lightning's checkpoint does not hold "
-            "their accumulated gradient, so the resumed run steps on the window's remaining "
-            "microbatches only, and the window is left out of the noise-scale estimate. For "
-            "an exact resume, checkpoint at optimizer steps (ModelCheckpoint(every_n_train_steps"
-            "=...); a checkpoint saved at validation needs a val_check_interval that is a "
-            "multiple of accumulate_grad_batches)."
+        _warn_resume_inside_window(
+            "NoiseScaleCallback",
+            self._open,
+            "and the window is left out of the noise-scale estimate",
         )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
