@@ -68,6 +68,9 @@ __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
 
+#: what ``GraBBatchSampler`` adds to the configuration it saves (its batch_size, drop_last)
+_BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
+
 #: what the configuration records for the transforms when the chain holds none of them
 _NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
 
@@ -330,6 +333,10 @@ class GraBSampler(Sampler[int], Stateful):
             self._agreed = True
         if self._requested_epoch == self._epoch and (self._resume or not self._started):
             self._requested_epoch = None  # set_epoch(e) for the epoch already under way
+        if self._resume and self._requested_epoch is not None:
+            # a loop that numbers its epochs asked for the next one after the load: the rest of
+            # the saved epoch is abandoned, as the uninterrupted run's iter() would abandon it
+            self._resume = False
         if self._resume:
             self._resume = False
             # examples handed out before the snapshot and not stepped since were trained on
@@ -478,6 +485,9 @@ class GraBSampler(Sampler[int], Stateful):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
+        if any(key in state.get("config", {}) for key in _BATCHING_KEYS):  # the batch form's
+            config = {k: v for k, v in state["config"].items() if k not in _BATCHING_KEYS}
+            state = {**state, "config": config}
         self.source.check_saved_config("GraBSampler", state, self._config)
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 from grabkit.order.sources.base import Gradients, GradientSource, check_dim, dense_batch
 from grabkit.stats.gradient_batch import GradientBatch
+
+#: name -> per-example shape of a dict of per-example gradients, in the order it is flattened
+Layout = dict[str, tuple[int, ...]]
 
 __all__ = ["DenseGradients", "param_dim"]
 
@@ -31,15 +35,29 @@ class DenseGradients(GradientSource):
     that ``torch.func.vmap(torch.func.grad(f))`` returns, a (B, d) tensor or a
     ``GradientBatch``.
 
+    Every step's gradients must have the width of the first (of ``params``, when given): a
+    step of another width would balance other coordinates against the running sums (a (B, 1)
+    tensor even broadcasts). A dict is flattened in one layout for the whole run, the names and
+    order of ``params`` when it is a dict, else those of the first dict: a dict whose keys come
+    in another order is put in that order (the vectors of two steps would otherwise be
+    permuted against each other), and one of other names or shapes raises.
+
     Args:
-        params: the parameters the gradients are of (a dict or an iterable of tensors); only
-            their total size d is used, to check every step's gradients. Optional.
+        params: the parameters the gradients are of (a dict or an iterable of tensors): their
+            total size d checks every step's gradients, and a dict's names and shapes every
+            dict of per-example gradients. Optional.
     """
 
     def __init__(
         self, params: Mapping[str, torch.Tensor] | Iterable[torch.Tensor] | None = None
     ) -> None:
+        if isinstance(params, Iterable) and not isinstance(params, (Mapping, torch.Tensor)):
+            params = list(params)  # an iterator (model.parameters()) is read once
         self.dim = param_dim(params)
+        self.layout: Layout | None = None
+        if isinstance(params, Mapping):
+            self.layout = {name: tuple(p.shape) for name, p in params.items()}
+        self._given = self.dim  # the configuration's d: the first step's width is not saved
 
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
         if grads is None:
@@ -47,4 +65,40 @@ class DenseGradients(GradientSource):
                 "step() without gradients needs hook statistics: construct the sampler with "
                 "model=... (or stats=...), or pass the per-example gradients to step()."
             )
-        return check_dim([dense_batch(grads)], self.dim)
+        if isinstance(grads, Mapping):
+            grads = self._in_layout(grads)
+        pieces = check_dim([dense_batch(grads)], self.dim, first_step=self._given is None)
+        if self.dim is None:
+            self.dim = pieces[0].dim
+        return pieces
+
+    def config(self) -> dict[str, Any]:
+        return {"dim": self._given}
+
+    def _in_layout(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``grads`` in the run's layout (recorded from the first dict without ``params``)."""
+        if not grads:
+            raise ValueError("step() got an empty dict of per-example gradients")
+        layout = {name: tuple(g.shape[1:]) for name, g in grads.items()}
+        if self.layout is None:
+            self.layout = layout
+            return dict(grads)
+        missing, extra = (
+            sorted(set(self.layout) - set(layout)),
+            sorted(set(layout) - set(self.layout)),
+        )
+        if missing or extra:
+            raise ValueError(
+                f"step() got per-example gradients of other parameter names than the "
+                f"{'params' if self._given is not None else 'first step'} (missing {missing}, "
+                f"unexpected {extra}); pass the gradients of the same parameters at every step, "
+                "as torch.func.vmap(torch.func.grad(f))(params, ...) returns them."
+            )
+        for name, shape in self.layout.items():
+            if layout[name] != shape:
+                raise ValueError(
+                    f"step() got per-example gradients {name!r} of shape (B, *{layout[name]}) "
+                    f"but the parameter has shape {shape}; pass one gradient per example of "
+                    "each parameter, (B, *param.shape)."
+                )
+        return {name: grads[name] for name in self.layout}
