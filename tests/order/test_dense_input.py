@@ -218,3 +218,14 @@ def test_batch_sampler_refuses_a_state_of_another_batch_size_or_drop_last(change
     plain = GraBSampler(range(10), batch_size=3)  # the sampler form keeps loading it
     plain.load_state_dict(state)
     assert list(plain) == [i for b in batches[1:] for i in b]
+
+
+# -- precomputed kernels ---------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["ntk-fixed", "ntk-fixed-eigen"])
+@pytest.mark.parametrize("option", ["ntk_features", "ntk_kernel"])
+def test_a_precomputed_kernel_with_nan_or_inf_raises(kind, option):
+    """A NaN kernel used to give "ntk-fixed" an arbitrary fixed order without a word."""
+    matrix = torch.eye(5, dtype=torch.float64)
+    matrix[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=f"`{option}` holds NaN or Inf"):
+        GraBSampler(range(5), balance_type=kind, **{option: matrix})
