@@ -229,3 +229,23 @@ def test_a_precomputed_kernel_with_nan_or_inf_raises(kind, option):
     matrix[1, 2] = float("nan")
     with pytest.raises(ValueError, match=f"`{option}` holds NaN or Inf"):
         GraBSampler(range(5), balance_type=kind, **{option: matrix})
+
+
+# -- switches ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"prob_balance": "False"},
+        {"random_first_epoch": "no"},
+        {"balance_type": "norm", "descending_norm": "False"},
+        {"drop_last": "False"},
+        {"normalize": "False"},
+    ],
+)
+def test_a_switch_given_as_a_string_raises_a_type_error(options):
+    """A string from a config file or argparse ("False") used to be truthy: probabilistic
+    balancing on, a dropped tail, a reversed norm order, without a word."""
+    with pytest.raises(TypeError, match=next(iter(options.keys() - {"balance_type"}))):
+        GraBSampler(range(10), **options)
+    with pytest.raises(TypeError):
+        GraBBatchSampler(range(10), batch_size=3, **options)

@@ -12,6 +12,7 @@ from torch.utils.data import Sampler
 from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
 from grabkit.order.sources import Gradients, GradientSource, LossScaler
+from grabkit.validation import check_bool
 
 __all__ = ["BATCHING_KEYS", "GraBBatchSampler"]
 
@@ -44,7 +45,7 @@ class GraBBatchSampler(Sampler[list[int]]):
     ) -> None:
         self.sampler = GraBSampler(data_source, ordering, source, batch_size=batch_size, **kwargs)
         self.batch_size = self.sampler.batch_size
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
 
     def __iter__(self) -> Iterator[list[int]]:
         batch: list[int] = []

@@ -62,7 +62,7 @@ from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
-from grabkit.validation import check_non_negative_int, check_positive_int
+from grabkit.validation import check_bool, check_non_negative_int, check_positive_int
 
 __all__ = ["GraBSampler"]
 
@@ -154,7 +154,7 @@ class GraBSampler(Sampler[int], Stateful):
     ) -> None:
         self.n = dataset_size(data_source)
         self.batch_size = check_positive_int("batch_size", batch_size)
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
         if keywords or not isinstance(ordering, Ordering):
             if ordering is not None and not isinstance(ordering, Ordering):
