@@ -48,7 +48,7 @@ def first_position(
     if indices is not None and local is not None:
         return _locate(local(), indices, B, stepped, num_samples, epoch)
     end = stepped + B
-    if not hook and end > yielded:
+    if not hook and yielded and end > yielded:  # yielded 0: driven by its order, not iterated
         raise ValueError(
             f"step() got gradients of {B} examples, but only {yielded - stepped} of the "
             f"examples yielded in epoch {epoch} were not stepped yet (positions "
