@@ -249,3 +249,24 @@ def test_a_switch_given_as_a_string_raises_a_type_error(options):
         GraBSampler(range(10), **options)
     with pytest.raises(TypeError):
         GraBBatchSampler(range(10), batch_size=3, **options)
+
+
+# -- ranks -------------------------------------------------------------------------------------
+def _other_world_body(rank: int, world_size: int, payload: None) -> str:
+    sampler = GraBSampler(range(12), num_replicas=3, rank=rank)
+    list(sampler)
+    try:
+        sampler.step(_grads(2, 3))
+    except ValueError as error:
+        return str(error)
+    return "stepped"
+
+
+@pytest.mark.distributed
+def test_num_replicas_other_than_the_world_size_raises_a_clear_error():
+    """Two processes told num_replicas=3 failed inside gloo's all_gather (a RuntimeError about
+    tensor lists); the message now names num_replicas and the fix."""
+    from tests.support.distributed import run_distributed
+
+    for message in run_distributed(_other_world_body, world_size=2, payload=None):
+        assert "num_replicas=3, but the process group has 2 ranks" in message
