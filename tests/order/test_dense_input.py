@@ -111,6 +111,27 @@ def test_dicts_of_other_names_or_shapes_than_params_raise(grads, match):
         sampler.step(grads)
 
 
+def test_update_v_takes_a_dict_in_the_gradients_layout_whatever_its_order():
+    """An optimiser state dict in another key order used to scale coordinates of the other
+    parameters ("adamean" balancing in a scrambled geometry, without a word)."""
+    params = {"a": torch.zeros(3), "b": torch.zeros(2)}
+    moment = {"a": torch.rand(3, dtype=torch.float64), "b": 50 * torch.rand(2, dtype=torch.float64)}
+    X = _grads(12, 5)
+    in_order = GraBSampler(range(12), params, balance_type="adamean")
+    reordered = GraBSampler(range(12), params, balance_type="adamean")
+    in_order.update_v(moment)
+    reordered.update_v(dict(reversed(moment.items())))
+    for _ in range(3):
+        order = list(in_order)
+        assert list(reordered) == order
+        for start in range(0, 12, 4):
+            in_order.step(X[order[start : start + 4]])
+            reordered.step(X[order[start : start + 4]])
+    assert in_order.order.tolist() == reordered.order.tolist()
+    with pytest.raises(ValueError, match=r"update_v\(\).*missing \['b'\]"):
+        in_order.update_v({"a": moment["a"]})
+
+
 # -- positions -------------------------------------------------------------------------------
 def test_stepping_examples_not_yet_yielded_raises():
     """Gradients of more examples than were handed out cannot be theirs."""

@@ -458,6 +458,8 @@ class GraBSampler(Sampler[int], Stateful):
                 'statistics="exact" with per-example gradients passed to step() for "adamean".'
             )
         if isinstance(second_moment, Mapping):
+            if isinstance(self.source, DenseGradients):  # the gradients' names and order
+                second_moment = self.source.in_layout(second_moment, "update_v()", 0)
             second_moment = named_to_flat(second_moment)
         self.ordering.update_v(second_moment.reshape(-1))
 

@@ -66,7 +66,7 @@ class DenseGradients(GradientSource):
                 "model=... (or stats=...), or pass the per-example gradients to step()."
             )
         if isinstance(grads, Mapping):
-            grads = self._in_layout(grads)
+            grads = self.in_layout(grads)
         pieces = check_dim([dense_batch(grads)], self.dim, first_step=self._given is None)
         if self.dim is None:
             self.dim = pieces[0].dim
@@ -75,30 +75,33 @@ class DenseGradients(GradientSource):
     def config(self) -> dict[str, Any]:
         return {"dim": self._given}
 
-    def _in_layout(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``grads`` in the run's layout (recorded from the first dict without ``params``)."""
-        if not grads:
-            raise ValueError("step() got an empty dict of per-example gradients")
-        layout = {name: tuple(g.shape[1:]) for name, g in grads.items()}
+    def in_layout(
+        self, named: Mapping[str, torch.Tensor], where: str = "step()", batch_dims: int = 1
+    ) -> dict[str, torch.Tensor]:
+        """``named`` (tensors with ``batch_dims`` leading dims before each parameter's shape) in
+        the run's layout; the first dict fixes it when ``params`` was not a dict."""
+        if not named:
+            raise ValueError(f"{where} got an empty dict of tensors")
+        layout = {name: tuple(g.shape[batch_dims:]) for name, g in named.items()}
         if self.layout is None:
             self.layout = layout
-            return dict(grads)
+            return dict(named)
         missing, extra = (
             sorted(set(self.layout) - set(layout)),
             sorted(set(layout) - set(self.layout)),
         )
         if missing or extra:
             raise ValueError(
-                f"step() got per-example gradients of other parameter names than the "
+                f"{where} got tensors of other parameter names than the "
                 f"{'params' if self._given is not None else 'first step'} (missing {missing}, "
-                f"unexpected {extra}); pass the gradients of the same parameters at every step, "
-                "as torch.func.vmap(torch.func.grad(f))(params, ...) returns them."
+                f"unexpected {extra}); pass those of the same parameters every time, as "
+                "torch.func.vmap(torch.func.grad(f))(params, ...) returns them."
             )
         for name, shape in self.layout.items():
             if layout[name] != shape:
+                lead = "B, " if batch_dims else ""
                 raise ValueError(
-                    f"step() got per-example gradients {name!r} of shape (B, *{layout[name]}) "
-                    f"but the parameter has shape {shape}; pass one gradient per example of "
-                    "each parameter, (B, *param.shape)."
+                    f"{where} got {name!r} of shape ({lead}*{layout[name]}) but the parameter "
+                    f"has shape {shape}; pass ({lead}*param.shape) for each parameter."
                 )
-        return {name: grads[name] for name in self.layout}
+        return {name: named[name] for name in self.layout}
