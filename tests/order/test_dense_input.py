@@ -55,6 +55,20 @@ def test_the_width_holds_across_epochs():
         sampler.step(_grads(6, 4))
 
 
+def test_a_loaded_state_lets_the_next_step_fix_the_width_again():
+    """The width this process stepped before a load is not the loaded run's."""
+    wide = GraBSampler(range(6))
+    list(itertools.islice(iter(wide), 3))
+    wide.step(_grads(3, 7))
+    sampler = GraBSampler(range(6))
+    list(sampler)
+    sampler.step(_grads(3, 5))
+    sampler.load_state_dict(_saved(wide.state_dict()))
+    list(sampler)  # the rest of the loaded epoch
+    sampler.step(_grads(3, 7))
+    assert sorted(list(sampler)) == list(range(6))
+
+
 def test_complex_gradients_raise_a_type_error():
     sampler = GraBSampler(range(6))
     list(sampler)

@@ -57,6 +57,7 @@ class DenseGradients(GradientSource):
         self.layout: Layout | None = None
         if isinstance(params, Mapping):
             self.layout = {name: tuple(p.shape) for name, p in params.items()}
+        self._params_layout = self.layout is not None
         self._given = self.dim  # the configuration's d: the first step's width is not saved
 
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
@@ -74,6 +75,15 @@ class DenseGradients(GradientSource):
 
     def config(self) -> dict[str, Any]:
         return {"dim": self._given}
+
+    def clear(self) -> None:
+        """A state was loaded: the width (and a dict's layout) of this process's earlier steps
+        need not be the loaded run's, so the next step fixes them again (unless ``params``
+        did)."""
+        if self._given is None:
+            self.dim = None
+        if not self._params_layout:
+            self.layout = None
 
     def in_layout(
         self, named: Mapping[str, torch.Tensor], where: str = "step()", batch_dims: int = 1
