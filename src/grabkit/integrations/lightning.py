@@ -295,11 +295,28 @@ class GraBCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
+            self.sampler = self._sampler_held_by_the_fit()
+        if self.sampler is None:
             return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
         ended = _lightning_epoch_over(self._trainer)
         state = rewound_state(self.sampler.state_dict(), self.sampler.num_samples, ended=ended)
         return {"sampler": state, "open_microbatches": self._open}
+
+    def _sampler_held_by_the_fit(self) -> GraBSampler | None:
+        """The one ``GraBSampler`` the fit's LightningModule or DataModule holds, or None.
+
+        A checkpoint can be saved before this callback's ``on_fit_start`` found the sampler:
+        Lightning's ``Tuner`` saves one before its trial fits (``scale_batch_size``,
+        ``lr_find``), which draw from the loader with the callbacks taken out, and restores it
+        after them; the sampler's state must be in it, or the fit after the tuning would start
+        where the trials left the sampler.
+        """
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        held = _held_samplers(trainer.lightning_module, trainer.datamodule)
+        return held[0] if len(held) == 1 else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -327,8 +344,8 @@ class GraBCallback(Callback):
         start, where ``fit_loop.restarting`` says whether Lightning continues inside the saved
         epoch (a checkpoint from inside it, or iteration-based training with ``max_steps``).
         """
-        if state.get("ended"):
-            return
+        if state.get("ended") or not state.get("started"):
+            return  # over already, or saved before its epoch began (the Tuner's): nothing to end
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples, ended=True)
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
