@@ -407,8 +407,8 @@ class AdaptiveAccumulationCallback(Callback):
 
     Each batch's ``count`` reaches the wrapper, Lightning's clipping moves to the wrapper,
     step-interval LR schedulers advance on real updates only (``RealUpdateSchedule``: warm-up and
-    decay are counted in updates), and the window still open when training ends is applied
-    (``flush``).
+    decay are counted in updates, a ``frequency`` of k in k real updates), and the window still
+    open when training ends is applied (``flush``).
 
     Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``) the wrapper all-reduces what it decides on,
     so every rank takes the same decisions, and the run is the one-process run over the global
@@ -452,7 +452,9 @@ class AdaptiveAccumulationCallback(Callback):
         _refuse_unequal_counts(wrapper, trainer)
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, RealUpdateSchedule):
-                config.scheduler = RealUpdateSchedule(config.scheduler, wrapper)
+                # every `frequency` real updates: Lightning calls it after every microbatch
+                frequency, config.frequency = config.frequency, 1
+                config.scheduler = RealUpdateSchedule(config.scheduler, wrapper, frequency)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         count = self.count_fn(batch)
