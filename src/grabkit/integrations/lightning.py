@@ -233,6 +233,7 @@ class GraBCallback(Callback):
         self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
         self._loaded: dict[str, Any] | None = None  # loaded for this fit, read at train start
         self._open = 0  # backwards since the last optimizer step (checkpointed)
+        self._batch_backwards = 0  # backwards over the batch under way
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -285,7 +286,22 @@ class GraBCallback(Callback):
         if message is not None:
             raise ValueError(message)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_backwards = 0
+
     def on_after_backward(self, trainer, pl_module) -> None:
+        if self._batch_backwards:  # manual optimization: a backward over the same examples
+            raise ValueError(
+                f"GraBCallback: training_step ran a second backward over batch "
+                f"{trainer.fit_loop.epoch_loop.batch_idx} (manual optimization: one per "
+                "optimizer, or a loss backpropagated twice). The callback steps the GraBSampler "
+                "after every backward with the examples of the next batch it yielded, so the "
+                "second backward's gradients would be credited to another batch's examples. "
+                "Run one manual_backward per batch (sum the losses first), or step the sampler "
+                "yourself in training_step (sampler.step() once per batch, after the backward "
+                "whose gradients should order the examples) without GraBCallback."
+            )
+        self._batch_backwards += 1
         # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
         step_sampler(self.sampler, _loss_scaler(trainer))
         self._open += 1
@@ -542,6 +558,14 @@ class NoiseScaleCallback(Callback):
                 self.distributed.load_state_dict(self._pending_state)
                 self._pending_state = None
             return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "NoiseScaleCallback measures the accumulation windows of Lightning's automatic "
+                "optimization (accumulate_grad_batches), which manual optimization "
+                "(automatic_optimization=False) does not have. Measure in training_step with "
+                "grabkit.noise.AccumulationNoiseScale(self): end_microbatch(count) after each "
+                "manual_backward, end_step() before the optimizer step (and any clipping)."
+            )
         if trainer.accumulate_grad_batches < 2 and not _schedules_accumulation(trainer):
             raise ValueError(
                 "NoiseScaleCallback compares microbatch gradients with their mean, so in one "
