@@ -19,10 +19,10 @@ pytest.importorskip("accelerate")
 
 from tests.integrations.test_huggingface import arguments
 from tests.integrations.tiny import dataset, params, tiny_bert
-from transformers import BertForSequenceClassification
+from transformers import BertForSequenceClassification, TrainerCallback
 
 from grabkit import OptimizerWrapperGNTS
-from grabkit.integrations.huggingface import GrabkitTrainer
+from grabkit.integrations.huggingface import ExampleGradientNormsCallback, GrabkitTrainer
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +96,36 @@ def test_the_run_after_a_smaller_batch_was_found_is_the_fresh_run(tmp_path, capa
     assert _outcome(found, capability) == _outcome(fresh, capability)
     for name, value in params(found.model).items():
         assert torch.equal(value, params(fresh.model)[name]), name
+
+
+class _LoggedNorms(TrainerCallback):
+    """The (count, mean) of every logged per-example norm summary."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[float, float]] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "grad_norm_per_example/count" in logs:
+            self.logged.append(
+                (logs["grad_norm_per_example/count"], logs["grad_norm_per_example/mean"])
+            )
+
+
+def _logged_norms(root, batch_size: int, fails_at: int | None) -> list[tuple[float, float]]:
+    logged = _LoggedNorms()
+    args = arguments(
+        root, per_device_train_batch_size=batch_size, auto_find_batch_size=fails_at is not None,
+        train_sampling_strategy="sequential",
+    )  # fmt: skip
+    callbacks = [ExampleGradientNormsCallback(), logged]
+    GrabkitTrainer(_model(fails_at), args, train_dataset=dataset(), callbacks=callbacks).train()
+    return logged.logged
+
+
+def test_the_per_example_norms_of_the_failed_attempt_are_not_logged(tmp_path):
+    """The failed attempt trained one microbatch of 8 examples, which the retry trains again:
+    the first log counted them twice (16 norms for a step of 8)."""
+    found = _logged_norms(tmp_path / "found", 2 * FITS, fails_at=2)
+    fresh = _logged_norms(tmp_path / "fresh", FITS, None)
+    assert [count for count, _ in found] == [count for count, _ in fresh]
+    assert [mean for _, mean in found] == pytest.approx([mean for _, mean in fresh], rel=1e-12)

@@ -376,7 +376,8 @@ class GrabkitTrainer(Trainer):
         out-of-memory error, from the first batch of the (resumed) data: the GraB sampler's epoch
         must start again as well (else the retry's iter() would finish the epoch the failed
         attempt began and start another), and the noise scale must not keep the failed
-        attempt's microbatches, whose gradients Trainer zeroed. Neither must an adaptive wrapper
+        attempt's microbatches, whose gradients Trainer zeroed, nor the per-example norms be
+        logged twice for the examples trained again. Neither must an adaptive wrapper
         that applied no update in the failed attempt (its window holds only such microbatches);
         one that did has moved the model, as Trainer's optimizer would have, and keeps its state.
         """
@@ -385,12 +386,16 @@ class GrabkitTrainer(Trainer):
         wrapper = self._adaptive_wrapper()
         owners = {"sampler": self.grab_sampler, "noise_scale": self.noise_scale, "wrapper": wrapper}
         owners = {name: owner for name, owner in owners.items() if owner is not None}
-        if not self._loop_start:  # the first start
+        if not self._loop_start.get("started"):  # the first start
+            self._loop_start["started"] = True
             for name, owner in owners.items():
                 self._keep_loop_start(name, owner)
             return
         if wrapper is not None and wrapper.num_steps != self._loop_start.get("updates"):
             owners.pop("wrapper")
+        for callback in self.callback_handler.callbacks:  # norms the retry measures again
+            if isinstance(callback, ExampleGradientNormsCallback) and callback.norms is not None:
+                callback.norms.take()
         for name, owner in owners.items():
             if self._loop_start.get(name):  # {}: a DDP noise scale not built yet, nothing to undo
                 owner.load_state_dict(copy.deepcopy(self._loop_start[name]))
