@@ -136,7 +136,8 @@ class _CheckpointFiles(TrainerCallback):
 
 class _FlushLastWindow(TrainerCallback):
     """Apply the adaptive wrapper's open window at the last microbatch (before the scheduler's
-    last step), or at train end when training stopped early."""
+    last step), or at train end when training stopped early (before the best checkpoint is
+    loaded, with ``load_best_model_at_end``: ``GrabkitTrainer._load_best_model``)."""
 
     def __init__(self, trainer: GrabkitTrainer) -> None:
         self.trainer = trainer
@@ -476,6 +477,14 @@ class GrabkitTrainer(Trainer):
                     "max_grad_norm=0 to keep the wrapper's)."
                 )
             wrapper.clip_grad_norm = clip
+
+    def _load_best_model(self) -> None:
+        """Apply the open window first (training stopped inside it): Trainer loads the best
+        checkpoint before its train-end callbacks, where the window would land on it."""
+        wrapper = self._adaptive_wrapper()
+        if wrapper is not None:
+            wrapper.flush()
+        super()._load_best_model()
 
     def _adaptive_wrapper(self) -> AdaptiveAccumulationWrapper | None:
         optimizer = self.optimizer
