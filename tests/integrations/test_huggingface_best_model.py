@@ -57,3 +57,30 @@ def test_the_final_model_is_the_best_checkpoint_after_an_early_stop(tmp_path, ad
     for name, value in params(trainer.model).items():
         if name in best:
             assert torch.equal(value, best[name]), name
+
+
+def _continued(root, max_steps: int, resume: str | None = None) -> GrabkitTrainer:
+    args = arguments(
+        root, gradient_accumulation_steps=1, max_steps=max_steps, save_strategy="steps",
+        save_steps=5, train_sampling_strategy="sequential",
+    )  # fmt: skip
+    trainer = GrabkitTrainer(
+        tiny_bert(), args, train_dataset=dataset(), accumulation=_windows_of_four
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_continuing_a_run_whose_end_applied_an_open_window_warns(tmp_path):
+    """max_steps=10 ends inside a window of four, which the run applies at its last microbatch
+    (its final model needs it); its checkpoint-10 holds that early update, so a fit continued
+    from it to 20 steps is not the uninterrupted 20-step run (one update more): warned. A
+    checkpoint from inside the uninterrupted run resumes it exactly, without a warning."""
+    full = _continued(tmp_path / "full", 20)
+    _continued(tmp_path / "short", 10)
+    with pytest.warns(UserWarning, match=r"applied its open accumulation window"):
+        continued = _continued(tmp_path / "short", 20, str(tmp_path / "short" / "checkpoint-10"))
+    assert continued._adaptive_wrapper().num_steps == full._adaptive_wrapper().num_steps + 1
+    resumed = _continued(tmp_path / "full", 20, str(tmp_path / "full" / "checkpoint-10"))
+    for name, value in params(resumed.model).items():
+        assert torch.equal(value, params(full.model)[name]), name

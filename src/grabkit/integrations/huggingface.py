@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -477,6 +478,24 @@ class GrabkitTrainer(Trainer):
                     "max_grad_norm=0 to keep the wrapper's)."
                 )
             wrapper.clip_grad_norm = clip
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        wrapper = self._adaptive_wrapper()
+        if (
+            checkpoint is not None
+            and wrapper is not None
+            and wrapper.counters.last_reason == ("flushed")
+        ):
+            warnings.warn(
+                f"GrabkitTrainer: the run that saved {checkpoint} ended there and applied its "
+                "open accumulation window early (its last microbatches, as its final model "
+                "needs); continuing from it is not the uninterrupted run, which would have "
+                "accumulated on, but has that one update more. For an exact continuation, "
+                "resume from a checkpoint saved before the run's last step.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _load_best_model(self) -> None:
         """Apply the open window first (training stopped inside it): Trainer loads the best
