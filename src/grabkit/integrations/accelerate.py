@@ -17,7 +17,10 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   ``AdaptiveAccumulationWrapper`` inside it with the count, through accelerate's ``GradScaler``
   when mixed precision has one (the wrapper unscales each microbatch itself and drops an
   overflowed one). It refuses ``gradient_accumulation_steps > 1``: ``accelerator.backward``
-  would divide every loss and ``accumulate()`` would hide microbatches from the wrapper.
+  would divide every loss and ``accumulate()`` would hide microbatches from the wrapper. Clip
+  with the wrapper's ``clip_grad_norm=``, which clips the window's averaged gradient, not with
+  ``accelerator.clip_grad_norm_`` before ``adaptive_step``: that would clip every microbatch
+  before the wrapper measures it, and a norm-threshold rule would see the clipped norms.
 * :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after

@@ -53,7 +53,9 @@ What it wires, and why plain callbacks cannot:
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -135,7 +137,8 @@ class _CheckpointFiles(TrainerCallback):
 
 class _FlushLastWindow(TrainerCallback):
     """Apply the adaptive wrapper's open window at the last microbatch (before the scheduler's
-    last step), or at train end when training stopped early."""
+    last step), or at train end when training stopped early (before the best checkpoint is
+    loaded, with ``load_best_model_at_end``: ``GrabkitTrainer._load_best_model``)."""
 
     def __init__(self, trainer: GrabkitTrainer) -> None:
         self.trainer = trainer
@@ -259,6 +262,9 @@ class GrabkitTrainer(Trainer):
         self._resume_folder: str | None = None
         self._wrapper_clip: float | None = None  # max_grad_norm, moved to the wrapper
         self._items_followed: bool | None = None  # the loss follows num_items_in_batch
+        # while train() runs: grabkit's states when Trainer's training loop first started
+        # (auto_find_batch_size starts it again after an out-of-memory error)
+        self._loop_start: dict[str, Any] | None = None
         self._check_combination(noise_scale)
         if self.grouping_options is not None:
             GroupedForward(self.model, **self.grouping_options)  # options checked now
@@ -361,7 +367,49 @@ class GrabkitTrainer(Trainer):
         loader = super().get_train_dataloader()
         if self.grab_sampler is not None:
             shard_by_sampler(loader)  # the sampler splits the epoch across ranks, not accelerate
+        self._start_training_loop()
         return loader
+
+    def _start_training_loop(self) -> None:
+        """Trainer's training loop builds its loader first: keep grabkit's states as they are
+        then, or, when the loop starts again within one ``train()``, restore them.
+
+        ``auto_find_batch_size`` runs the loop again with half the batch size after an
+        out-of-memory error, from the first batch of the (resumed) data: the GraB sampler's epoch
+        must start again as well (else the retry's iter() would finish the epoch the failed
+        attempt began and start another), and the noise scale must not keep the failed
+        attempt's microbatches, whose gradients Trainer zeroed, nor the per-example norms be
+        logged twice for the examples trained again. Neither must an adaptive wrapper
+        that applied no update in the failed attempt (its window holds only such microbatches);
+        one that did has moved the model, as Trainer's optimizer would have, and keeps its state.
+        """
+        if self._loop_start is None:  # outside train()
+            return
+        wrapper = self._adaptive_wrapper()
+        owners = {"sampler": self.grab_sampler, "noise_scale": self.noise_scale, "wrapper": wrapper}
+        owners = {name: owner for name, owner in owners.items() if owner is not None}
+        if not self._loop_start.get("started"):  # the first start
+            self._loop_start["started"] = True
+            for name, owner in owners.items():
+                self._keep_loop_start(name, owner)
+            return
+        if wrapper is not None and wrapper.num_steps != self._loop_start.get("updates"):
+            owners.pop("wrapper")
+        for callback in self.callback_handler.callbacks:  # norms the retry measures again
+            if isinstance(callback, ExampleGradientNormsCallback) and callback.norms is not None:
+                callback.norms.take()
+        for name, owner in owners.items():
+            if self._loop_start.get(name):  # {}: a DDP noise scale not built yet, nothing to undo
+                owner.load_state_dict(copy.deepcopy(self._loop_start[name]))
+
+    def _keep_loop_start(self, name: str, owner: Any) -> None:
+        """Keep ``owner``'s state as the training loop's first start found it (the wrapper's
+        when Trainer creates it, after the loader)."""
+        if self._loop_start is None or name in self._loop_start:
+            return
+        self._loop_start[name] = copy.deepcopy(owner.state_dict())
+        if name == "wrapper":
+            self._loop_start["updates"] = owner.num_steps
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """``Trainer.train``; also restores grabkit's state from the checkpoint."""
@@ -393,16 +441,20 @@ class GrabkitTrainer(Trainer):
                     "each layer per backward; use one of them."
                 )
             self.grouped_forward = GroupedForward(self.model, **self.grouping_options).attach()
+        self._loop_start = {}
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         finally:
+            self._loop_start = None
             if self.grouped_forward is not None:
                 self.grouped_forward.detach()
 
     # -- adaptive accumulation -------------------------------------------------------------------
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self.accumulation is not None and not isinstance(optimizer, AdaptiveAccumulationWrapper):
+        # Trainer keeps its optimizer when its training loop starts again (auto_find_batch_size):
+        # then accelerate's AcceleratedOptimizer around the wrapper, which must not be wrapped twice
+        if self.accumulation is not None and self._adaptive_wrapper() is None:
             wrapper = self.accumulation(optimizer)
             if not isinstance(wrapper, AdaptiveAccumulationWrapper):
                 raise TypeError(
@@ -410,8 +462,10 @@ class GrabkitTrainer(Trainer):
                     f"(e.g. OptimizerWrapperGNTS(optimizer)), but returned {type(wrapper).__name__}"
                 )
             self.optimizer = wrapper
-        if isinstance(self.optimizer, AdaptiveAccumulationWrapper):
-            self._configure_wrapper(self.optimizer)
+        wrapper = self._adaptive_wrapper()
+        if wrapper is not None:
+            self._configure_wrapper(wrapper)
+            self._keep_loop_start("wrapper", wrapper)
         return self.optimizer
 
     def _configure_wrapper(self, wrapper: AdaptiveAccumulationWrapper) -> None:
@@ -424,6 +478,32 @@ class GrabkitTrainer(Trainer):
                     "max_grad_norm=0 to keep the wrapper's)."
                 )
             wrapper.clip_grad_norm = clip
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        wrapper = self._adaptive_wrapper()
+        if (
+            checkpoint is not None
+            and wrapper is not None
+            and wrapper.counters.last_reason == ("flushed")
+        ):
+            warnings.warn(
+                f"GrabkitTrainer: the run that saved {checkpoint} ended there and applied its "
+                "open accumulation window early (its last microbatches, as its final model "
+                "needs); continuing from it is not the uninterrupted run, which would have "
+                "accumulated on, but has that one update more. For an exact continuation, "
+                "resume from a checkpoint saved before the run's last step.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _load_best_model(self) -> None:
+        """Apply the open window first (training stopped inside it): Trainer loads the best
+        checkpoint before its train-end callbacks, where the window would land on it."""
+        wrapper = self._adaptive_wrapper()
+        if wrapper is not None:
+            wrapper.flush()
+        super()._load_best_model()
 
     def _adaptive_wrapper(self) -> AdaptiveAccumulationWrapper | None:
         optimizer = self.optimizer

@@ -233,6 +233,7 @@ class GraBCallback(Callback):
         self._resumed_at_epoch_end = False  # the loaded state was saved after an epoch's end
         self._loaded: dict[str, Any] | None = None  # loaded for this fit, read at train start
         self._open = 0  # backwards since the last optimizer step (checkpointed)
+        self._batch_backwards = 0  # backwards over the batch under way
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer = trainer
@@ -285,7 +286,22 @@ class GraBCallback(Callback):
         if message is not None:
             raise ValueError(message)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._batch_backwards = 0
+
     def on_after_backward(self, trainer, pl_module) -> None:
+        if self._batch_backwards:  # manual optimization: a backward over the same examples
+            raise ValueError(
+                f"GraBCallback: training_step ran a second backward over batch "
+                f"{trainer.fit_loop.epoch_loop.batch_idx} (manual optimization: one per "
+                "optimizer, or a loss backpropagated twice). The callback steps the GraBSampler "
+                "after every backward with the examples of the next batch it yielded, so the "
+                "second backward's gradients would be credited to another batch's examples. "
+                "Run one manual_backward per batch (sum the losses first), or step the sampler "
+                "yourself in training_step (sampler.step() once per batch, after the backward "
+                "whose gradients should order the examples) without GraBCallback."
+            )
+        self._batch_backwards += 1
         # this microbatch's examples, with their own gradients ("16-mixed": the scale divided out)
         step_sampler(self.sampler, _loss_scaler(trainer))
         self._open += 1
@@ -295,11 +311,28 @@ class GraBCallback(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
+            self.sampler = self._sampler_held_by_the_fit()
+        if self.sampler is None:
             return {}
         # Lightning prefetches a batch: hand the in-flight examples back to the sampler
         ended = _lightning_epoch_over(self._trainer)
         state = rewound_state(self.sampler.state_dict(), self.sampler.num_samples, ended=ended)
         return {"sampler": state, "open_microbatches": self._open}
+
+    def _sampler_held_by_the_fit(self) -> GraBSampler | None:
+        """The one ``GraBSampler`` the fit's LightningModule or DataModule holds, or None.
+
+        A checkpoint can be saved before this callback's ``on_fit_start`` found the sampler:
+        Lightning's ``Tuner`` saves one before its trial fits (``scale_batch_size``,
+        ``lr_find``), which draw from the loader with the callbacks taken out, and restores it
+        after them; the sampler's state must be in it, or the fit after the tuning would start
+        where the trials left the sampler.
+        """
+        trainer = self._trainer
+        if trainer is None:
+            return None
+        held = _held_samplers(trainer.lightning_module, trainer.datamodule)
+        return held[0] if len(held) == 1 else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "sampler" not in state_dict:
@@ -327,8 +360,8 @@ class GraBCallback(Callback):
         start, where ``fit_loop.restarting`` says whether Lightning continues inside the saved
         epoch (a checkpoint from inside it, or iteration-based training with ``max_steps``).
         """
-        if state.get("ended"):
-            return
+        if state.get("ended") or not state.get("started"):
+            return  # over already, or saved before its epoch began (the Tuner's): nothing to end
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples, ended=True)
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
@@ -390,8 +423,8 @@ class AdaptiveAccumulationCallback(Callback):
 
     Each batch's ``count`` reaches the wrapper, Lightning's clipping moves to the wrapper,
     step-interval LR schedulers advance on real updates only (``RealUpdateSchedule``: warm-up and
-    decay are counted in updates), and the window still open when training ends is applied
-    (``flush``).
+    decay are counted in updates, a ``frequency`` of k in k real updates), and the window still
+    open when training ends is applied (``flush``).
 
     Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``) the wrapper all-reduces what it decides on,
     so every rank takes the same decisions, and the run is the one-process run over the global
@@ -435,7 +468,9 @@ class AdaptiveAccumulationCallback(Callback):
         _refuse_unequal_counts(wrapper, trainer)
         for config in trainer.lr_scheduler_configs:
             if config.interval == "step" and not isinstance(config.scheduler, RealUpdateSchedule):
-                config.scheduler = RealUpdateSchedule(config.scheduler, wrapper)
+                # every `frequency` real updates: Lightning calls it after every microbatch
+                frequency, config.frequency = config.frequency, 1
+                config.scheduler = RealUpdateSchedule(config.scheduler, wrapper, frequency)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         count = self.count_fn(batch)
@@ -523,6 +558,14 @@ class NoiseScaleCallback(Callback):
                 self.distributed.load_state_dict(self._pending_state)
                 self._pending_state = None
             return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "NoiseScaleCallback measures the accumulation windows of Lightning's automatic "
+                "optimization (accumulate_grad_batches), which manual optimization "
+                "(automatic_optimization=False) does not have. Measure in training_step with "
+                "grabkit.noise.AccumulationNoiseScale(self): end_microbatch(count) after each "
+                "manual_backward, end_step() before the optimizer step (and any clipping)."
+            )
         if trainer.accumulate_grad_batches < 2 and not _schedules_accumulation(trainer):
             raise ValueError(
                 "NoiseScaleCallback compares microbatch gradients with their mean, so in one "

@@ -13,19 +13,32 @@ class RealUpdateSchedule:
     """An LR scheduler that advances only when the adaptive wrapper really stepped.
 
     Frameworks call ``lr_scheduler.step()`` after every ``optimizer.step()``, i.e. after every
-    microbatch the wrapper folds; this forwards the call only when ``wrapper.num_steps`` moved
-    since the last one, so warm-up and decay are counted in real updates. Everything else
+    microbatch the wrapper folds; this forwards the call once for every ``frequency`` real
+    updates (``wrapper.num_steps``) made since the last one, so warm-up and decay are counted in
+    real updates. The framework must then call it after every microbatch: Lightning's own
+    ``frequency`` (every k batches, counted from each epoch's start) would count microbatches,
+    and one call that saw a window of updates would advance the schedule once. Everything else
     (``get_last_lr``, ``last_epoch``, ...) is the inner scheduler's; the checkpoint state is the
     inner state plus the update count seen.
+
+    Args:
+        scheduler: the LR scheduler over the wrapper (or its inner optimizer).
+        wrapper: the ``AdaptiveAccumulationWrapper`` whose real updates are counted.
+        frequency: real updates per scheduler step (Lightning's ``frequency``, moved here).
     """
 
-    def __init__(self, scheduler: Any, wrapper: AdaptiveAccumulationWrapper) -> None:
-        self.scheduler, self.wrapper = scheduler, wrapper
+    def __init__(
+        self, scheduler: Any, wrapper: AdaptiveAccumulationWrapper, frequency: int = 1
+    ) -> None:
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise ValueError(f"frequency should be a positive int, but got {frequency!r}")
+        self.scheduler, self.wrapper, self.frequency = scheduler, wrapper, frequency
         self.updates_seen = wrapper.num_steps
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.wrapper.num_steps != self.updates_seen:
-            self.updates_seen = self.wrapper.num_steps
+        updates, seen = self.wrapper.num_steps, self.updates_seen
+        self.updates_seen = updates
+        for _ in range(updates // self.frequency - seen // self.frequency):
             self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

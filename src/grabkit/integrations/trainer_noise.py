@@ -163,6 +163,7 @@ class TrainerNoiseScale:
         return self.estimator.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        self._counts = []  # a loaded state starts at a window's start
         if self.estimator is None:
             self._pending_state = state
         else:

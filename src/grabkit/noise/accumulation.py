@@ -175,6 +175,12 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         # a block's hook ran twice in this microbatch (two backwards)
         self.add_state("repeated", False, attribute="_repeated", load=bool)
         self.add_state("counts", [], attribute="_micro_counts", save=list, load=_floats)
+        # the factor each closed microbatch's mean loss was multiplied by (``share=``), or
+        # empty: every loss scaled by its count's share of the step (states saved before
+        # shares were kept lack it)
+        self.add_state(
+            "shares", [], attribute="_micro_shares", save=list, load=_floats, optional=True
+        )
         self.add_state("scales_sq", [], attribute="_micro_scales_sq", save=list, load=_floats)
         # the wrapper's agreed count per microbatch (states saved before it was kept lack it)
         self.add_state(
@@ -240,7 +246,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
                 f"the estimate. Build a new estimator (and optimizer) after changing the model."
             )
 
-    def _close_microbatch(self, count: float) -> None:
+    def _close_microbatch(self, count: float, share: float | None = None) -> None:
         self._check_parameters_unchanged()
         if self._repeated:
             self._forget_row()
@@ -249,7 +255,20 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
                 "each backward's gradient on its own, so call end_microbatch(count) after every "
                 "backward() with the number of examples that backward covered"
             )
-        self._micro_counts.append(check_positive("count", count))
+        count = check_positive("count", count)
+        if share is not None:
+            share = check_positive("share", share)
+        if self._row and (share is None) != (not self._micro_shares):
+            raise ValueError(
+                f"end_microbatch(share={share}) in a step whose earlier microbatches were "
+                f"closed {'without' if share is not None else 'with'} a share: the step "
+                "gradient's weights are either every microbatch's share (the factor its mean "
+                "loss was multiplied by) or, without share=, every count's part of the step; "
+                "pass share= for every microbatch of the step or for none"
+            )
+        self._micro_counts.append(count)
+        if share is not None:
+            self._micro_shares.append(share)
         self._micro_scales_sq.append(loss_scale_squared(self.grad_scaler))
         self._row += 1
         self._written = [False] * len(self._params)
@@ -263,18 +282,31 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
 
     def _clear_step(self) -> None:
         self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
+        self._micro_shares = []
         self._window_counts = []
         self._squares.zero_()
 
     # ------------------------------------------------------------------ a plain loop
-    def end_microbatch(self, count: float) -> None:
+    def end_microbatch(self, count: float, share: float | None = None) -> None:
         """Close the microbatch whose ``backward()`` just ran; ``count`` is its example count
         (on this rank).
+
+        ``share``: the factor this microbatch's mean loss was multiplied by before its backward,
+        when it is not ``count`` over the step's examples. accelerate's ``accumulate()`` divides
+        every loss by ``gradient_accumulation_steps`` (``accelerator.backward``), also in a
+        window cut short by the end of the loader and for a smaller last batch: pass
+        ``share=1 / accelerator.gradient_accumulation_steps``. The step gradient is then
+        ``sum_k share_k g_k``, which the estimator divides by ``sum_k share_k`` to get the
+        weighted mean it measures (weights ``share_k / sum share``), instead of reading a window
+        of two microbatches out of four as a mean at half its size. Give it for every
+        microbatch of a step or for none; with several ranks every rank's shares must add up
+        to the same sum (as accelerate's even batches make them), else ``end_step`` finds the
+        step gradients differ across ranks and raises.
 
         Only bookkeeping: the squares are already in their row; ``end_step`` reads them all.
         """
         self._refuse_if_following("end_microbatch")
-        self._close_microbatch(count)
+        self._close_microbatch(count, share)
 
     def end_step(self) -> NoiseScaleResult | None:
         """Close the step: fold its estimate into the averages and return the current result.
@@ -312,12 +344,26 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             ]
         )
         counts = to_device(torch.tensor(self._micro_counts, dtype=torch.float64), self._device)
+        scale_sq = self._micro_scales_sq[-1] if self._micro_scales_sq else 1.0
+        if self._micro_shares:
+            return self._fold_shared(counts, step / scale_sq)
         # the increment is d_k = (n_k / B_r) g_k: losses scaled by their share of this rank's
         # batch, and the ranks averaged
         weights = counts / counts.sum() / self._world()
         norms = self._true_squares() / (weights * self._world())[:, None].square()
-        scale_sq = self._micro_scales_sq[-1] if self._micro_scales_sq else 1.0
         return self._fold(norms, counts, weights, step / scale_sq)
+
+    def _fold_shared(
+        self, counts: torch.Tensor, step_norm_sq: torch.Tensor
+    ) -> NoiseScaleResult | None:
+        """Close a step whose microbatch losses were multiplied by the given shares s_k: the
+        increment is d_k = s_k g_k, the step gradient sum_k s_k g_k (the ranks averaged), so the
+        weighted mean is that over S = sum_k s_k, with weights s_k / (S R)."""
+        shares = to_device(torch.tensor(self._micro_shares, dtype=torch.float64), self._device)
+        total = shares.sum()
+        weights = shares / total / self._world()
+        norms = self._true_squares() / shares[:, None].square()
+        return self._fold(norms, counts, weights, step_norm_sq / total.square())
 
     def _refuse_if_following(self, what: str) -> None:
         if self._wrapper is not None:
@@ -434,6 +480,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             or len(state["scales_sq"]) != len(counts)
             or len(state["written"]) != blocks
             or len(state.get("window_counts", [])) not in (0, len(counts))
+            or len(state.get("shares", [])) not in (0, len(counts))
         ):
             raise ValueError(
                 f"AccumulationNoiseScale state does not fit {blocks} blocks: squares of shape "

@@ -501,7 +501,7 @@ class GraBSampler(Sampler[int], Stateful):
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started and not state.get("ended", False)
         self._numbered = None
-        self.source.clear()
+        self.source.discard()  # statistics of backwards before the load, the last one included
         self._token += 1
         self._publish()
 
