@@ -334,6 +334,7 @@ class _ModelBatch:
     def __init__(self, tensors: list[torch.Tensor], model: nn.Module) -> None:
         self.size = tensors[0].shape[0]
         self.shape = tuple(tensors[0].shape)
+        self.tensors = tensors  # the batch, for ``PerSampleStats.step_inputs``
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
         self._model = model
         self._state_storages: set[int] | None = None  # read on first need, once per step
@@ -1538,6 +1539,11 @@ class PerSampleStats(StatisticsSource):
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
+
+    @property
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the model's forward took in this step (() before it ran)."""
+        return () if self._batch is None else tuple(self._batch.tensors)
 
     @property
     def parameter_gradients_seen(self) -> bool:
