@@ -223,3 +223,38 @@ def test_accumulation_over_chunks_of_one_tensor_is_no_second_pass(reference_tool
         hooked.step()
     assert list(hooked) == list(given)
     hooked.close()
+
+
+def test_a_token_mean_loss_balanced_with_its_count_as_grad_scale():
+    """A token-level mean over a padded batch is B / n_tokens times the mean of the examples'
+    token sums, a factor that changes from batch to batch; ``step(grad_scale=B / n_tokens)``
+    balances every batch's token sums on one scale (as a sampler given them would)."""
+    gen = torch.Generator().manual_seed(1)
+    T = 4
+    x, y = torch.randn(N, T, 5, generator=gen), torch.randint(0, 3, (N, T), generator=gen)
+    mask = (torch.arange(T) < torch.randint(1, T + 1, (N, 1), generator=gen)).double()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def token_sums(out, target, m):
+        return (F.cross_entropy(out.transpose(1, 2), target, reduction="none") * m).sum(1)
+
+    hooked = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH)
+    given = GraBSampler(range(N), balance_type="pair")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        order = list(hooked)
+        assert order == list(given)
+        for start in range(0, N, BATCH):
+            idx = torch.tensor(order[start : start + BATCH])
+            n_tokens = mask[idx].sum()
+            opt.zero_grad()
+            (token_sums(model(x[idx]), y[idx], mask[idx]).sum() / n_tokens).backward()
+            hooked.step(grad_scale=float(BATCH / n_tokens))
+            sums = token_sums(model(x[idx]), y[idx], mask[idx])
+            params = list(model.parameters())
+            reference = [torch.autograd.grad(s, params, retain_graph=True) for s in sums]
+            given.step(torch.stack([torch.cat([g.reshape(-1) for g in r]) for r in reference]))
+            opt.step()
+    assert list(hooked) == list(given)
+    hooked.close()

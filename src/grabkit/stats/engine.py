@@ -589,6 +589,11 @@ class PerSampleStats(StatisticsSource):
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
             (``grabkit.stats.rules.register_rule``).
         loss_reduction: ``"mean"`` or ``"sum"``, how the batch loss combines the examples.
+            g_i is read in that scale from the gradient the backward delivers: a loss divided
+            by a count that changes from batch to batch (a token-level mean over a padded
+            batch, ``(l * mask).sum() / mask.sum()``) gives, with ``"mean"``, B / count times
+            the gradient of example i's token sum (divide it out, as
+            ``GraBSampler.step(grad_scale=B / count)`` does).
         torch_func_fallback: layers with trainable parameters but no rule get their per-example
             gradients by ``torch.func`` (materialised for that layer only; see
             ``grabkit.stats.fallback``) instead of an error at attach time.

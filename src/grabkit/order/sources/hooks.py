@@ -50,11 +50,13 @@ _SAME_INPUT = (
     "of shape {shape}), but the sampler takes each backward as the next yielded examples, so "
     "the second would be credited to the next batch's examples (and every batch after them "
     "shifted). A step that differentiates one batch twice into .grad (SAM's ascent and descent "
-    "passes, LBFGS's closure evaluations, a clean and a perturbed pass on the same tensor) "
+    "passes, LBFGS's closure evaluations, a loss split into two passes over the same tensor) "
     "must leave the sampler one backward per batch: take the other gradients with "
     "torch.autograd.grad, which the sampler does not count (and set .grad from them yourself "
     "where the optimiser reads it), or pass the batch's per-example gradients to "
-    "step(grads), or skip() the batch."
+    "step(grads), or skip() the batch. Micro-batches copied in turn into one input buffer "
+    "look the same and are refused too (the statistics of the first read the second's "
+    "values): give the model a new tensor for each."
 )
 
 
