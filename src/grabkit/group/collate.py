@@ -71,6 +71,15 @@ class GroupingCollate:
         if rank == 0:
             raise ValueError(f"length_dims {self.length_dims} do not fit items of rank 0")
         dims = normalise_dims(self.length_dims, rank, "each item")
+        fixed = [d for d in range(rank) if d not in dims]
+        first = [tensors[0].shape[d] for d in fixed]
+        for i, t in enumerate(tensors):
+            if t.dim() != rank or [t.shape[d] for d in fixed] != first:
+                raise ValueError(
+                    f"item {i} of the batch has shape {tuple(t.shape)} but item 0 has "
+                    f"{tuple(tensors[0].shape)}: items may differ only along length_dims "
+                    f"{dims}; pass length_dims= naming every dim that varies"
+                )
         lengths = torch.tensor([[t.shape[d] for d in dims] for t in tensors], dtype=torch.long)
         return dims, lengths
 
@@ -87,6 +96,7 @@ class GroupingCollate:
             raise ValueError("cannot collate an empty batch")
         split = [self._split_sample(s) for s in samples]
         tensors = [torch.as_tensor(t) for t, _ in split]
+        _check_pad_value(self.pad_value, tensors[0].dtype)
         dims, lengths = self._lengths(tensors)
         plan: GroupPlan = plan_groups(lengths, **self.planning)
         signature = Signature(
@@ -109,3 +119,19 @@ class GroupingCollate:
         return GroupedBatch(
             padded, ordered, plan, tuple(d + 1 for d in dims), extras, self.pad_value
         )
+
+
+def _check_pad_value(pad_value: float, dtype: torch.dtype) -> None:
+    """Raise unless ``pad_value`` is stored exactly in ``dtype`` (an integer tensor would
+    silently truncate 0.5 to 0, or fail deep inside padding on NaN)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    value = float(pad_value)
+    if not (value == value and abs(value) != float("inf") and value == int(value)):
+        raise ValueError(
+            f"pad_value={pad_value!r} cannot be stored in the items' dtype {dtype}; pass an "
+            "integer pad_value (a padding token id) for integer items"
+        )
+    info = torch.iinfo(dtype) if dtype != torch.bool else None
+    if info is not None and not info.min <= int(value) <= info.max:
+        raise ValueError(f"pad_value={pad_value!r} lies outside the range of {dtype}")

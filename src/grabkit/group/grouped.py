@@ -130,9 +130,20 @@ class GroupedBatch:
         return out
 
     def merge(self, outputs: Sequence[Tensor]) -> Tensor:
-        """Group outputs (batch dim 0) -> one batch in the original item order."""
+        """Group outputs (batch dim 0) -> one batch in the original item order.
+
+        ``outputs[g]`` holds one row per row of group ``g``'s input (``plan.rows[g]``, padding
+        rows of bucketed sizes included, or just its items); anything else raises, since its
+        rows could not be told apart (a transposed or batch-reduced output).
+        """
+        if len(outputs) != len(self.plan):
+            raise ValueError(
+                f"merge got {len(outputs)} outputs for a plan of {len(self.plan)} groups; pass "
+                "one output per group, in the order of group_inputs()"
+            )
         trimmed = [
-            o[: stop - start] for o, (start, stop) in zip(outputs, self.plan.slices, strict=False)
+            check_group_rows(o, g, stop - start, self.plan.rows[g])[: stop - start]
+            for g, (o, (start, stop)) in enumerate(zip(outputs, self.plan.slices, strict=True))
         ]
         shapes = {tuple(o.shape[1:]) for o in trimmed}
         ragged = []
@@ -390,16 +401,30 @@ def backward_by_group(
     scale = 1.0 / len(batch) if reduction == "mean" else 1.0
     masks = batch.group_masks() if pass_mask else [None] * len(batch.plan)
     total: Tensor | None = None
-    groups = zip(batch.group_inputs(), masks, batch.plan.groups, batch.plan.rows, strict=False)
+    groups = zip(batch.group_inputs(), masks, batch.plan.groups, batch.plan.rows, strict=True)
     with grouped_run(len(batch)) as run:
-        for x, mask, items, rows in groups:
+        for g, (x, mask, items, rows) in enumerate(groups):
             with run.group(items, rows, (x, mask)):
-                out = _call(module, x, mask, (), {})[: len(items)]  # padding rows cut off
+                out = _call(module, x, mask, (), {})
+                out = check_group_rows(out, g, len(items), rows)[: len(items)]  # padding rows
                 with run.group(items):  # what loss_fn computes holds the items' rows only
                     loss = _group_loss(out, items, loss_fn) * scale
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()  # no host sync
     return total if total is not None else torch.zeros(())
+
+
+def check_group_rows(out: Tensor, group: int, items: int, rows: int) -> Tensor:
+    """``out``, a group's output, after checking that it has a row per input row (``rows``,
+    bucketed padding rows included) or per item (``items``)."""
+    if out.dim() == 0 or out.shape[0] not in (items, rows):
+        shape = tuple(out.shape)
+        raise ValueError(
+            f"group {group} ran on {rows} rows ({items} items) but its output has shape "
+            f"{shape}: grouping needs one output row per input row, batch dim first (a module "
+            "that reduces over the batch or moves the batch dim cannot be grouped)"
+        )
+    return out
 
 
 def _group_loss(out: Tensor, items: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:

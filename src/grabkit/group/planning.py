@@ -189,7 +189,10 @@ def _round_up(value: int, buckets: Sequence[int] | None) -> int:
 def _check_buckets(buckets: Sequence[int] | None, name: str) -> list[int] | None:
     if buckets is None:
         return None
-    out = sorted({int(b) for b in buckets})
+    values = list(buckets)
+    if any(isinstance(b, bool) or int(b) != b for b in values):
+        raise TypeError(f"{name} should hold whole numbers, but got {buckets!r}")
+    out = sorted({int(b) for b in values})
     if not out or out[0] < 1:
         raise ValueError(f"{name} should be a non-empty list of positive ints, but got {buckets!r}")
     return out

@@ -12,8 +12,12 @@ from torch.utils.data import Sampler
 from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
 from grabkit.order.sources import Gradients, GradientSource, LossScaler
+from grabkit.validation import check_bool
 
-__all__ = ["GraBBatchSampler"]
+__all__ = ["BATCHING_KEYS", "GraBBatchSampler"]
+
+#: what a ``GraBBatchSampler`` adds to its sampler's saved configuration
+BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
 
 
 class GraBBatchSampler(Sampler[list[int]]):
@@ -41,7 +45,7 @@ class GraBBatchSampler(Sampler[list[int]]):
     ) -> None:
         self.sampler = GraBSampler(data_source, ordering, source, batch_size=batch_size, **kwargs)
         self.batch_size = self.sampler.batch_size
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
 
     def __iter__(self) -> Iterator[list[int]]:
         batch: list[int] = []
@@ -86,7 +90,31 @@ class GraBBatchSampler(Sampler[list[int]]):
         self.sampler.update_v(second_moment)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
+        """The sampler's state, its configuration extended by this form's ``batch_size`` and
+        ``drop_last`` (they decide which examples each batch holds)."""
+        state = self.sampler.state_dict()
+        state["config"] = {**state["config"], **self._batching()}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
+        """Restore a ``state_dict()`` of this form or of its ``GraBSampler``; a state of this
+        form saved with another ``batch_size`` or ``drop_last`` raises (the batches, and the
+        decisions of orderings that balance whole batches, would differ from the saved run's)."""
+        config = dict(state.get("config", {}))
+        saved = {key: config.pop(key) for key in BATCHING_KEYS if key in config}
+        mine = self._batching()
+        differ = sorted(key for key, value in saved.items() if value != mine[key])
+        if differ:
+            pairs = ", ".join(f"{key}={saved[key]!r} vs {mine[key]!r}" for key in differ)
+            raise ValueError(
+                f"GraBBatchSampler.load_state_dict: the state was saved with other batches "
+                f"({pairs}, saved vs this sampler); build it with the batch_size and drop_last "
+                "of the run that was saved."
+            )
+        self.sampler.load_state_dict({**state, "config": config})
+
+    def _batching(self) -> dict[str, Any]:
+        return {
+            "batch_sampler_batch_size": self.batch_size,
+            "batch_sampler_drop_last": self.drop_last,
+        }

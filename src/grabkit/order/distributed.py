@@ -107,6 +107,13 @@ def gather_rows(
             "torch.distributed.init_process_group(...) before stepping."
         )
     W = num_replicas
+    if dist.get_world_size() != W:
+        raise ValueError(
+            f"num_replicas={W}, but the process group has {dist.get_world_size()} ranks: the "
+            "ranks exchange gradients over the default process group, so the sampler's "
+            "num_replicas must be its world size (leave num_replicas and rank unset to take "
+            "them from the group)."
+        )
     shape = torch.tensor([X.shape[0], stepped, X.shape[1]], device=X.device)
     sizes = [torch.zeros(3, dtype=torch.int64, device=X.device) for _ in range(W)]
     dist.all_gather(sizes, shape)

@@ -50,7 +50,7 @@ from grabkit.order.sources import (
     param_dim,
 )
 from grabkit.order.transforms import Cast, GatherAcrossRanks, Normalize, Project, Transform
-from grabkit.validation import check_int
+from grabkit.validation import check_bool, check_int
 
 __all__ = ["STATISTICS", "SamplerParts", "sampler_parts"]
 
@@ -193,10 +193,11 @@ def _ordering(
             f"{foreign}, which are options of {owners}: they would change nothing. Drop them, "
             "or choose the ordering they belong to."
         )
-    rule = SignRule(bool(values["probabilistic"]), values["prob_balance_c"])
+    probabilistic = values["probabilistic"]  # None: not given
+    rule = SignRule(False if probabilistic is None else probabilistic, values["prob_balance_c"])
     block_policy: BlockPolicy | None = values["block_policy"]
     return cls(
-        n, seed=values["seed"], rule=rule, random_first_epoch=bool(values["random_first_epoch"]),
+        n, seed=values["seed"], rule=rule, random_first_epoch=values["random_first_epoch"],
         block_policy=block_policy, **options,
     )  # fmt: skip
 
@@ -244,7 +245,7 @@ def _transforms(values: Mapping[str, Any], num_replicas: int) -> tuple[Transform
                 )
     if num_replicas > 1:
         chain.append(GatherAcrossRanks())
-    if values["normalize"]:
+    if values["normalize"] is not None and check_bool("normalize", values["normalize"]):
         chain.append(Normalize())
     return tuple(chain)
 

@@ -48,6 +48,13 @@ def first_position(
     if indices is not None and local is not None:
         return _locate(local(), indices, B, stepped, num_samples, epoch)
     end = stepped + B
+    if not hook and yielded and end > yielded:  # yielded 0: driven by its order, not iterated
+        raise ValueError(
+            f"step() got gradients of {B} examples, but only {yielded - stepped} of the "
+            f"examples yielded in epoch {epoch} were not stepped yet (positions "
+            f"{stepped}..{end - 1} were not all handed out); step each batch after the loader "
+            "yielded it (iter(sampler) starts the epoch), with one gradient per example."
+        )
     mid_batch = end % batch_size and end < num_samples
     if hook and B and ((yielded and end > yielded) or mid_batch):  # yielded 0: not iterated
         raise ValueError(
@@ -68,7 +75,13 @@ def _locate(
     num_samples: int,
     epoch: int,
 ) -> int:
-    wanted = torch.as_tensor(indices).reshape(-1).to(torch.int64)
+    wanted = torch.as_tensor(indices)
+    if wanted.is_floating_point() or wanted.is_complex() or wanted.dtype == torch.bool:
+        raise TypeError(
+            f"step(indices=...) should hold integer dataset indices, but got dtype "
+            f"{wanted.dtype}; pass the indices as yielded (e.g. the batch's idx column, .long())."
+        )
+    wanted = wanted.reshape(-1).to(torch.int64)
     if wanted.numel() != B:
         raise ValueError(
             f"step() got {wanted.numel()} indices for the gradients of {B} examples; pass "

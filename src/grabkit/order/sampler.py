@@ -62,11 +62,14 @@ from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch, named_to_flat
-from grabkit.validation import check_non_negative_int, check_positive_int
+from grabkit.validation import check_bool, check_non_negative_int, check_positive_int
 
 __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
+
+#: what ``GraBBatchSampler`` adds to the configuration it saves (its batch_size, drop_last)
+_BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
 
 #: what the configuration records for the transforms when the chain holds none of them
 _NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
@@ -151,7 +154,7 @@ class GraBSampler(Sampler[int], Stateful):
     ) -> None:
         self.n = dataset_size(data_source)
         self.batch_size = check_positive_int("batch_size", batch_size)
-        self.drop_last = bool(drop_last)
+        self.drop_last = check_bool("drop_last", drop_last)
         self.topology = Topology.of(self.n, num_replicas, rank, self.drop_last)
         if keywords or not isinstance(ordering, Ordering):
             if ordering is not None and not isinstance(ordering, Ordering):
@@ -332,6 +335,10 @@ class GraBSampler(Sampler[int], Stateful):
             self._agreed = True
         if self._requested_epoch == self._epoch and (self._resume or not self._started):
             self._requested_epoch = None  # set_epoch(e) for the epoch already under way
+        if self._resume and self._requested_epoch is not None:
+            # a loop that numbers its epochs asked for the next one after the load: the rest of
+            # the saved epoch is abandoned, as the uninterrupted run's iter() would abandon it
+            self._resume = False
         if self._resume:
             self._resume = False
             # examples handed out before the snapshot and not stepped since were trained on
@@ -479,6 +486,8 @@ class GraBSampler(Sampler[int], Stateful):
                 'statistics="exact" with per-example gradients passed to step() for "adamean".'
             )
         if isinstance(second_moment, Mapping):
+            if isinstance(self.source, DenseGradients):  # the gradients' names and order
+                second_moment = self.source.in_layout(second_moment, "update_v()", 0)
             second_moment = named_to_flat(second_moment)
         self.ordering.update_v(second_moment.reshape(-1))
 
@@ -506,6 +515,9 @@ class GraBSampler(Sampler[int], Stateful):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
+        if any(key in state.get("config", {}) for key in _BATCHING_KEYS):  # the batch form's
+            config = {k: v for k, v in state["config"].items() if k not in _BATCHING_KEYS}
+            state = {**state, "config": config}
         self.source.check_saved_config("GraBSampler", state, self._config)
         state = read_state(
             "GraBSampler", state, self._config, _STATE_VERSION, self.num_samples,

@@ -33,8 +33,21 @@ class AdaMeanBalance(StaleMeanBalance):
         self.add_state("scale", None)
 
     def update_v(self, second_moment: torch.Tensor) -> None:
-        """Set v = sqrt(second_moment) + eps from a flat (d,) tensor."""
-        self.scale = second_moment.detach().sqrt() + self.eps
+        """Set v = sqrt(second_moment) + eps from a flat (d,) tensor.
+
+        Raises:
+            ValueError: a negative or non-finite entry (its square root would make every
+                later step's gradients look non-finite, blaming them).
+        """
+        moment = second_moment.detach()
+        bad = ~torch.isfinite(moment) | (moment < 0)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"update_v() got a second moment of {float(moment[i])} at coordinate {i}; pass "
+                "the optimiser's non-negative, finite second moment (Adam's exp_avg_sq)."
+            )
+        self.scale = moment.sqrt() + self.eps
 
     def transform(self, batch: GradientBatch) -> GradientBatch:
         X = dense_rows(batch, self.name)

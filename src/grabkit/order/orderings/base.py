@@ -28,7 +28,7 @@ from grabkit.order.balance import (
 )
 from grabkit.state import Stateful
 from grabkit.stats.gradient_batch import GradientBatch
-from grabkit.validation import check_int, check_positive_int
+from grabkit.validation import check_bool, check_int, check_positive_int
 
 __all__ = [
     "ORDERINGS",
@@ -103,7 +103,7 @@ class Ordering(Stateful, ABC):
         self.n = check_positive_int("n", n)
         self.seed = check_int("seed", seed)
         self.rule = SignRule() if rule is None else rule
-        self.random_first_epoch = random_first_epoch
+        self.random_first_epoch = check_bool("random_first_epoch", random_first_epoch)
         self.policy = DEFAULT_POLICY if block_policy is None else block_policy
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Ordering:

@@ -10,6 +10,7 @@ import torch
 from grabkit.order.balance import NON_FINITE_HELP
 from grabkit.order.orderings.base import Ordering, int_list, register_ordering
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.validation import check_bool
 
 __all__ = ["OrderByNorm"]
 
@@ -27,7 +28,7 @@ class OrderByNorm(Ordering):
 
     def __init__(self, n: int, *, descending_norm: bool = True, **kwargs: Any) -> None:
         super().__init__(n, **kwargs)
-        self.descending = bool(descending_norm)
+        self.descending = check_bool("descending_norm", descending_norm)
         self._where: dict[int, int] = {}  # example -> its place in the two lists
         self.add_state("indices", [], save=_int64, load=int_list)
         self.add_state("norms_squared", [], save=_float64, load=_floats)

@@ -46,15 +46,26 @@ def kernel_from(
                 f"`ntk_features` should have one row per example ({n}), but has shape "
                 f"{tuple(F.shape)}."
             )
-        return F @ F.T
+        return _finite(F, "ntk_features") @ F.T
     if kernel is not None:
         K = torch.as_tensor(kernel).to(torch.float64).cpu()
         if K.shape != (n, n):
             raise ValueError(
                 f"`ntk_kernel` should have shape ({n}, {n}), but has shape {tuple(K.shape)}."
             )
-        return (K + K.T) / 2
+        return (_finite(K, "ntk_kernel") + K.T) / 2
     return None
+
+
+def _finite(matrix: torch.Tensor, name: str) -> torch.Tensor:
+    """``matrix``, after checking that it holds no NaN or Inf (an order made from them would be
+    arbitrary, with no error)."""
+    if not bool(torch.isfinite(matrix).all()):
+        raise ValueError(
+            f"`{name}` holds NaN or Inf values; pass the finite per-example gradients (or "
+            "their kernel) the order should be made from."
+        )
+    return matrix
 
 
 def eigen_order(

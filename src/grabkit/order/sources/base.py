@@ -133,8 +133,13 @@ def dense_batch(grads: Gradients) -> GradientBatch:
     if isinstance(grads, Mapping):
         if not grads:
             raise ValueError("step() got an empty dict of per-example gradients")
-        return DenseGradientBatch(named_to_flat({k: v.detach() for k, v in grads.items()}, 1))
+        return dense_batch(named_to_flat({k: v.detach() for k, v in grads.items()}, 1))
     if isinstance(grads, torch.Tensor):
+        if grads.is_complex():
+            raise TypeError(
+                f"step() got complex per-example gradients ({grads.dtype}); GraB balances real "
+                "vectors: pass torch.view_as_real(grads) to balance both parts."
+            )
         if grads.ndim < 2:
             raise ValueError(
                 "step() expects per-example gradients with a leading batch dimension, (B, d) "
@@ -150,13 +155,19 @@ def dense_batch(grads: Gradients) -> GradientBatch:
         ) from None
 
 
-def check_dim(pieces: list[GradientBatch], dim: int | None) -> list[GradientBatch]:
-    """``pieces``, after checking that each is ``dim`` numbers long (when ``dim`` is known)."""
+def check_dim(
+    pieces: list[GradientBatch], dim: int | None, *, first_step: bool = False
+) -> list[GradientBatch]:
+    """``pieces``, after checking that each is ``dim`` numbers long (when ``dim`` is known:
+    the params' size, or with ``first_step`` the width of the sampler's first step)."""
     for piece in pieces:
         if dim is not None and piece.dim != dim:
+            given = (
+                f"the first step's had {dim}" if first_step
+                else f"the params given to the sampler have {dim} numbers in total"
+            )  # fmt: skip
             raise ValueError(
-                f"step() got gradients of length {piece.dim} per example, but the params "
-                f"given to the sampler have {dim} numbers in total; pass the per-example "
-                "gradients of exactly those parameters."
+                f"step() got gradients of length {piece.dim} per example, but {given}; pass "
+                "the per-example gradients of exactly the same parameters at every step."
             )
     return pieces
