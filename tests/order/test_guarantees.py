@@ -82,6 +82,60 @@ def test_batch_sampler_skip_defaults_to_one_batch():
     assert list(a) == list(b)
 
 
+@pytest.mark.parametrize("hook", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_batch_left_out_without_skip_is_refused(workers, hook):
+    """A loop that leaves a batch out (``continue`` before its backward, an exception caught)
+    and forgets ``skip()``: silently wrong on the old code (every later batch's gradients went
+    to the examples yielded one batch before them, to the epoch's end). The examples handed out
+    but not stepped grow by a batch, which no loader does between two steps."""
+    x, y = torch.randn(32, 3, dtype=torch.float64), torch.randint(0, 2, (32,))
+    data = TensorDataset(x, y, torch.arange(32))
+    model = _model()
+    kwargs = {"model": model} if hook else {}
+    sampler = GraBSampler(data, balance_type="pair", batch_size=4, **kwargs)
+    loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
+    with pytest.raises(ValueError, match=r"left out.*skip\(\)"):
+        for k, (xb, yb, _) in enumerate(loader):
+            if k == 2:
+                continue  # no backward, no skip()
+            loss = F.cross_entropy(model(xb), yb)
+            if hook:
+                loss.backward()
+                sampler.step()
+            else:
+                sampler.step(_per_example(model, xb, yb))
+    sampler.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loaders_fetching_ahead_and_skip_are_no_batch_left_out(workers):
+    """Batches fetched ahead by workers, a window of micro-batches fetched at once (as Trainer
+    fetches an accumulation window), the epoch's ragged end and ``skip()``: all stepped
+    through, the order equal to a sampler given the indices."""
+    x, y = torch.randn(30, 3, dtype=torch.float64), torch.randint(0, 2, (30,))
+    data = TensorDataset(x, y, torch.arange(30))
+    model = _model()
+    sampler = GraBSampler(data, balance_type="pair", batch_size=4)
+    given = GraBSampler(data, balance_type="pair")
+    loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
+    for _ in range(2):
+        order, position = list(given), 0
+        batches = iter(loader)
+        windows = iter(lambda it=batches: [b for _, b in zip(range(2), it, strict=False)], [])
+        for window in windows:
+            for k, (xb, yb, idx) in enumerate(window):  # the window fetched before its steps
+                assert idx.tolist() == order[position : position + len(idx)]
+                position += len(idx)
+                if k == 1 and int(idx[0]) % 3 == 0:
+                    sampler.skip()
+                    continue
+                grads = _per_example(model, xb, yb)
+                sampler.step(grads)
+                given.step(grads, indices=idx)
+    assert list(sampler) == list(given)
+
+
 # -- item 3: hook mode under gradient accumulation ------------------------------------------------
 def _model() -> nn.Module:
     torch.manual_seed(0)

@@ -186,6 +186,8 @@ class GraBSampler(Sampler[int], Stateful):
         self._begin(0, self.ordering.initial_order(0))
         self._resume = False
         self._token = 0
+        #: the most examples left handed out but unstepped after a step() of this iteration
+        self._in_flight: int | None = None
         self._numbered: int | None = None  # set_epoch's next epoch since the last iter()
 
     def _declare_state(self) -> None:
@@ -357,6 +359,7 @@ class GraBSampler(Sampler[int], Stateful):
                 self._begin(e, order)
             self._yielded = 0
         self._token += 1
+        self._in_flight = None
         self._numbered = None
         self._publish()
         return self._iterate(self._token, self._yielded, self._local_indices().tolist())
@@ -401,7 +404,9 @@ class GraBSampler(Sampler[int], Stateful):
             ValueError: more gradients than the epoch has examples left, indices that are not
                 yielded examples in visit order, a gradient length that differs from
                 ``params``, hook mode with no backward since the last step or a backward over
-                another number of examples than a yielded batch, or NaN / Inf values. Nothing
+                another number of examples than a yielded batch, a batch left out since
+                the last step without ``skip()`` (more examples handed out and unstepped than
+                after any earlier step of the epoch's iteration), or NaN / Inf values. Nothing
                 changes then.
         """
         factor = loss_scale(grad_scale)  # checked before anything is taken from the source
@@ -412,6 +417,8 @@ class GraBSampler(Sampler[int], Stateful):
             local=self._local_indices if indices is not None else None, indices=indices,
             hook=grads is None,
         )  # fmt: skip
+        if indices is None:
+            self._check_no_batch_left_out(start + B)
         if B and self.ordering.uses_gradients:
             _check_finite(pieces)
             position = start
@@ -425,6 +432,27 @@ class GraBSampler(Sampler[int], Stateful):
         if grads is None:
             self.source.clear()
         self._publish()
+
+    def _check_no_batch_left_out(self, end: int) -> None:
+        """Refuse a step after which more examples are handed out but unstepped than after any
+        earlier step of this iteration. A loader holds a steady number ahead (none, or the
+        batches its workers prefetch; a window of micro-batches fetched at once refills to the
+        same), which only falls at the epoch's end; it grows by a batch when the loop left one
+        out (``continue`` before its backward) without ``skip()``: this step's gradients would
+        then go to the examples of the batch left out, and every later batch's likewise."""
+        if not self._yielded:
+            return  # stepped without iterating: nothing handed out to compare
+        in_flight = self._yielded - end
+        if self._in_flight is not None and in_flight > self._in_flight:
+            raise ValueError(
+                f"step(): {in_flight - self._in_flight} more examples were handed out and left "
+                f"unstepped than after the previous step() (a batch left out: `continue` "
+                f"before its backward, an exception caught), so these gradients would be "
+                f"credited to the examples of the batch left out, and every later batch's to "
+                f"those before them. Call sampler.skip() for a batch you leave out, or pass "
+                f"the batch's dataset indices, step(indices=idx); nothing changed."
+            )
+        self._in_flight = in_flight if self._in_flight is None else max(self._in_flight, in_flight)
 
     def skip(self, count: int | None = None) -> None:
         """Give the next ``count`` unstepped examples no decision this epoch (a skipped batch).
@@ -503,6 +531,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._numbered = None
         self.source.discard()  # statistics of backwards before the load, the last one included
         self._token += 1
+        self._in_flight = None
         self._publish()
 
     def close(self) -> None:

@@ -334,6 +334,7 @@ class _ModelBatch:
     def __init__(self, tensors: list[torch.Tensor], model: nn.Module) -> None:
         self.size = tensors[0].shape[0]
         self.shape = tuple(tensors[0].shape)
+        self.tensors = tensors  # the batch, for ``PerSampleStats.step_inputs``
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
         self._model = model
         self._state_storages: set[int] | None = None  # read on first need, once per step
@@ -588,6 +589,11 @@ class PerSampleStats(StatisticsSource):
         model: the ``nn.Module``; every layer that owns trainable parameters needs a rule
             (``grabkit.stats.rules.register_rule``).
         loss_reduction: ``"mean"`` or ``"sum"``, how the batch loss combines the examples.
+            g_i is read in that scale from the gradient the backward delivers: a loss divided
+            by a count that changes from batch to batch (a token-level mean over a padded
+            batch, ``(l * mask).sum() / mask.sum()``) gives, with ``"mean"``, B / count times
+            the gradient of example i's token sum (divide it out, as
+            ``GraBSampler.step(grad_scale=B / count)`` does).
         torch_func_fallback: layers with trainable parameters but no rule get their per-example
             gradients by ``torch.func`` (materialised for that layer only; see
             ``grabkit.stats.fallback``) instead of an error at attach time.
@@ -1538,6 +1544,11 @@ class PerSampleStats(StatisticsSource):
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
+
+    @property
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the model's forward took in this step (() before it ran)."""
+        return () if self._batch is None else tuple(self._batch.tensors)
 
     @property
     def parameter_gradients_seen(self) -> bool:

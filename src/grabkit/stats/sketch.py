@@ -658,6 +658,10 @@ class SketchedStats(StatisticsSource):
         return self.engine.backward_seen
 
     @property
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        return self.engine.step_inputs
+
+    @property
     def parameter_gradients_seen(self) -> bool:
         return self.engine.parameter_gradients_seen
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+import torch
+
 from grabkit.stats.gradient_batch import GradientBatch
 
 __all__ = ["StatisticsSource", "Subscription"]
@@ -51,6 +53,12 @@ class StatisticsSource(ABC):
         not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one).
         Sources that cannot tell say True."""
         return True
+
+    @property
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the model's forward took in this step (its batch), so a consumer can
+        tell two backwards over the same batch from two micro-batches; () where unknown."""
+        return ()
 
     @abstractmethod
     def gradient_batch(self, *, settle: bool = True) -> GradientBatch:

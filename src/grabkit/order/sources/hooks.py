@@ -45,6 +45,33 @@ HOOK_SAMPLER_NOT_PICKLABLE = (
 )
 
 
+_SAME_INPUT = (
+    "hook mode: two backwards since the last step() ran the model on the same input (a batch "
+    "of shape {shape}), but the sampler takes each backward as the next yielded examples, so "
+    "the second would be credited to the next batch's examples (and every batch after them "
+    "shifted). A step that differentiates one batch twice into .grad (SAM's ascent and descent "
+    "passes, LBFGS's closure evaluations, a loss split into two passes over the same tensor) "
+    "must leave the sampler one backward per batch: take the other gradients with "
+    "torch.autograd.grad, which the sampler does not count (and set .grad from them yourself "
+    "where the optimiser reads it), or pass the batch's per-example gradients to "
+    "step(grads), or skip() the batch. Micro-batches copied in turn into one input buffer "
+    "look the same and are refused too (the statistics of the first read the second's "
+    "values): give the model a new tensor for each."
+)
+
+
+def _input_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
+    """Where the model's input tensors lie: the same key means the same memory, read while
+    the tensors live (views of one tensor with other rows, micro-batches, differ)."""
+    try:
+        return tuple(
+            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+            for t in inputs
+        )
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (sparse, nested)
+        return ()
+
+
 class HookGradients(GradientSource):
     """The statistics of every backward since the last ``step()``, from ``stats``.
 
@@ -62,6 +89,9 @@ class HookGradients(GradientSource):
         self._stats = stats
         self.dim = dim
         self.pending: list[GradientBatch] = []
+        #: where each pending piece's model input lies (storage, offset, shape, strides), with
+        #: the tensors themselves (kept alive, so no later tensor takes over their memory)
+        self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
 
     @property
@@ -76,13 +106,20 @@ class HookGradients(GradientSource):
         if isinstance(self._stats, StatisticsSource):
             self.subscription = self._stats.subscribe(self.capture)
 
-    def capture(self) -> None:
+    def capture(self, *, check: bool = True) -> None:
         """Keep the statistics of the backward that just ran, once. Their identity check stays
         pending until the ordering moves the batch's products to the host (``batch.to_host``:
-        one transfer for both); ``GraBSampler.step`` settles any check no transfer read."""
+        one transfer for both); ``GraBSampler.step`` settles any check no transfer read.
+        ``check``: refuse a backward whose forward took the same input as a kept one."""
         batch = self.subscription.take(settle=False)
-        if batch is not None:
-            self.pending.append(batch)
+        if batch is None:
+            return
+        inputs = tuple(self._stats.step_inputs)
+        where = _input_key(inputs)
+        if check and where and any(where == kept for kept, _ in self._pending_inputs):
+            raise ValueError(_SAME_INPUT.format(shape=tuple(inputs[0].shape)))
+        self.pending.append(batch)
+        self._pending_inputs.append((where, inputs))
 
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
         if grads is not None:
@@ -119,19 +156,19 @@ class HookGradients(GradientSource):
         return list(self.pending)
 
     def clear(self) -> None:
-        self.pending = []
+        self.pending, self._pending_inputs = [], []
 
     def discard(self) -> int:
         if self.subscription is not None:
-            self.capture()
+            self.capture(check=False)
         count = sum(int(b.size) for b in self.pending)
-        self.pending = []
+        self.clear()
         return count
 
     def close(self) -> None:
         if self.subscription is not None:
             self.subscription.close()
-        self.pending = []
+        self.clear()
 
 
 class ExactHooks(HookGradients):
