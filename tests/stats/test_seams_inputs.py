@@ -108,3 +108,37 @@ def test_parameters_unfrozen_later_are_followed_for_a_dict_input(reference_tools
         model(wrap(ids)).square().sum().backward()
         assert "mix.weight" in stats.param_shapes
         reference_tools.assert_matches(stats, expected)
+
+
+class TimeConditioned(nn.Module):
+    """A model called as ``model(t, x)`` with a 0-dim time ``t`` first (a diffusion step): ``t``
+    holds no examples, ``x`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 2)
+
+    def forward(self, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x) * t))
+
+
+def test_a_zero_dim_first_input_is_passed_over_for_the_batch(reference_tools):
+    """The examples are dim 0 of the first input that has a dim 0. A 0-dim first input was taken
+    for no batch at all: the layers were refused as "called outside the model's forward"."""
+    torch.manual_seed(0)
+    model, t, x = TimeConditioned(), torch.tensor(0.7), torch.randn(B, WIDTH)
+    params = list(model.parameters())
+    expected = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(model(t, x[i : i + 1]).square().sum(), params)
+                ]
+            )
+            for i in range(B)
+        ]
+    )
+    with PerSampleStats(model, "sum") as stats:
+        model(t, x).square().sum().backward()
+        reference_tools.assert_matches(stats, expected)

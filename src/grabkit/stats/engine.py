@@ -1026,7 +1026,8 @@ class PerSampleStats(StatisticsSource):
     def _on_model_input(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """Record the batch size from the model's first tensor input (dim 0): the examples.
+        """Record the batch size from the model's first tensor input with a dim 0: the
+        examples (a 0-dim input, such as a diffusion model's time step, holds none).
 
         A 1-D floating input is one unbatched vector, not a batch: nothing is recorded and the
         layers' rules report it. The trainable set is read here (parameters frozen or unfrozen
@@ -1039,7 +1040,9 @@ class PerSampleStats(StatisticsSource):
         else:
             tensors = []
             _tensors_in((args, kwargs), tensors)
-        if not tensors or tensors[0].dim() == 0 or _inside_backward():
+        if tensors and tensors[0].dim() == 0:
+            tensors = [t for t in tensors if t.dim()]
+        if not tensors or _inside_backward():
             return
         if self._gradient_seen and self._step_finished():
             self._new_step()
