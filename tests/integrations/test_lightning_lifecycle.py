@@ -250,6 +250,20 @@ def test_several_train_loaders_are_refused_naming_them(tmp_path):
         trainer.fit(module, loaders)
 
 
+def test_overfit_batches_is_refused_naming_it(tmp_path):
+    """Lightning's ``overfit_batches`` swaps the GraBSampler for a ``SequentialSampler``: the
+    refusal named only the sampler it found, not the Trainer option that put it there."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[GraBCallback(sampler)], overfit_batches=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"overfit_batches=2"):
+        trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B))
+
+
 class LoggedNorms(L.Callback):
     """The per-example norms callback's summary at every optimizer step (it runs first)."""
 

@@ -128,7 +128,7 @@ def _held_samplers(*owners: Any) -> list[GraBSampler]:
     return found
 
 
-def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
+def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0) -> str | None:
     """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
     if isinstance(loader, (Mapping, list, tuple)):  # several loaders: a CombinedLoader
         return (
@@ -149,6 +149,13 @@ def _loader_error(loader: Any, sampler: GraBSampler) -> str | None:
             "order no longer follows GraB and whose ranks would credit gradients to the wrong "
             "examples; pass Trainer(use_distributed_sampler=False): the GraBSampler already "
             "splits every epoch across the ranks."
+        )
+    if overfit_batches:
+        return (
+            f"GraBCallback: Trainer(overfit_batches={overfit_batches}) replaced the GraBSampler "
+            f"of the train DataLoader with a {type(drawn).__name__} (it trains on a fixed set "
+            "of batches in a fixed order, which GraB does not choose); overfit without "
+            "GraBCallback, or train with GraB without overfit_batches."
         )
     return (
         "GraBCallback: the train DataLoader does not draw from this callback's GraBSampler (it "
@@ -262,7 +269,7 @@ class GraBCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         loader = trainer.train_dataloader
-        message = _loader_error(loader, self.sampler)
+        message = _loader_error(loader, self.sampler, trainer.overfit_batches)
         loaded, self._loaded = self._loaded, None
         if message is None and loaded is not None and not trainer.fit_loop.restarting:
             self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
