@@ -142,3 +142,78 @@ def test_a_zero_dim_first_input_is_passed_over_for_the_batch(reference_tools):
     with PerSampleStats(model, "sum") as stats:
         model(t, x).square().sum().backward()
         reference_tools.assert_matches(stats, expected)
+
+
+class Scaled(nn.Module):
+    """The first layer reads a scaled copy of the input, not the input itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x * 2.0)))
+
+
+def test_an_input_refilled_in_place_before_the_read_is_refused():
+    """A loop that refills its input buffer (``x.copy_(next_batch)``) between the backward and
+    the read: the first layer's kept input is that buffer, so the statistics described the new
+    values without a word (32% off in the norms with the identity check off)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 2))
+    x = torch.randn(B, WIDTH)
+    with PerSampleStats(model, "sum", check_identity=False) as stats:
+        model(x).square().sum().backward()
+        x.copy_(torch.randn(B, WIDTH))
+        with pytest.raises(ValueError, match=r"model's input .* changed in place"):
+            stats.norms_squared()
+
+
+def test_an_input_changed_in_place_that_no_layer_kept_is_harmless(reference_tools):
+    """Where every layer keeps a tensor of its own (here ``x * 2``), refilling ``x`` changes no
+    statistic, and the read goes on."""
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(B, WIDTH)
+    expected = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(
+                        model(x[i : i + 1]).square().sum(), list(model.parameters())
+                    )
+                ]
+            )
+            for i in range(B)
+        ]
+    )
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        x.mul_(3.0)
+        reference_tools.assert_matches(stats, expected)
+
+
+class ClampsItsInput(nn.Module):
+    """A forward that changes its own input in place before its first layer reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x.clamp_(-0.5, 0.5))
+
+
+def test_a_forward_that_changes_its_own_input_is_read_as_usual(reference_tools):
+    """The input's version is taken when the model's forward ends, not when it starts."""
+    torch.manual_seed(0)
+    model, x = ClampsItsInput(), torch.randn(B, WIDTH)
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            model(x[i : i + 1].clone()).square().sum(), list(model.parameters())
+        )])
+        for i in range(B)
+    ]  # fmt: skip
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        reference_tools.assert_matches(stats, torch.stack(rows))

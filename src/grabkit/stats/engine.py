@@ -335,6 +335,8 @@ class _ModelBatch:
         self.size = tensors[0].shape[0]
         self.shape = tuple(tensors[0].shape)
         self.tensors = tensors  # the batch, for ``PerSampleStats.step_inputs``
+        #: the examples' tensor's version counter when the model's forward ended
+        self.version: int | None = None
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
         self._model = model
         self._state_storages: set[int] | None = None  # read on first need, once per step
@@ -1069,7 +1071,11 @@ class PerSampleStats(StatisticsSource):
         self._watching += 1
 
     def _on_model_output(self, model: nn.Module, args: Any, output: Any) -> None:
-        """The model's forward ended (or raised): the functional-use watch goes off."""
+        """The model's forward ended (or raised): the functional-use watch goes off, and the
+        input's version counter is noted (a read refuses an input changed in place since)."""
+        batch = self._batch
+        if batch is not None:
+            batch.version = batch.tensors[0]._version
         if not self._inert and self._watching:
             self._watching -= 1
             if self._watching == 0 and self._watch is not None:
@@ -1214,6 +1220,25 @@ class PerSampleStats(StatisticsSource):
                     f"parametrized weights), so they would be those of other weights. Read the "
                     f"statistics (sampler.step(), stats.norms_squared(), ...) after "
                     f"loss.backward() and before optimizer.step()."
+                )
+
+    def _check_kept_input_unchanged(self, kept: list, batch: _ModelBatch) -> None:
+        """The model's input changed in place since its forward ended (a loop refilling its
+        input buffer before the read): refuse the read where a layer kept that very tensor (or
+        a view of it) as its input, whose statistics would describe the new values."""
+        storage = batch.tensors[0].untyped_storage().data_ptr()
+        for layer, call, _ in kept:
+            found: list[torch.Tensor] = []
+            _tensors_in(call.captured, found)
+            if any(t.untyped_storage().data_ptr() == storage for t in found):
+                raise ValueError(
+                    f"the model's input (dim 0 of {batch.shape}) was changed in place after "
+                    f"the model's forward ended (a loop refilling its input buffer, "
+                    f"x.copy_(next_batch), before this read), and layer {layer.name!r} "
+                    f"({type(layer.module).__name__}) kept it as its input: its per-example "
+                    f"gradients would be those of the new values. Read the statistics "
+                    f"(sampler.step(), stats.norms_squared(), ...) before changing the input, "
+                    f"or fill a new tensor for the next batch."
                 )
 
     def _batch_for(self, group: GroupRows | None) -> _ModelBatch | None:
@@ -1754,6 +1779,9 @@ class PerSampleStats(StatisticsSource):
         self._check_step_is_defined()
         self._check_parameters_unchanged()
         kept = self._kept_calls()
+        batch = self._batch
+        if batch is not None and batch.version not in (None, batch.tensors[0]._version):
+            self._check_kept_input_unchanged(kept, batch)
         self._check_accumulators()
         self._check_gradients_came_through_layers(kept)
         self._check_weights_unchanged(kept)
