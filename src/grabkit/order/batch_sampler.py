@@ -12,6 +12,7 @@ from torch.utils.data import Sampler
 from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
 from grabkit.order.sources import Gradients, GradientSource, LossScaler
+from grabkit.state import setting_differences
 from grabkit.validation import check_bool
 
 __all__ = ["BATCHING_KEYS", "GraBBatchSampler"]
@@ -103,13 +104,12 @@ class GraBBatchSampler(Sampler[list[int]]):
         config = dict(state.get("config", {}))
         saved = {key: config.pop(key) for key in BATCHING_KEYS if key in config}
         mine = self._batching()
-        differ = sorted(key for key, value in saved.items() if value != mine[key])
-        if differ:
-            pairs = ", ".join(f"{key}={saved[key]!r} vs {mine[key]!r}" for key in differ)
+        detail = setting_differences(saved, {key: mine[key] for key in saved})
+        if detail:
             raise ValueError(
                 f"GraBBatchSampler.load_state_dict: the state was saved with other batches "
-                f"({pairs}, saved vs this sampler); build it with the batch_size and drop_last "
-                "of the run that was saved."
+                f"({detail}); build it with the batch_size and drop_last of the run that was "
+                "saved."
             )
         self.sampler.load_state_dict({**state, "config": config})
 
