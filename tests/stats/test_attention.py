@@ -138,3 +138,52 @@ def test_per_example_attention_masks_match_per_example_autograd(
     with PerSampleStats(model, "sum") as stats:
         F.cross_entropy(model(x, attn_mask, padding), y, reduction="sum").backward()
         reference_tools.assert_matches(stats, reference)
+
+
+class AttentionWeightsInTheLoss(nn.Module):
+    """A loss term on the attention weights themselves (an entropy regulariser, a distillation
+    target): a gradient reaches the layer through its second output."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(width, 2, batch_first=True)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attention(x, x, x)  # need_weights=True: (B, T, S), averaged heads
+        entropy = -(weights * weights.clamp_min(1e-9).log()).sum(dim=(1, 2))
+        return self.head(out).sum(dim=(1, 2)) + 0.1 * entropy
+
+
+def test_a_loss_on_the_attention_weights_is_refused():
+    """The rule replays only the layer's first output: the weights' share of each example's
+    gradient was left out without a word (caught on the identity check's steps only)."""
+    torch.manual_seed(0)
+    model = AttentionWeightsInTheLoss()
+    with PerSampleStats(model, "sum", check_identity=False) as stats:
+        model(torch.randn(4, 5, 8)).square().sum().backward()
+        with pytest.raises(NotImplementedError, match=r"'attention'.*attention weights"):
+            stats.norms_squared()
+
+
+class AttentionWeightsUnused(AttentionWeightsInTheLoss):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.attention(x, x, x)  # the weights need grad, and no loss uses them
+        return self.head(out).sum(dim=(1, 2))
+
+
+def test_attention_weights_returned_but_not_in_the_loss_are_read_as_usual(float64, reference_tools):
+    """``need_weights=True`` (the default) returns weights that need grad; unused, they receive
+    no gradient, and the read is exact."""
+    torch.manual_seed(0)
+    model, x = AttentionWeightsUnused(), torch.randn(4, 5, 8)
+    params = list(model.parameters())
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            model(x[i : i + 1]).square().sum(), params
+        )])
+        for i in range(4)
+    ]  # fmt: skip
+    with PerSampleStats(model, "sum") as stats:
+        model(x).square().sum().backward()
+        reference_tools.assert_matches(stats, torch.stack(rows))

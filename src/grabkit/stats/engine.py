@@ -1004,6 +1004,7 @@ class PerSampleStats(StatisticsSource):
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         self._refused: list[tuple[str, str]] = []
+        self._unread_outputs: list[str] = []  # layers whose later outputs received a gradient
         # id of the node that made each layer output of the step -> (node, layer name, output
         # number, shape): dim 0 of those holds the examples (``grabkit.stats.batch_dim``)
         self._batch_first_nodes: dict[int, Anchor] = {}
@@ -1127,6 +1128,7 @@ class PerSampleStats(StatisticsSource):
         if replaced is not None:  # the same values, laid out batch-first
             output = replaced
         if layer.rule.whole_call and isinstance(output, tuple) and output:
+            self._watch_unread_outputs(layer.name, output[1:])
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return replaced
@@ -1145,6 +1147,19 @@ class PerSampleStats(StatisticsSource):
         hooked = output if expanded is None else expanded
         self._hook_output(call, hooked, layer.name)
         return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
+
+    def _watch_unread_outputs(self, name: str, outputs: tuple[Any, ...]) -> None:
+        """Outputs after the first of a whole-call rule's layer (MultiheadAttention's attention
+        weights), which its replay does not differentiate: a gradient reaching one comes from a
+        loss term on it (an entropy regulariser, a distillation target), which every g_i would
+        leave out, so it refuses the step's reads."""
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(_WeakHook(self._me, "_on_unread_output_grad", name))
+
+    def _on_unread_output_grad(self, name: str, grad: torch.Tensor) -> None:
+        if name not in self._unread_outputs:
+            self._unread_outputs.append(name)
 
     def _hook_output(self, call: _Call, hooked: torch.Tensor, name: str) -> None:
         """Receive the gradient of ``hooked`` (the call's output) in the backward: by a pre-hook
@@ -1730,6 +1745,15 @@ class PerSampleStats(StatisticsSource):
                 "PerSampleStats refuses it rather than return the first-order part. Measure a "
                 "step without the penalty, or compute the penalty from a separate forward that "
                 "PerSampleStats does not watch (a copy of the model)."
+            )
+        if self._unread_outputs:
+            raise NotImplementedError(
+                f"a loss term reached layer(s) {self._unread_outputs} through an output after "
+                f"the first (MultiheadAttention's attention weights: an entropy regulariser or "
+                f"a distillation target on them), and the layer's rule differentiates only its "
+                f"first output, so every g_i would leave that term out. Compute the term from "
+                f"a separate forward that PerSampleStats does not watch (a copy of the model), "
+                f"or drop it from the steps you measure."
             )
         if self._refused:
             uses = ", ".join(f"{name!r} by {operation}" for name, operation in self._refused)
