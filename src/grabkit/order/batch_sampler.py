@@ -12,13 +12,11 @@ from torch.utils.data import Sampler
 from grabkit.order.orderings import Ordering
 from grabkit.order.sampler import GraBSampler
 from grabkit.order.sources import Gradients, GradientSource, LossScaler
+from grabkit.order.state import BATCHING_KEYS
 from grabkit.state import setting_differences
 from grabkit.validation import check_bool
 
-__all__ = ["BATCHING_KEYS", "GraBBatchSampler"]
-
-#: what a ``GraBBatchSampler`` adds to its sampler's saved configuration
-BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
+__all__ = ["GraBBatchSampler"]
 
 
 class GraBBatchSampler(Sampler[list[int]]):

@@ -57,7 +57,7 @@ from grabkit.order.sources import (
     StatisticsReader,
     loss_scale,
 )
-from grabkit.order.state import plain_config, read_state
+from grabkit.order.state import BATCHING_KEYS, plain_config, read_state
 from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
 from grabkit.state import Stateful
@@ -67,9 +67,6 @@ from grabkit.validation import check_bool, check_non_negative_int, check_positiv
 __all__ = ["GraBSampler"]
 
 _STATE_VERSION = 2
-
-#: what ``GraBBatchSampler`` adds to the configuration it saves (its batch_size, drop_last)
-_BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
 
 #: what the configuration records for the transforms when the chain holds none of them
 _NO_TRANSFORMS = {"normalize": False, "projection": None, "projection_dim": None, "pi_eps": 0.1}
@@ -515,8 +512,8 @@ class GraBSampler(Sampler[int], Stateful):
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
         last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
-        if any(key in state.get("config", {}) for key in _BATCHING_KEYS):  # the batch form's
-            config = {k: v for k, v in state["config"].items() if k not in _BATCHING_KEYS}
+        if any(key in state.get("config", {}) for key in BATCHING_KEYS):  # the batch form's
+            config = {k: v for k, v in state["config"].items() if k not in BATCHING_KEYS}
             state = {**state, "config": config}
         self.source.check_saved_config("GraBSampler", state, self._config)
         state = read_state(

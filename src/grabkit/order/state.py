@@ -33,7 +33,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_config", "check_positions", "detached_copy", "plain_config", "read_state"]
+__all__ = [
+    "BATCHING_KEYS",
+    "check_config",
+    "check_positions",
+    "detached_copy",
+    "plain_config",
+    "read_state",
+]
+
+#: what ``GraBBatchSampler`` adds to the configuration it saves (its batch_size, drop_last);
+#: ``GraBSampler`` loads such a state without them
+BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
 
 
 def _plain(value: Any) -> Any:
