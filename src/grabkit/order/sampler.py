@@ -526,8 +526,7 @@ class GraBSampler(Sampler[int], Stateful):
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started and not state.get("ended", False)
         self._numbered = None
-        self.source.discard()  # statistics of backwards before the load, the last one included
-        self.source.clear()  # and what earlier steps fixed (a dense source's width and layout)
+        self.source.after_load()
         self._token += 1
         self._in_flight = None
         self._publish()

@@ -98,11 +98,16 @@ class GradientSource(ABC):
         """The step's pieces in visit order, each ``dim`` numbers long (when known)."""
 
     def clear(self) -> None:  # noqa: B027 (nothing kept by default)
-        """Forget what was kept for the step (it was balanced, or a state was loaded)."""
+        """Forget what was kept for the step (it was balanced)."""
 
     def discard(self) -> int:
         """Drop what was kept for a skipped step; return how many examples that was."""
         return 0
+
+    def after_load(self) -> None:
+        """A sampler state was loaded: drop what this process kept from before it (the
+        statistics of earlier backwards, the last one included)."""
+        self.discard()
 
     def close(self) -> None:  # noqa: B027 (nothing attached by default)
         """Remove any hooks this source attached."""

@@ -76,10 +76,9 @@ class DenseGradients(GradientSource):
     def config(self) -> dict[str, Any]:
         return {"dim": self._given}
 
-    def clear(self) -> None:
-        """A state was loaded: the width (and a dict's layout) of this process's earlier steps
-        need not be the loaded run's, so the next step fixes them again (unless ``params``
-        did)."""
+    def after_load(self) -> None:
+        """The width (and a dict's layout) of this process's earlier steps need not be the
+        loaded run's, so the next step fixes them again (unless ``params`` did)."""
         if self._given is None:
             self.dim = None
         if not self._params_layout:
