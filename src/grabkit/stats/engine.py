@@ -210,17 +210,17 @@ class _Call:
     (only the tasks that accumulate into the layer's parameters are read; see
     ``grabkit.stats.backwards``). For a rule with ``multiple_outputs`` each entry is a list with
     one slot per tracked output (None until that output receives a gradient) and
-    ``batch_size`` is the number of examples the rule found in the call. ``outputs`` holds the
-    gradient edges (node, output number) of the hooked output tensors and their shapes, for
-    ``PerSampleStats.batch_term`` (the edge, not the tensor: holding the tensor would keep every
-    layer's output alive; plain tuples, made into ``GradientEdge``s only there). ``group``: the
+    ``batch_size`` is the number of examples the rule found in the call. The gradient edges of
+    its hooked outputs are the engine's (``PerSampleStats._output_edges``), not the call's: a
+    call holding its output's node, whose pre-hook holds the call, would be a reference cycle,
+    left each step for the cyclic garbage collector (with the tensors it holds). ``group``: the
     group of a grouped batch the call's rows hold (``grabkit.stats.rows``), None for an
     ordinary batch. ``weights``: for a rule that reads the
     layer's parameters at read time (``LayerRule.reads_parameters``), each parameter the call
     ran on and its version counter then, so that a read after an in-place update is refused.
     """
 
-    __slots__ = ("batch_size", "captured", "grads", "group", "outputs", "weights")
+    __slots__ = ("batch_size", "captured", "grads", "group", "weights")
 
     def __init__(
         self, captured: object, batch_size: int | None = None, group: GroupRows | None = None
@@ -228,7 +228,6 @@ class _Call:
         self.captured = captured
         self.grads: GradientsByTask = {}
         self.batch_size = batch_size
-        self.outputs: list[tuple[Any, int, torch.Size]] = []
         self.group = group
         self.weights: tuple[tuple[torch.Tensor, int], ...] = ()
 
@@ -1003,6 +1002,10 @@ class PerSampleStats(StatisticsSource):
         self._gradient_seen = False  # any hook received a gradient: the next forward is new
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
+        #: (call, node, output number, output shape) of each hooked output of this step, for
+        #: ``batch_term`` (the edge, not the tensor: holding the tensor would keep every layer's
+        #: output alive; plain tuples, made into ``GradientEdge``s only there)
+        self._output_edges: list[tuple[_Call, Any, int, torch.Size]] = []
         self._refused: list[tuple[str, str]] = []
         self._unread_outputs: list[str] = []  # layers whose later outputs received a gradient
         # id of the node that made each layer output of the step -> (node, layer name, output
@@ -1177,7 +1180,7 @@ class PerSampleStats(StatisticsSource):
         anchors[id(node)] = (node, name, source.output_nr, source.shape)
         if hooked is not source:
             anchors[id(hooked.grad_fn)] = (hooked.grad_fn, name, hooked.output_nr, hooked.shape)
-        call.outputs.append((node, source.output_nr, hooked.shape))
+        self._output_edges.append((call, node, source.output_nr, hooked.shape))
 
     def _record_multiple_outputs(
         self, layer: _TrackedLayer, module: nn.Module, whole_call: tuple[tuple, dict, Any]
@@ -1560,13 +1563,8 @@ class PerSampleStats(StatisticsSource):
                 f"(computed from the model), but got {_describe(term)}"
             )
         params = {name: p for name, p in self._params if name in self.param_shapes}
-        calls = [
-            (call, output)
-            for layer in [*self._layers, *self._functional.values()]
-            for call in layer.calls
-            for output in call.outputs
-        ]
-        edges = [GradientEdge(node, output_nr) for _, (node, output_nr, _) in calls]
+        calls = self._output_edges
+        edges = [GradientEdge(node, output_nr) for _, node, output_nr, _ in calls]
         grads = torch.autograd.grad(
             term, [*params.values(), *edges], retain_graph=True, allow_unused=True
         )
@@ -1576,7 +1574,7 @@ class PerSampleStats(StatisticsSource):
                 record.param_grads[name] = grad.detach()
                 if self._identity is not None:
                     record.gradient_sides[name] = self._identity.gradient_side(name, grad)
-        for (call, (_, _, shape)), grad in zip(calls, grads[len(params) :], strict=True):
+        for (call, _, _, shape), grad in zip(calls, grads[len(params) :], strict=True):
             if grad is not None:  # in the output's shape (the edge may be a view's base)
                 record.call_grads[id(call)] = (call, grad.detach().view(shape))
         self._batch_terms.append(record)
