@@ -148,6 +148,28 @@ def test_non_finite_gradients_raise_and_change_nothing():
     sampler.step(torch.randn(3, 4))
 
 
+@pytest.mark.parametrize("kind", ["mean", "pair", "recursive"])
+def test_a_held_state_shows_later_steps_and_an_unheld_one_is_rebuilt_alike(kind):
+    """A state handed out and still held (a loader's snapshot taken ahead of the steps) shows
+    every later step; while none is held, steps leave the live part stale and the next
+    ``state_dict()`` rebuilds it: both read the same at every point of an epoch."""
+    X = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    holding, lazy = (
+        GraBSampler(range(12), balance_type=kind),
+        GraBSampler(range(12), balance_type=kind),
+    )
+    held = holding.state_dict()
+    for epoch in range(2):
+        orders = list(holding), list(lazy)
+        assert orders[0] == orders[1]
+        for start in range(0, 12, 3):
+            batch = X[orders[0][start : start + 3]]
+            holding.step(batch)
+            lazy.step(batch)
+            _assert_same_state(held["live"], copy.deepcopy(lazy.state_dict())["live"])
+        assert held["live"]["epoch"] == epoch
+
+
 def _assert_same_state(a, b) -> None:
     assert a.keys() == b.keys()
     for key in a:

@@ -33,6 +33,7 @@ pad the order and decide as one process). Resuming: see ``grabkit.order.state``.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
@@ -192,6 +193,9 @@ class GraBSampler(Sampler[int], Stateful):
         change; see "Resuming" in ``grabkit.order.state``). The position (epoch, yielded,
         started) is a snapshot taken by ``state_dict()`` itself."""
         self._live: dict[str, Any] = {}
+        #: references to ``_live`` while no ``state_dict()`` handed out holds it (see _publish)
+        self._live_unshared = sys.getrefcount(self._live)
+        self._live_stale = True
         self.add_state("epoch", 0, attribute="_epoch", load=int)
         self.add_state("stepped", 0, attribute="_stepped", load=int)
         self.add_state("requested_epoch", None, attribute="_requested_epoch", load=_maybe_int)
@@ -491,13 +495,23 @@ class GraBSampler(Sampler[int], Stateful):
     # -- state ------------------------------------------------------------------------------
     def _publish(self) -> None:
         """Refresh the live ordering state that every ``state_dict()`` shares (references to
-        the ordering's tensors, no copies: O(1) in the gradient length)."""
-        self._live.update(super().state_dict())
+        the ordering's tensors, no copies: O(1) in the gradient length). While no state handed
+        out is still held (nothing but the sampler refers to the live part, as in a loop that
+        takes a state only to save it), it is only marked stale, and the next ``state_dict()``
+        refreshes it: a training step does not rebuild a state nobody holds."""
+        if sys.getrefcount(self._live) > self._live_unshared:
+            self._live.update(super().state_dict())
+            self._live_stale = False
+        else:
+            self._live_stale = True
 
     def state_dict(self) -> dict[str, Any]:
         """The position now (a snapshot) and the live ordering state (shared, not copied: it
         shows the latest ``step()``; see "Resuming" above). Plain data for ``torch.save`` and
         ``torch.load(weights_only=True)``; save it (or ``copy.deepcopy`` it) to freeze it."""
+        if self._live_stale:
+            self._live.update(super().state_dict())
+            self._live_stale = False
         return {
             "version": _STATE_VERSION,
             "config": dict(self._config),
