@@ -95,12 +95,13 @@ class Subscription:
         that reached no parameter (an input gradient alone) gives nothing: it is not a
         micro-batch of the step. ``settle``: as for ``StatisticsSource.gradient_batch``."""
         source = self.source
+        generation = source.generation
+        if self._taken == generation:  # first: the usual case of a listener after a take
+            return None
         if not (source.backward_seen and source.parameter_gradients_seen):
             return None
-        if self._taken == source.generation:
-            return None
-        self._taken = self.source.generation
-        return self.source.gradient_batch(settle=settle)
+        self._taken = generation
+        return source.gradient_batch(settle=settle)
 
     def close(self) -> None:
         """Stop listening (the source itself stays open)."""
