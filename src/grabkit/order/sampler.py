@@ -500,18 +500,20 @@ class GraBSampler(Sampler[int], Stateful):
         takes a state only to save it), it is only marked stale, and the next ``state_dict()``
         refreshes it: a training step does not rebuild a state nobody holds."""
         if sys.getrefcount(self._live) > self._live_unshared:
-            self._live.update(super().state_dict())
-            self._live_stale = False
+            self._refresh_live()
         else:
             self._live_stale = True
+
+    def _refresh_live(self) -> None:
+        self._live.update(super().state_dict())
+        self._live_stale = False
 
     def state_dict(self) -> dict[str, Any]:
         """The position now (a snapshot) and the live ordering state (shared, not copied: it
         shows the latest ``step()``; see "Resuming" above). Plain data for ``torch.save`` and
         ``torch.load(weights_only=True)``; save it (or ``copy.deepcopy`` it) to freeze it."""
         if self._live_stale:
-            self._live.update(super().state_dict())
-            self._live_stale = False
+            self._refresh_live()
         return {
             "version": _STATE_VERSION,
             "config": dict(self._config),
