@@ -18,22 +18,12 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file
 from tests.integrations.test_huggingface import arguments
-from tests.integrations.tiny import dataset, params, tiny_bert
-from transformers import TrainerCallback
+from tests.integrations.tiny import StopAt, dataset, params, tiny_bert
 
 from grabkit import OptimizerWrapperGNTS
 from grabkit.integrations.huggingface import GrabkitTrainer
 
 pytestmark = pytest.mark.slow
-
-
-class _StopAt(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def _windows_of_four(optimizer):
@@ -50,7 +40,7 @@ def test_the_final_model_is_the_best_checkpoint_after_an_early_stop(tmp_path, ad
     extra = {"accumulation": _windows_of_four} if adaptive else {}
     trainer = GrabkitTrainer(
         tiny_bert(), args, train_dataset=dataset(), eval_dataset=dataset(),
-        callbacks=[_StopAt(5)], **extra,  # microbatch 5: inside the second window
+        callbacks=[StopAt(5)], **extra,  # microbatch 5: inside the second window
     )  # fmt: skip
     trainer.train()
     best = load_file(os.path.join(trainer.state.best_model_checkpoint, "model.safetensors"))

@@ -18,8 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.integrations.test_huggingface import arguments
-from tests.integrations.tiny import batch, dataset, params, tiny_bert
-from transformers import TrainerCallback
+from tests.integrations.tiny import StopAt, batch, dataset, params, tiny_bert
 
 from grabkit.integrations.huggingface import GrabkitTrainer
 from grabkit.noise import AccumulationNoiseScale
@@ -97,17 +96,6 @@ def test_the_weighting_probe_leaves_the_running_statistics_as_training_left_them
         assert torch.equal(runs[1][name], value), name
 
 
-class _StopAt(TrainerCallback):
-    """Stop training after optimizer step ``at`` (as ``EarlyStoppingCallback`` does)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.at:
-            control.should_training_stop = True
-
-
 def _run(out, resume=None, callbacks=(), **overrides) -> GrabkitTrainer:
     """3 updates an epoch; GraB and the noise scale; Trainer divides each mean by the steps."""
     trainer = GrabkitTrainer(
@@ -137,7 +125,7 @@ def test_evaluation_stops_and_continued_fits_leave_the_uninterrupted_run(tmp_pat
     _assert_same_run(evaluated, plain)
     assert any("eval_loss" in entry for entry in evaluated.state.log_history)
     saving = {"save_strategy": "steps", "save_steps": 4}
-    _run(tmp_path / "stopped", callbacks=[_StopAt(4)], num_train_epochs=3, **saving)
+    _run(tmp_path / "stopped", callbacks=[StopAt(4)], num_train_epochs=3, **saving)
     resumed = _run(
         tmp_path / "stopped", str(tmp_path / "stopped" / "checkpoint-4"), num_train_epochs=3
     )

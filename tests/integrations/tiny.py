@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, TrainerCallback
 
 from grabkit.noise import AccumulationNoiseScale
 from grabkit.order import GraBSampler
 
 N, T, B = 24, 6, 4
+
+
+class StopAt(TrainerCallback):
+    """Stop training after optimizer step ``at`` (as ``EarlyStoppingCallback`` does)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            control.should_training_stop = True
 
 
 def tiny_bert() -> BertForSequenceClassification:

@@ -32,6 +32,18 @@ def model_with_dropout() -> nn.Module:
     )
 
 
+def data_and_mlp() -> tuple[torch.Tensor, torch.Tensor, nn.Module]:
+    """N examples (5 features, 3 classes) and a small MLP, seeded alike in every test."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
+    torch.manual_seed(0)
+    return x, y, nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def sketch_options(statistics: str) -> dict:
+    return {"statistics": "sketch", "sketch_dim": 16} if statistics == "sketch" else {}
+
+
 @pytest.mark.parametrize("signed_sums_from_total", [False, True])
 @pytest.mark.parametrize(
     ("balance_type", "optimizer"), [("mean", torch.optim.Adam), ("pair", torch.optim.SGD)]
@@ -77,11 +89,8 @@ def test_an_input_gradient_forward_before_the_batch_is_not_balanced(statistics, 
     (``torch.autograd.grad``), then the real forward and backward. The loader fetched the whole
     epoch ahead, so a sampler counting the clean pass as a micro-batch would not notice: it
     would credit the clean statistics to this batch and this batch's to the next one."""
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    options = {"statistics": "sketch", "sketch_dim": 16} if statistics == "sketch" else {}
+    x, y, model = data_and_mlp()
+    options = sketch_options(statistics)
     hooked = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH, **options)
     given = GraBSampler(range(N), balance_type="pair")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -154,11 +163,8 @@ def test_two_backwards_over_the_same_input_in_one_step_are_refused(backwards, st
     """The loader fetched the epoch ahead, so the count of examples does not tell: silently
     wrong on the old code (the second backward's statistics credited to the next batch's
     examples, every batch after them shifted, until the epoch ran out of examples)."""
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
-    options = {"statistics": "sketch", "sketch_dim": 16} if statistics == "sketch" else {}
+    x, y, model = data_and_mlp()
+    options = sketch_options(statistics)
     sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH, **options)
     order = list(sampler)  # fetched ahead: every index of the epoch handed out
     idx = torch.tensor(order[:BATCH])
@@ -173,10 +179,7 @@ def test_two_backwards_over_the_same_input_in_one_step_are_refused(backwards, st
 def test_sam_with_its_ascent_gradient_from_autograd_grad_balances_the_descent(reference_tools):
     """The fix the refusal names: the ascent gradient by ``torch.autograd.grad`` (not counted),
     the descent by ``backward()``: GraB balances each example's descent gradient."""
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y, model = data_and_mlp()
     params = list(model.parameters())
     hooked = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH)
     given = GraBSampler(range(N), balance_type="pair")
@@ -205,10 +208,7 @@ def test_sam_with_its_ascent_gradient_from_autograd_grad_balances_the_descent(re
 
 def test_accumulation_over_chunks_of_one_tensor_is_no_second_pass(reference_tools):
     """Micro-batches that are views of one tensor hold other rows: each its own examples."""
-    gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(N, 5, generator=gen), torch.randint(0, 3, (N,), generator=gen)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y, model = data_and_mlp()
     hooked = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH // 2)
     given = GraBSampler(range(N), balance_type="pair")
     order = list(hooked)
