@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
+from grabkit.validation import check_positive_int
 
 __all__ = ["RealUpdateSchedule"]
 
@@ -30,9 +31,8 @@ class RealUpdateSchedule:
     def __init__(
         self, scheduler: Any, wrapper: AdaptiveAccumulationWrapper, frequency: int = 1
     ) -> None:
-        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
-            raise ValueError(f"frequency should be a positive int, but got {frequency!r}")
-        self.scheduler, self.wrapper, self.frequency = scheduler, wrapper, frequency
+        self.scheduler, self.wrapper = scheduler, wrapper
+        self.frequency = check_positive_int("frequency", frequency)
         self.updates_seen = wrapper.num_steps
 
     def step(self, *args: Any, **kwargs: Any) -> None:
