@@ -485,7 +485,7 @@ class GrabkitTrainer(Trainer):
         if (
             checkpoint is not None
             and wrapper is not None
-            and wrapper.counters.last_reason == ("flushed")
+            and wrapper.counters.last_reason == "flushed"
         ):
             warnings.warn(
                 f"GrabkitTrainer: the run that saved {checkpoint} ended there and applied its "
