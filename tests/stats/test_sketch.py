@@ -241,3 +241,43 @@ def test_matrix_of_one_row_and_one_column_weights():
     assert matrix.shape == (16, 6 + 5 + 3)
     grads = torch.randn(4, 14, dtype=torch.float64)
     torch.testing.assert_close(sketch.apply_dense(grads), grads @ matrix.T)
+
+
+class SmallKernelConv(nn.Module):
+    """A convolution whose per-example gradient (3 x 12) is far smaller than its factors over
+    36 positions, then one over a few positions where the outer sum is the cheaper route."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Conv2d(3, 3, 2)  # 3 x 12 weight over 6 x 6 = 36 positions
+        self.wide = nn.Conv1d(3, 24, 6)  # 24 x 18 weight over 31 positions
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.small(x)).flatten(2)  # (B, 3, 36)
+        return self.head(torch.tanh(self.wide(h)).mean(dim=2))
+
+
+def test_each_conv_sketch_route_is_the_explicit_map():
+    """A convolution is sketched from its formed per-example gradients where that is cheaper,
+    else by the outer sum of its projected sides: both are the explicit map (float64)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model, x = SmallKernelConv(), torch.randn(B, 3, 7, 7, generator=gen)
+    y = torch.randint(0, 4, (B,), generator=gen)
+    reference = autograd_gradients(model, x, y)
+    with SketchedStats(model, dim=64, seed=5) as stats:
+        loss_per_example(model(x), y).mean().backward()
+        sketches = stats.sketches()
+        small, wide = stats.sketch.map_for("small.weight"), stats.sketch.map_for("wide.weight")
+        matrix = stats.sketch.matrix().to(torch.float64)
+    assert small.materialising_is_cheaper(36) and not wide.materialising_is_cheaper(31)
+    expected = reference @ matrix.T
+    torch.testing.assert_close(sketches, expected, rtol=1e-10, atol=1e-10 * expected.abs().max())
+
+
+def test_materialising_is_chosen_for_small_kernels_over_many_positions():
+    lenet_conv1 = GradientSketch({"w": torch.Size([6, 3, 5, 5])}, dim=1024, seed=0)
+    assert lenet_conv1.map_for("w").materialising_is_cheaper(28 * 28)
+    transformer_linear = GradientSketch({"w": torch.Size([128, 128])}, dim=1024, seed=0)
+    assert not transformer_linear.map_for("w").materialising_is_cheaper(64)

@@ -304,10 +304,22 @@ class OuterProductFactor:
         """(B, q, p) per-example gradients, kept for the step, where they are worth keeping: one
         group, several positions, no more numbers than the factors hold (B q p <= B T (p + q)),
         so one pass of B T p q multiply-adds replaces one per dot or weighted sum; else None."""
-        b, t, p, q = self.batch_size, self.positions, self.in_features, self.out_features
+        t, p, q = self.positions, self.in_features, self.out_features
         if self.groups != 1 or t == 1 or self.strategy != "auto" or p * q > t * (p + q):
             return None
+        return self.per_example_grads()
+
+    def per_example_grads(self) -> torch.Tensor:
+        """(B, q, p) per-example gradients in the parameter's layout, sum_t D_it A_it^T, formed
+        by one batched GEMM (B T p q multiply-adds) and kept for the step. One group only: a
+        grouped layer's gradients are blocks (``_materialised``)."""
+        if self.groups != 1:
+            raise ValueError(
+                f"per_example_grads() forms one group's (B, q, p) gradients, but this factor "
+                f"has {self.groups} groups"
+            )
         if self._kept_grads is None:
+            b, p, q = self.batch_size, self.in_features, self.out_features
             a = self.inputs.reshape(b, -1, p)
             d = self.output_grads.reshape(b, -1, q)
             self._kept_grads = torch.bmm(d.transpose(1, 2), a)  # (B, q, p): parameter layout

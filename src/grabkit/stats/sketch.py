@@ -197,13 +197,25 @@ class KroneckerMap:
         self, out: torch.Tensor, factor: OuterProductFactor, scale: float, overwrite: bool
     ) -> bool:
         """(B, k) ``out`` += (or, with ``overwrite``, =) ``scale`` times the ``outer_product``
-        sketch, when the factor is one position of one group (a plain Linear): two
-        (B, f) @ (f, k) products and one fused outer product. Returns False, doing nothing,
-        for any other factor."""
+        sketch, for a factor of one group whose parameter is this map's matrix: for one
+        position (a plain Linear) two (B, f) @ (f, k) products and one fused outer product;
+        for several positions where forming the per-example gradients is cheaper
+        (``materialising_is_cheaper``: a convolution's small kernel over many positions),
+        P_out G_i P_in^T of those. Returns False, doing nothing, for any other factor."""
         b, p = factor.batch_size, factor.in_features
-        one_row = factor.positions == 1 and factor.groups == 1
-        if not one_row or factor.out_features != self.rows or p != self.cols:
+        if factor.groups != 1 or factor.out_features != self.rows or p != self.cols:
             return False
+        if factor.positions != 1:
+            if not self.materialising_is_cheaper(factor.positions):
+                return False
+            grads = factor.per_example_grads()  # (B, rows, cols)
+            sketch = torch.matmul(self.p_out, torch.matmul(grads, self.p_in_t))  # (B, k_out, k_in)
+            out3 = out.view(b, self.k_out, self.k_in)
+            if overwrite:
+                torch.mul(sketch, self.scale * scale, out=out3)
+            else:
+                out3.add_(sketch, alpha=self.scale * scale)
+            return True
         inputs, output_grads = factor.flat_rows()  # (B, p), (B, q)
         left = torch.mm(output_grads, self.p_out_t)  # (B, k_out)
         right = torch.mm(inputs, self.p_in_t)  # (B, k_in)
@@ -214,6 +226,18 @@ class KroneckerMap:
         else:
             out3.addcmul_(left3, right3, value=self.scale * scale)
         return True
+
+    def materialising_is_cheaper(self, positions: int) -> bool:
+        """Whether sketching g_i = sum_t D_it A_it^T over ``positions`` rows per example costs
+        fewer multiply-adds by forming G_i first (T rows cols, then P_out G_i P_in^T) than by
+        the outer sum of the projected sides (T (k_out rows + k_in cols + k)). Both give the
+        same map, up to rounding. LeNet's first convolution (6 x 75 over 784 positions, k =
+        1024): 0.4 M against 8.4 M per example; a transformer's 128 x 128 Linear over 64
+        positions: 1.7 M against 0.6 M, so the outer sum stays."""
+        rows, cols, k_out, k_in = self.rows, self.cols, self.k_out, self.k_in
+        outer = positions * (k_out * rows + k_in * cols + k_out * k_in)
+        materialised = positions * rows * cols + rows * cols * k_in + k_out * rows * k_in
+        return materialised < outer
 
     def outer_product_sides(self, factor: OuterProductFactor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, k_out, R) P_out D_ir and (B, k_in, R) P_in A_ir (R = T G rows per example, the
