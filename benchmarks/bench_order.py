@@ -18,17 +18,15 @@ Run: ``python benchmarks/run.py order`` (writes benchmarks/results/order.md) or 
 
 from __future__ import annotations
 
-import gzip
 import importlib
 import math
 import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from benchmarks.common import DATA, machine_description, time_side_by_side
+from benchmarks.common import DATA, machine_description, read_idx, time_side_by_side
 from grabkit.order import GraBSampler, herding_bound
 
 HERE = Path(__file__).resolve().parent
@@ -164,15 +162,6 @@ def time_balancing(dims: list[int], batch: int, rounds: int) -> list[str]:
 
 
 # -- part 2: herding bound per ordering on MNIST logistic-regression gradients --------------------
-def read_idx(path: Path) -> np.ndarray:
-    """An idx file (gzip) as a numpy array: big-endian header of dims, then uint8 data."""
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
-
-
 def mnist_logistic_gradients(folder: Path, n: int, gd_steps: int) -> torch.Tensor:
     """(n, 7850) per-example gradients of softmax regression on the first n MNIST images.
 

@@ -6,6 +6,7 @@ interleaved round by round, and reports medians and ratios rather than absolute 
 
 from __future__ import annotations
 
+import gzip
 import os
 import platform
 import statistics
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 #: the real datasets (formats in that folder's README): ``../shared/data`` beside the checkout,
@@ -64,3 +66,12 @@ def machine_description() -> str:
         f"{platform.processor() or platform.machine()}, {threads} torch threads, {gpu}, "
         f"torch {torch.__version__}, Python {platform.python_version()}"
     )
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """An idx file (gzip) as a numpy array: big-endian header of dims, then uint8 data."""
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    ndim = data[3]
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()

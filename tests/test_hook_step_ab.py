@@ -14,10 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_two_checkouts_are_timed_in_one_process():
+@pytest.mark.parametrize("model", ["mlp", "lenet"])
+def test_two_checkouts_are_timed_in_one_process(model):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    script = "benchmarks/hook_step_ab.py"
     done = subprocess.run(
-        [sys.executable, "benchmarks/hook_step_ab.py", "sketch", "2", f"--against={ROOT / 'src'}"],
+        [sys.executable, script, "sketch", "2", f"--against={ROOT / 'src'}", f"--model={model}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -25,5 +27,6 @@ def test_two_checkouts_are_timed_in_one_process():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"{model} sketch:")
     assert "(this checkout)" in done.stdout and f"({ROOT / 'src'})" in done.stdout
     assert "this / other median" in done.stdout and "(2 blocks of 8 steps each)" in done.stdout

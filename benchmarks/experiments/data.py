@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_order import read_idx
-from benchmarks.common import DATA
+from benchmarks.common import DATA, read_idx
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
