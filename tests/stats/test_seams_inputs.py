@@ -217,3 +217,94 @@ def test_a_forward_that_changes_its_own_input_is_read_as_usual(reference_tools):
     with PerSampleStats(model, "sum") as stats:
         model(x).square().sum().backward()
         reference_tools.assert_matches(stats, torch.stack(rows))
+
+
+class PositionsGiven(nn.Module):
+    """Position ids passed to the model beside the tokens, as Hugging Face models take them:
+    one (T,) row shared by the batch, or a (B, T) tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(8, WIDTH)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(input_ids) + self.positions(position_ids)
+        return self.head(torch.tanh(h)).mean(dim=1)
+
+
+@pytest.mark.parametrize("first", ["input_ids", "position_ids"])
+def test_given_positions_as_many_as_the_examples_are_refused(first):
+    """A (T,) position row given as a model input with T == B: its dim 0 has the batch size by
+    chance, and each position's embedding row was taken for one example's (0.5% off in the
+    norms on the old code, whichever input came first); with T != B it was refused already."""
+    torch.manual_seed(0)
+    model = PositionsGiven()
+    ids, positions = torch.randint(0, VOCAB, (B, B)), torch.arange(B)
+    kwargs = {"input_ids": ids, "position_ids": positions}
+    if first == "position_ids":
+        kwargs = dict(reversed(kwargs.items()))
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'positions'.*T == B"):
+        model(**kwargs)
+
+
+def test_given_positions_with_a_batch_dim_are_exact(reference_tools):
+    """The fix the refusal names: positions expanded to (B, T) hold one row per example."""
+    torch.manual_seed(0)
+    model = PositionsGiven()
+    ids = torch.randint(0, VOCAB, (B, B))
+    positions = torch.arange(B).expand(B, -1)
+    params = list(model.parameters())
+    expected = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(
+                        model(ids[i : i + 1], positions[i : i + 1]).square().sum(), params
+                    )
+                ]
+            )
+            for i in range(B)
+        ]
+    )
+    with PerSampleStats(model, "sum") as stats:
+        model(ids, positions).square().sum().backward()
+        reference_tools.assert_matches(stats, expected)
+
+
+def test_a_column_of_the_first_input_holds_the_examples(reference_tools):
+    """A view of the model's input along its examples (``x[:, 0]``, fewer dims than the input,
+    B == T) stays a per-example input; a row of it (``x[0]``) would not, and is refused."""
+    torch.manual_seed(0)
+
+    class FirstToken(nn.Module):
+        def __init__(self, row: bool) -> None:
+            super().__init__()
+            self.row = row
+            self.tokens, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, 2)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            picked = ids[0] if self.row else ids[:, 0]
+            return self.head(torch.tanh(self.tokens(picked)))
+
+    ids = torch.randint(0, VOCAB, (B, B))
+    model = FirstToken(row=False)
+    params = list(model.parameters())
+    expected = torch.stack(
+        [
+            torch.cat(
+                [
+                    g.reshape(-1)
+                    for g in torch.autograd.grad(model(ids[i : i + 1]).square().sum(), params)
+                ]
+            )
+            for i in range(B)
+        ]
+    )
+    with PerSampleStats(model, "sum") as stats:
+        model(ids).square().sum().backward()
+        reference_tools.assert_matches(stats, expected)
+    model_row = FirstToken(row=True)
+    with PerSampleStats(model_row, "sum"), pytest.raises(ValueError, match="T == B"):
+        model_row(ids)

@@ -339,6 +339,10 @@ class _ModelBatch:
         self._storages = {t.untyped_storage().data_ptr() for t in tensors}
         self._model = model
         self._state_storages: set[int] | None = None  # read on first need, once per step
+        # inputs whose dim 0 has the batch size while it also sits in another dim of one of
+        # them: a layer reading one is checked against the rest (``_check_given_input``)
+        candidates = [t for t in tensors if t.dim() and t.shape[0] == self.size]
+        self._rivals = candidates if any(self.size in t.shape[1:] for t in candidates) else []
 
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
@@ -381,6 +385,36 @@ class _ModelBatch:
                 f"other dims."
             )
 
+    def _check_given_input(self, name: str, x: torch.Tensor) -> None:
+        """Refuse a layer input that is (a view of) one of the model's inputs whose dim 0 has
+        the batch size, where the batch size also sits in another dim of one of those inputs
+        (T == B), and the rows of ``x`` may not be the examples: a view across another dim of
+        the input (``ids[0]``), or an input of fewer dims than one holding B elsewhere (position
+        ids (T,) given beside (B, T) tokens, which the model broadcasts along T). The examples
+        are then told apart from positions by nothing but the order of the arguments."""
+        storage = x.untyped_storage().data_ptr()
+        source = next((t for t in self._rivals if t.untyped_storage().data_ptr() == storage), None)
+        if source is None:
+            return
+        widest = max(t.dim() for t in self._rivals if self.size in t.shape[1:])
+        along = x.stride(0) == source.stride(0)
+        if along and source.dim() >= widest:
+            return
+        what = (
+            f"a view across another dim of the model's input of shape {tuple(source.shape)}"
+            if not along
+            else f"the model's input of shape {tuple(source.shape)}, which has fewer dims than "
+            f"another input whose other dims hold the batch size too (position ids (T,) "
+            f"given beside (B, T) tokens, broadcast along T)"
+        )
+        raise ValueError(
+            f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 has the batch "
+            f"size {self.size} but may not hold the examples: it is {what}. With T == B "
+            f"PerSampleStats cannot tell positions from examples. Give such an input an "
+            f"explicit batch dim (position_ids.expand(B, -1)), or use a batch size that "
+            f"differs from the other dims."
+        )
+
     def align(
         self, name: str, x: torch.Tensor, output: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -419,6 +453,8 @@ class _ModelBatch:
                     f"layouts (a .contiguous() copy of a sequence-first view is sequence-first "
                     f"too: transpose back to batch-first before the layer)."
                 )
+            if self._rivals and x.grad_fn is None:
+                self._check_given_input(name, x)
             return x, None
         if not self._is_shared(x):
             raise ValueError(
