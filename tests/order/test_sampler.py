@@ -121,6 +121,37 @@ def test_more_gradients_than_the_epoch_has_left_is_an_error():
     sampler.step(torch.randn(1, 3))  # the rest still fits; state was unchanged by the error
 
 
+def test_a_step_before_the_first_iter_is_refused_when_the_loop_then_iterates():
+    """One step() before the loop's first iter() (a warm-up backward on a batch the sampler
+    never handed out): on the old code its gradients went to the first B examples of epoch 0,
+    and iter() then ended that epoch and began epoch 1, so the loop's first epoch was never
+    balanced, silently. The loop's iter() now refuses, and nothing changed."""
+    sampler = GraBSampler(range(8), balance_type="mean", batch_size=2)
+    sampler.step(torch.randn(2, 3))
+    before = copy.deepcopy(sampler.state_dict())
+    with pytest.raises(ValueError, match="before the first iter"):
+        iter(sampler)
+    assert sampler.epoch == 0
+    _assert_same_state(sampler.state_dict(), before)
+
+
+def test_an_epoch_driven_by_its_order_without_iter_is_stepped_whole():
+    """Stepping a whole epoch through ``sampler.order`` without iterating, then iter(): the
+    supported way to drive the sampler without a loader, as before."""
+    grads = torch.randn(8, 3, dtype=torch.float64)
+    driven = GraBSampler(range(8), balance_type="mean", batch_size=2)
+    iterated = GraBSampler(range(8), balance_type="mean", batch_size=2)
+    for _ in range(3):
+        order = driven.order.tolist()
+        for k in range(0, 8, 2):
+            driven.step(grads[order[k : k + 2]])
+        iter(driven)
+        yielded = list(iterated)
+        for k in range(0, 8, 2):
+            iterated.step(grads[yielded[k : k + 2]])
+    assert driven.order.tolist() == list(iter(iterated))
+
+
 def test_drop_last_loader_leaves_last_examples_unstepped():
     X = torch.randn(10, 3, dtype=torch.float64)
     ds = TensorDataset(X)

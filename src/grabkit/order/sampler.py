@@ -276,6 +276,17 @@ class GraBSampler(Sampler[int], Stateful):
         self._publish()
 
     def _advance(self) -> None:
+        if self._yielded == 0 and 0 < self._stepped < self.num_samples:
+            raise ValueError(
+                f"iter(sampler) would end epoch {self._epoch} after step() balanced "
+                f"{self._stepped} of its {self.num_samples} examples, none of which were handed "
+                f"out: step() ran before the first iter() of the epoch (a warm-up backward on a "
+                f"batch the sampler did not yield?), so its gradients went to examples of the "
+                f"epoch's order, and the loop's first epoch would not be balanced. Call "
+                f"iter(sampler) (start the loader) before stepping; to drive the sampler by its "
+                f"order without a loader, step every example of the epoch (or skip() the rest) "
+                f"before iter(). Nothing changed."
+            )
         if self._stepped == 0 and self._yielded and self.ordering.uses_gradients:
             warnings.warn(
                 f"GraBSampler epoch {self._epoch} ended with no step() at all, so "
