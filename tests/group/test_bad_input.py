@@ -7,6 +7,7 @@ with ``reduction="sum"`` returns a zero loss); a mean over no items is not, so i
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -279,3 +280,22 @@ def test_thresholds_that_are_not_finite_numbers_are_named() -> None:
         LengthThresholdGrouper("s", [True, 3])
     grouper = LengthThresholdGrouper("s", [2.5])  # L <= 2.5 is L <= 2 for integer lengths
     assert grouper.plan({"s": torch.tensor([1, 2, 3])}, 3).partition() == [[0, 1], [2]]
+
+
+@pytest.mark.parametrize("planner", ["plan_groups", "plan_from_partition"])
+def test_a_length_or_size_above_the_largest_bucket_warns(planner):
+    """Buckets bound the shapes ``torch.compile`` sees; a group longer (or with more rows) than
+    the largest bucket kept its own size without a word on the old code: one more shape."""
+
+    def plan(lengths, **buckets):
+        if planner == "plan_groups":
+            return plan_groups(lengths, alpha=0.0, **buckets)
+        return plan_from_partition([list(range(len(lengths)))], lengths, **buckets)
+
+    with pytest.warns(UserWarning, match=r"length_buckets.*largest.*8.*one more shape"):
+        assert plan([3, 9], length_buckets=[4, 8]).lengths[-1] == [9]
+    with pytest.warns(UserWarning, match=r"size_buckets.*largest.*2.*one more shape"):
+        assert max(plan([3, 3, 3], size_buckets=[1, 2]).rows) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan([3, 7], length_buckets=[4, 8], size_buckets=[1, 2, 4])  # all within the buckets

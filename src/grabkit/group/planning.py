@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -186,6 +187,21 @@ def _round_up(value: int, buckets: Sequence[int] | None) -> int:
     return buckets[i] if i < len(buckets) else value
 
 
+def _warn_unbucketed(values: Sequence[int], buckets: list[int] | None, name: str) -> None:
+    """Warn where a padded length or row count is above the largest bucket: it keeps its own
+    size, one more shape than the buckets allow (``torch.compile`` recompiles for it). One
+    message per bucket list, so Python's warning filter shows it once per call site."""
+    if buckets and max(values, default=0) > buckets[-1]:
+        warnings.warn(
+            f"{name}: a group needs more than the largest bucket ({buckets[-1]}), so it keeps "
+            f"its own size: one more shape than the buckets allow (torch.compile recompiles "
+            f"for it). Add a bucket at least as large as the largest length (or group) you "
+            f"expect, or cap the items' lengths.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _check_buckets(buckets: Sequence[int] | None, name: str) -> list[int] | None:
     if buckets is None:
         return None
@@ -219,6 +235,8 @@ def plan_from_partition(
     maxima = [matrix[g].max(0).values.tolist() for g in groups]
     padded = [[_round_up(v, length_buckets) for v in m] for m in maxima]
     rows = [_round_up(len(g), size_buckets) for g in groups]
+    _warn_unbucketed([max(m) for m in padded], length_buckets, "length_buckets")
+    _warn_unbucketed(rows, size_buckets, "size_buckets")
     return GroupPlan(groups, padded, rows)
 
 
@@ -354,6 +372,8 @@ def plan_groups(
         top = table[order_np[start:stop]].max(0) if table.shape[1] > 1 else (sorted_len[stop - 1],)
         lengths.append([_round_up(int(v), length_buckets) for v in top])
         rows.append(_round_up(stop - start, size_buckets))
+    _warn_unbucketed([max(group) for group in lengths], length_buckets, "length_buckets")
+    _warn_unbucketed(rows, size_buckets, "size_buckets")
     return GroupPlan(groups, lengths, rows)
 
 
