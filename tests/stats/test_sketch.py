@@ -281,3 +281,21 @@ def test_materialising_is_chosen_for_small_kernels_over_many_positions():
     assert lenet_conv1.map_for("w").materialising_is_cheaper(28 * 28)
     transformer_linear = GradientSketch({"w": torch.Size([128, 128])}, dim=1024, seed=0)
     assert not transformer_linear.map_for("w").materialising_is_cheaper(64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_conv_sketch_routes_on_cuda_equal_the_cpu_ones():
+    """Both convolution routes (formed per-example gradients, outer sum) on the GPU: the same
+    maps, drawn on the CPU and moved, give the CPU's sketches (float64)."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model, x = SmallKernelConv(), torch.randn(B, 3, 7, 7, generator=gen)
+    y = torch.randint(0, 4, (B,), generator=gen)
+    results = []
+    for device in ("cpu", "cuda"):
+        model.to(device)
+        with SketchedStats(model, dim=64, seed=5) as stats:
+            loss_per_example(model(x.to(device)), y.to(device)).mean().backward()
+            results.append(stats.sketches().cpu())
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-10, atol=1e-12)
