@@ -340,9 +340,16 @@ class _ModelBatch:
         self._model = model
         self._state_storages: set[int] | None = None  # read on first need, once per step
         # inputs whose dim 0 has the batch size while it also sits in another dim of one of
-        # them: a layer reading one is checked against the rest (``_check_given_input``)
+        # them: a layer reading one is checked against the rest (``_check_given_input``); one
+        # example needs no check (its gradient is the batch's, whatever dim 0 held)
+        several = self.size > 1
         candidates = [t for t in tensors if t.dim() and t.shape[0] == self.size]
-        self._rivals = candidates if any(self.size in t.shape[1:] for t in candidates) else []
+        ambiguous = several and any(self.size in t.shape[1:] for t in candidates)
+        self._rivals = candidates if ambiguous else []
+        #: the widest input holding the batch size in a dim other than 0 (None: none does): a
+        #: tensor made in the forward with fewer dims and the batch size in dim 0 is ambiguous
+        holders = [t for t in tensors if several and self.size in t.shape[1:]]
+        self._holder = max(holders, key=lambda t: t.dim()).shape if holders else None
 
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
@@ -389,31 +396,46 @@ class _ModelBatch:
         """Refuse a layer input that is (a view of) one of the model's inputs whose dim 0 has
         the batch size, where the batch size also sits in another dim of one of those inputs
         (T == B), and the rows of ``x`` may not be the examples: a view across another dim of
-        the input (``ids[0]``), or an input of fewer dims than one holding B elsewhere (position
-        ids (T,) given beside (B, T) tokens, which the model broadcasts along T). The examples
-        are then told apart from positions by nothing but the order of the arguments."""
+        the input (``ids[0]``), or a view of an input that could be broadcast along a dim of a
+        wider input holding B there (position ids (T,) given beside (B, T) tokens, which the
+        model broadcasts along T). The examples are then told apart from positions by nothing
+        but the order of the arguments. A view along the examples of an input that cannot be
+        broadcast so ((B, f) features beside (B, C, H, W) images with C == B), or with dim 0
+        broadcast (``position_ids.expand(B, -1)``: every example the same rows) is exact. Where
+        several inputs share ``x``'s storage (ids and labels cut from one collated buffer), one
+        that explains ``x`` as the examples is enough."""
+        if x.stride(0) == 0:
+            return
         storage = x.untyped_storage().data_ptr()
-        source = next((t for t in self._rivals if t.untyped_storage().data_ptr() == storage), None)
-        if source is None:
+        sources = [t for t in self._rivals if t.untyped_storage().data_ptr() == storage]
+        reasons = [self._why_not_examples(x, source) for source in sources]
+        if not reasons or any(reason is None for reason in reasons):
             return
-        widest = max(t.dim() for t in self._rivals if self.size in t.shape[1:])
-        along = x.stride(0) == source.stride(0)
-        if along and source.dim() >= widest:
-            return
-        what = (
-            f"a view across another dim of the model's input of shape {tuple(source.shape)}"
-            if not along
-            else f"the model's input of shape {tuple(source.shape)}, which has fewer dims than "
-            f"another input whose other dims hold the batch size too (position ids (T,) "
-            f"given beside (B, T) tokens, broadcast along T)"
-        )
         raise ValueError(
             f"layer {name!r} got an input of shape {tuple(x.shape)} whose dim 0 has the batch "
-            f"size {self.size} but may not hold the examples: it is {what}. With T == B "
+            f"size {self.size} but may not hold the examples: it is {reasons[0]}. With T == B "
             f"PerSampleStats cannot tell positions from examples. Give such an input an "
-            f"explicit batch dim (position_ids.expand(B, -1)), or use a batch size that "
-            f"differs from the other dims."
+            f"explicit batch dim (position_ids.expand(B, -1)); where its dim 0 does hold the "
+            f"examples (one id per example beside (B, T) tokens), give it a trailing dim, "
+            f"(B, 1); or use a batch size that differs from the other dims."
         )
+
+    def _why_not_examples(self, x: torch.Tensor, source: torch.Tensor) -> str | None:
+        """Why ``x``, a view of the model's input ``source``, may not hold the examples in its
+        dim 0 (None: it does)."""
+        if x.stride(0) != source.stride(0):
+            return f"a view across another dim of the model's input of shape {tuple(source.shape)}"
+        k = source.dim()
+        for wider in self._rivals:
+            for j in range(1, wider.dim() - k + 1):
+                aligned = zip(source.shape, wider.shape[j : j + k], strict=True)
+                if wider.shape[j] == self.size and all(a == b or 1 in (a, b) for a, b in aligned):
+                    return (
+                        f"the model's input of shape {tuple(source.shape)}, which broadcasts "
+                        f"against dims {j}.. of the input of shape {tuple(wider.shape)} (like "
+                        f"position ids (T,) given beside (B, T) tokens, broadcast along T)"
+                    )
+        return None
 
     def align(
         self, name: str, x: torch.Tensor, output: torch.Tensor
@@ -423,10 +445,11 @@ class _ModelBatch:
         batched = x.dim() > 0 and x.shape[0] == b
         model_state = batched and x.grad_fn is None and self._is_model_state(x)
         if batched and not model_state:
-            if x.dim() < len(self.shape) and b in self.shape[1:] and self._is_shared(x):
+            holder = self._holder
+            if holder is not None and x.dim() < len(holder) and self._is_shared(x):
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
-                    f"from the model's input {self.shape}, whose batch size {b} also appears "
+                    f"from the model's input {tuple(holder)}, whose batch size {b} also appears "
                     f"among its other dims: PerSampleStats cannot tell whether dim 0 holds the "
                     f"examples or is shared by all of them (say positions torch.arange(T) with "
                     f"T == B). Give that input an explicit batch dim (e.g. "
