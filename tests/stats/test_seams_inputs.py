@@ -61,6 +61,25 @@ def per_example_rows(model: nn.Module, wrap, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def rows_of_examples(model: nn.Module, loss_of_example) -> torch.Tensor:
+    """(B, d): ``torch.autograd.grad`` of ``loss_of_example(i)``, example i run alone."""
+    params = list(model.parameters())
+    rows = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_of_example(i), params)])
+        for i in range(B)
+    ]
+    return torch.stack(rows)
+
+
+def assert_exact(model: nn.Module, loss_of, reference_tools) -> None:
+    """The hooks' statistics of ``loss_of(slice(None))`` (the whole batch) equal the per-example
+    reference, ``loss_of(slice(i, i + 1))`` run for each example alone."""
+    expected = rows_of_examples(model, lambda i: loss_of(slice(i, i + 1)))
+    with PerSampleStats(model, "sum") as stats:
+        loss_of(slice(None)).backward()
+        reference_tools.assert_matches(stats, expected)
+
+
 def _exact(model: nn.Module, wrap, ids: torch.Tensor, reference_tools) -> None:
     expected = per_example_rows(model, wrap, ids)
     with PerSampleStats(model, "sum") as stats:
@@ -127,18 +146,7 @@ def test_a_zero_dim_first_input_is_passed_over_for_the_batch(reference_tools):
     for no batch at all: the layers were refused as "called outside the model's forward"."""
     torch.manual_seed(0)
     model, t, x = TimeConditioned(), torch.tensor(0.7), torch.randn(B, WIDTH)
-    params = list(model.parameters())
-    expected = torch.stack(
-        [
-            torch.cat(
-                [
-                    g.reshape(-1)
-                    for g in torch.autograd.grad(model(t, x[i : i + 1]).square().sum(), params)
-                ]
-            )
-            for i in range(B)
-        ]
-    )
+    expected = rows_of_examples(model, lambda i: model(t, x[i : i + 1]).square().sum())
     with PerSampleStats(model, "sum") as stats:
         model(t, x).square().sum().backward()
         reference_tools.assert_matches(stats, expected)
@@ -208,15 +216,10 @@ def test_a_forward_that_changes_its_own_input_is_read_as_usual(reference_tools):
     """The input's version is taken when the model's forward ends, not when it starts."""
     torch.manual_seed(0)
     model, x = ClampsItsInput(), torch.randn(B, WIDTH)
-    rows = [
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
-            model(x[i : i + 1].clone()).square().sum(), list(model.parameters())
-        )])
-        for i in range(B)
-    ]  # fmt: skip
+    expected = rows_of_examples(model, lambda i: model(x[i : i + 1].clone()).square().sum())
     with PerSampleStats(model, "sum") as stats:
         model(x).square().sum().backward()
-        reference_tools.assert_matches(stats, torch.stack(rows))
+        reference_tools.assert_matches(stats, expected)
 
 
 class PositionsGiven(nn.Module):
@@ -254,23 +257,9 @@ def test_given_positions_with_a_batch_dim_are_exact(reference_tools):
     model = PositionsGiven()
     ids = torch.randint(0, VOCAB, (B, B))
     positions = torch.arange(B).expand(B, -1)
-    params = list(model.parameters())
-    expected = torch.stack(
-        [
-            torch.cat(
-                [
-                    g.reshape(-1)
-                    for g in torch.autograd.grad(
-                        model(ids[i : i + 1], positions[i : i + 1]).square().sum(), params
-                    )
-                ]
-            )
-            for i in range(B)
-        ]
+    assert_exact(
+        model, lambda rows: model(ids[rows], positions[rows]).square().sum(), reference_tools
     )
-    with PerSampleStats(model, "sum") as stats:
-        model(ids, positions).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
 
 
 def test_a_column_of_the_first_input_holds_the_examples(reference_tools):
@@ -290,34 +279,10 @@ def test_a_column_of_the_first_input_holds_the_examples(reference_tools):
 
     ids = torch.randint(0, VOCAB, (B, B))
     model = FirstToken(row=False)
-    params = list(model.parameters())
-    expected = torch.stack(
-        [
-            torch.cat(
-                [
-                    g.reshape(-1)
-                    for g in torch.autograd.grad(model(ids[i : i + 1]).square().sum(), params)
-                ]
-            )
-            for i in range(B)
-        ]
-    )
-    with PerSampleStats(model, "sum") as stats:
-        model(ids).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
     model_row = FirstToken(row=True)
     with PerSampleStats(model_row, "sum"), pytest.raises(ValueError, match="T == B"):
         model_row(ids)
-
-
-def rows_of_examples(model: nn.Module, loss_of_example) -> torch.Tensor:
-    """(B, d): ``torch.autograd.grad`` of ``loss_of_example(i)``, example i run alone."""
-    params = list(model.parameters())
-    rows = [
-        torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_of_example(i), params)])
-        for i in range(B)
-    ]
-    return torch.stack(rows)
 
 
 class ImageAndTable(nn.Module):
@@ -342,12 +307,9 @@ def test_a_narrower_input_beside_an_image_with_the_batch_size_in_it_is_exact(
     torch.manual_seed(0)
     model = ImageAndTable(channels)
     image, table = torch.randn(B, channels, side, B), torch.randn(B, 3)
-    expected = rows_of_examples(
-        model, lambda i: model(image[i : i + 1], table[i : i + 1]).square().sum()
+    assert_exact(
+        model, lambda rows: model(image[rows], table[rows]).square().sum(), reference_tools
     )
-    with PerSampleStats(model, "sum") as stats:
-        model(image, table).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
 
 
 class EmbeddedTokens(nn.Module):
@@ -366,12 +328,9 @@ def test_token_types_beside_given_token_vectors_with_t_equal_to_b_are_exact(refe
     torch.manual_seed(0)
     model = EmbeddedTokens()
     vectors, types = torch.randn(B, B, WIDTH), torch.randint(0, 2, (B, B))
-    expected = rows_of_examples(
-        model, lambda i: model(vectors[i : i + 1], types[i : i + 1]).square().sum()
+    assert_exact(
+        model, lambda rows: model(vectors[rows], types[rows]).square().sum(), reference_tools
     )
-    with PerSampleStats(model, "sum") as stats:
-        model(vectors, types).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
 
 
 class PositionsExpanded(PositionsGiven):
@@ -385,10 +344,7 @@ def test_given_positions_expanded_by_the_model_are_exact(reference_tools):
     torch.manual_seed(0)
     model = PositionsExpanded()
     ids, positions = torch.randint(0, VOCAB, (B, B)), torch.arange(B)
-    expected = rows_of_examples(model, lambda i: model(ids[i : i + 1], positions).square().sum())
-    with PerSampleStats(model, "sum") as stats:
-        model(ids, positions).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
+    assert_exact(model, lambda rows: model(ids[rows], positions).square().sum(), reference_tools)
 
 
 class Labelled(nn.Module):
@@ -409,12 +365,7 @@ def test_ids_sharing_a_buffer_with_their_labels_are_exact(reference_tools):
     model = Labelled()
     buffer = torch.randint(0, VOCAB, (B, B + 1))
     labels, ids = buffer[:, -1], buffer[:, :-1]
-    expected = rows_of_examples(
-        model, lambda i: model(labels[i : i + 1], ids[i : i + 1]).square().sum()
-    )
-    with PerSampleStats(model, "sum") as stats:
-        model(labels, ids).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
+    assert_exact(model, lambda rows: model(labels[rows], ids[rows]).square().sum(), reference_tools)
 
 
 class ShiftedPositions(PositionsGiven):
@@ -459,9 +410,6 @@ def test_one_id_per_example_beside_t_equal_to_b_is_refused_naming_a_trailing_dim
     with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"\(B, 1\)"):
         model(items, users)
     users = users[:, None]
-    expected = rows_of_examples(
-        model, lambda i: model(items[i : i + 1], users[i : i + 1]).square().sum()
+    assert_exact(
+        model, lambda rows: model(items[rows], users[rows]).square().sum(), reference_tools
     )
-    with PerSampleStats(model, "sum") as stats:
-        model(items, users).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
