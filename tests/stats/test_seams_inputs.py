@@ -413,3 +413,14 @@ def test_one_id_per_example_beside_t_equal_to_b_is_refused_naming_a_trailing_dim
     assert_exact(
         model, lambda rows: model(items[rows], users[rows]).square().sum(), reference_tools
     )
+
+
+@pytest.mark.parametrize("length", [B, B + 2])
+def test_given_positions_of_one_row_are_shared_by_the_batch(length, reference_tools):
+    """(1, T) position ids given as a model input, the shape Hugging Face models make
+    themselves: dim 0 broadcasts over the examples, so they are shared by the batch (refused on
+    the old code as "computed from the model's input", at any T)."""
+    torch.manual_seed(0)
+    model = PositionsGiven()
+    ids, positions = torch.randint(0, VOCAB, (B, length)), torch.arange(length)[None]
+    assert_exact(model, lambda rows: model(ids[rows], positions).square().sum(), reference_tools)

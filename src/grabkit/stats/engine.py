@@ -479,7 +479,8 @@ class _ModelBatch:
             if self._rivals and x.grad_fn is None:
                 self._check_given_input(name, x)
             return x, None
-        if not self._is_shared(x):
+        one_row = x.dim() > 0 and x.shape[0] == 1 and x.grad_fn is None  # broadcast: HF's (1, T)
+        if not (one_row or self._is_shared(x)):
             raise ValueError(
                 f"layer {name!r} got an input of shape {tuple(x.shape)} computed from the "
                 f"model's input, but its dim 0 is not the batch ({b} examples, dim 0 of the "
