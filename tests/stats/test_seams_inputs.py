@@ -424,3 +424,55 @@ def test_given_positions_of_one_row_are_shared_by_the_batch(length, reference_to
     model = PositionsGiven()
     ids, positions = torch.randint(0, VOCAB, (B, length)), torch.arange(length)[None]
     assert_exact(model, lambda rows: model(ids[rows], positions).square().sum(), reference_tools)
+
+
+class MadeInForward(nn.Module):
+    """An Embedding on a tensor the forward makes without autograd, of shape (B, T) with T == B:
+    zero token types, one row per example (BERT's when none are given), or (T, T) relative
+    positions shared by the batch, broadcast against (B, T, T, d) or permuted (T5's bias)."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.tokens, self.kinds = nn.Embedding(VOCAB, WIDTH), nn.Embedding(VOCAB, WIDTH)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        h = self.tokens(ids)  # (B, T, d)
+        if self.use == "types":
+            return self.head(torch.tanh(h + self.kinds(torch.zeros_like(ids)))).mean(dim=1)
+        relative = torch.arange(t)[None, :] - torch.arange(t)[:, None] + t - 1  # (T, T), shared
+        bias = self.kinds(relative)  # (T, T, d)
+        if self.use == "broadcast":
+            pairs = h[:, :, None, :] * h[:, None, :, :] + bias  # (B, T, T, d)
+        else:
+            pairs = h[:, :, None, :] * bias.permute(1, 0, 2).unsqueeze(0)
+        return self.head(torch.tanh(pairs)).mean(dim=(1, 2))
+
+
+def test_types_made_in_the_forward_as_many_as_the_examples_are_exact(reference_tools):
+    """(B, T) zero token types made in the forward, T == B: one row per example, met by the
+    tokens' (B, T, d) in dim 0, so exact (what a refusal by shape alone would have broken)."""
+    torch.manual_seed(0)
+    model, ids = MadeInForward("types"), torch.randint(0, VOCAB, (B, B))
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+@pytest.mark.parametrize("use", ["broadcast", "permute"])
+def test_relative_positions_made_in_the_forward_as_many_as_the_examples_are_refused(use):
+    """(T, T) positions shared by the batch with T == B look like one row per example; the
+    model's use of the output (a broadcast against more dims, a permute of dim 0) shows they
+    are not: refused (silently wrong on the old code)."""
+    torch.manual_seed(0)
+    model = MadeInForward(use)
+    refused = r"'kinds'.*(moves its dim 0|more dims)"
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=refused):
+        model(torch.randint(0, VOCAB, (B, B)))
+
+
+@pytest.mark.parametrize("use", ["broadcast", "permute"])
+def test_relative_positions_made_in_the_forward_are_shared_otherwise(use, reference_tools):
+    torch.manual_seed(0)
+    model, ids = MadeInForward(use), torch.randint(0, VOCAB, (B, B + 1))
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)

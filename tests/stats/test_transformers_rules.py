@@ -189,19 +189,14 @@ def test_t5_relative_position_bias_is_exact_and_the_model_unchanged(attention, p
         torch.testing.assert_close(sketched.sketches(), expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not detected yet: by shape, T5's shared (T, T) buckets with T == B are BERT's "
-    "(B, T) zero token types made in the forward; telling them apart needs the batch-dim walk "
-    "to follow the bias through the attention's matmul",
-)
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("length", ["encoder", "decoder"])
-def test_t5_with_a_sequence_as_long_as_the_batch_is_refused(length):
+def test_t5_with_a_sequence_as_long_as_the_batch_is_refused(length, attention):
     """T5's (T, T) relative-position buckets, made inside the forward and shared by the batch,
     have the batch size in dim 0 when T == B, like a tensor of one row per example: the bias's
-    per-example gradients are 74-450% off in their norms, silently (a known limit, in the
-    README). This should be refused, naming the fix."""
-    model = tiny_t5("eager")
+    per-example gradients were 74-450% off in their norms, silently. The model then permutes
+    the bias's dim 0 away, which tells them apart at run time: refused, naming the fix."""
+    model = tiny_t5(attention)
     idx = torch.randint(1, VOCAB, (3, 3 if length == "encoder" else 5))
     decoder = torch.randint(1, VOCAB, (3, 3 if length == "decoder" else 4))
     with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="relative_attention_bias"):

@@ -95,6 +95,7 @@ from grabkit.stats.parametrized import (
     refuse_weight_hooks,
 )
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
+from grabkit.stats.rows_in_doubt import guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.source import StatisticsSource
@@ -354,6 +355,11 @@ class _ModelBatch:
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+
+    def is_made_in_forward(self, x: torch.Tensor) -> bool:
+        """Made outside autograd in the forward: not a view of the model's input, nor of one of
+        its parameters or buffers."""
+        return self._is_shared(x) and not self._is_model_state(x)
 
     def _is_model_state(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd that is (a view of) one of the model's parameters or
@@ -1209,7 +1215,31 @@ class PerSampleStats(StatisticsSource):
         layer.calls.append(call)
         hooked = output if expanded is None else expanded
         self._hook_output(call, hooked, layer.name)
-        return replaced if expanded is None else expand_for_batch(output, expanded, layer.name)
+        if expanded is not None:
+            return expand_for_batch(output, expanded, layer.name)
+        if group is None and replaced is None and self._rows_in_doubt(layer_input):
+            return guard_rows(output, layer.name, layer_input.shape)
+        return replaced
+
+    def _rows_in_doubt(self, x: Any) -> bool:
+        """Whether the layer input ``x``, taken to hold the examples, was taken so by its shape
+        alone: indices (token types, position buckets) made in the forward, their dim 0 and
+        another dim of the batch size (``grabkit.stats.rows_in_doubt`` checks what the model
+        does with the output). Floating inputs made without autograd (a replayed layer's
+        output) are left to the batch-dim checks."""
+        batch = self._batch
+        if batch is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            return False
+        b = batch.size
+        return (
+            b > 1
+            and x.shape[0] == b
+            and b in x.shape[1:]
+            and bool(x.stride(0))
+            and (batch.is_made_in_forward(x))
+        )
 
     def _watch_unread_outputs(self, name: str, outputs: tuple[Any, ...]) -> None:
         """Outputs after the first of a whole-call rule's layer (MultiheadAttention's attention

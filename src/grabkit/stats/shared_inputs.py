@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["BatchExpanded", "expand_for_batch"]
+__all__ = ["BatchExpanded", "elementwise_ops", "expand_for_batch", "row_wise_ops"]
 
 _ELEMENTWISE = frozenset(
     f"{prefix}{op}{suffix}"
@@ -45,6 +45,8 @@ _UNARY = frozenset(
     {"tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square"}
 )
 _ROW_WISE = frozenset({"linear", "layer_norm", "rms_norm"})
+#: the elementwise and row-wise ops, by name (also for ``grabkit.stats.rows_in_doubt``)
+elementwise_ops, row_wise_ops = _ELEMENTWISE, _ROW_WISE
 _SAME = frozenset(
     {"to", "contiguous", "float", "double", "half", "bfloat16", "type_as", "clone", "detach"}
 )

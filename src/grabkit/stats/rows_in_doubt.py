@@ -1,0 +1,120 @@
+"""A guard on a layer output whose rows are taken for the examples on the evidence of shape alone.
+
+A layer input of indices made inside the forward (not a view of the model's input, not a
+parameter or buffer) whose dim 0 has the batch size B is taken to hold one row per example. Where
+another of its dims has size B too, that is a guess: Hugging Face BERT's (B, T) zero token types
+made when none are given hold the examples, but T5's (T, T) relative-position buckets with
+T == B are shared by the batch and only look like it. Shapes cannot tell them apart; what the
+model does with the layer's output can. So the engine hands the model that output as a
+``RowsInDoubt`` view (no copy, the same values), which checks at run time that the model treats
+its dim 0 as the batch:
+
+* an elementwise op (``+``, ``-``, ``*``, ``/``, ``torch.where``) with operands of no more dims:
+  the rows meet the batch in dim 0, which ends the guard (BERT's ``inputs_embeds +
+  token_type_embeddings``);
+* an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
+  rows were not the examples: ``ValueError``;
+* ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
+  ``values.permute([2, 0, 1])``): ``ValueError``; one that keeps it, a unary pointwise function,
+  ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of a later dim and
+  conversions: the guard continues on the result;
+* anything else: the guard ends, the result plain (what the model computes never changes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import torch
+
+from grabkit.stats.shared_inputs import elementwise_ops, row_wise_ops
+
+__all__ = ["RowsInDoubt", "guard_rows"]
+
+_CONTINUES = frozenset(
+    {
+        "tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square",
+        "to", "contiguous", "float", "double", "half", "bfloat16", "type_as", "clone",
+    }
+)  # fmt: skip
+_MOVES = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "t"})
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", "")
+
+
+class RowsInDoubt(torch.Tensor):
+    """A layer output whose dim 0 is taken for the examples by shape alone (see module).
+
+    ``grabkit_layer`` is the layer's name, ``grabkit_input_shape`` the shape of its input.
+    """
+
+    grabkit_layer: str
+    grabkit_input_shape: torch.Size
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        guarded = next((a for a in args if isinstance(a, RowsInDoubt)), None)
+        if guarded is None or not isinstance(out, torch.Tensor):
+            return out
+        if name in elementwise_ops:
+            operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            if any(a.dim() > guarded.dim() for a in operands):
+                guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
+            return out.as_subclass(torch.Tensor)
+        if name in _MOVES and args[0] is guarded:
+            if _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
+                guarded._refuse(f"{name!r}, which moves its dim 0")
+            return guarded._carried(out)
+        if args[0] is guarded and (name in _CONTINUES or name in row_wise_ops):
+            return guarded._carried(out)
+        if name == "unsqueeze" and args[0] is guarded and int(args[1]) % (out.dim()) != 0:
+            return guarded._carried(out)
+        return out.as_subclass(torch.Tensor)
+
+    def _carried(self, out: torch.Tensor) -> RowsInDoubt:
+        return guard_rows(out, self.grabkit_layer, self.grabkit_input_shape)
+
+    def _refuse(self, what: str) -> NoReturn:
+        shape = tuple(self.grabkit_input_shape)
+        raise ValueError(
+            f"layer {self.grabkit_layer!r} got an input of shape {shape} made inside the "
+            f"forward, whose dim 0 has the batch size and so does another of its dims, so "
+            f"PerSampleStats took its rows for the examples; but the model passes the layer's "
+            f"output to {what}, so they are not (T5's (T, T) relative-position buckets with "
+            f"T == B are shared by the batch). PerSampleStats cannot tell them apart by shape: "
+            f"use a batch size that differs from the sequence lengths."
+        )
+
+
+def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
+    """Whether ``name(*args)`` on a tensor of ``rank`` dims puts another dim first."""
+    if name == "t":
+        return rank == 2
+    if name == "permute":
+        dims = args if args and isinstance(args[0], int) else tuple(args[0] if args else ())
+        dims = dims or tuple(kwargs.get("dims", ()))
+        return bool(dims) and int(dims[0]) % rank != 0
+    if name == "movedim":
+        source = args[0] if args else kwargs.get("source")
+        dest = args[1] if len(args) > 1 else kwargs.get("destination")
+        sources = [source] if isinstance(source, int) else list(source)
+        dests = [dest] if isinstance(dest, int) else list(dest)
+        return any((s % rank == 0) != (d % rank == 0) for s, d in zip(sources, dests, strict=True))
+    first = args[0] if args else kwargs.get("dim0")
+    second = args[1] if len(args) > 1 else kwargs.get("dim1")
+    return (int(first) % rank == 0) != (int(second) % rank == 0)
+
+
+def guard_rows(output: torch.Tensor, layer: str, input_shape: torch.Size) -> RowsInDoubt:
+    """What the model sees instead of ``output`` (the same tensor, guarded)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        view = output.as_subclass(RowsInDoubt)
+    view.grabkit_layer = layer
+    view.grabkit_input_shape = torch.Size(input_shape)
+    return view
