@@ -429,7 +429,8 @@ def test_given_positions_of_one_row_are_shared_by_the_batch(length, reference_to
 class MadeInForward(nn.Module):
     """An Embedding on a tensor the forward makes without autograd, of shape (B, T) with T == B:
     zero token types, one row per example (BERT's when none are given), or (T, T) relative
-    positions shared by the batch, broadcast against (B, T, T, d) or permuted (T5's bias)."""
+    positions shared by the batch, broadcast against (B, T, T, d), unsqueezed, or permuted (T5's
+    bias)."""
 
     def __init__(self, use: str) -> None:
         super().__init__()
@@ -446,6 +447,8 @@ class MadeInForward(nn.Module):
         bias = self.kinds(relative)  # (T, T, d)
         if self.use == "broadcast":
             pairs = h[:, :, None, :] * h[:, None, :, :] + bias  # (B, T, T, d)
+        elif self.use == "unsqueeze":
+            pairs = h[:, :, None, :] * torch.tanh(bias).unsqueeze(0)
         else:
             pairs = h[:, :, None, :] * bias.permute(1, 0, 2).unsqueeze(0)
         return self.head(torch.tanh(pairs)).mean(dim=(1, 2))
@@ -459,7 +462,7 @@ def test_types_made_in_the_forward_as_many_as_the_examples_are_exact(reference_t
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
 
 
-@pytest.mark.parametrize("use", ["broadcast", "permute"])
+@pytest.mark.parametrize("use", ["broadcast", "permute", "unsqueeze"])
 def test_relative_positions_made_in_the_forward_as_many_as_the_examples_are_refused(use):
     """(T, T) positions shared by the batch with T == B look like one row per example; the
     model's use of the output (a broadcast against more dims, a permute of dim 0) shows they
@@ -471,7 +474,7 @@ def test_relative_positions_made_in_the_forward_as_many_as_the_examples_are_refu
         model(torch.randint(0, VOCAB, (B, B)))
 
 
-@pytest.mark.parametrize("use", ["broadcast", "permute"])
+@pytest.mark.parametrize("use", ["broadcast", "permute", "unsqueeze"])
 def test_relative_positions_made_in_the_forward_are_shared_otherwise(use, reference_tools):
     torch.manual_seed(0)
     model, ids = MadeInForward(use), torch.randint(0, VOCAB, (B, B + 1))

@@ -15,9 +15,9 @@ its dim 0 as the batch:
 * an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
   rows were not the examples: ``ValueError``;
 * ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
-  ``values.permute([2, 0, 1])``): ``ValueError``; one that keeps it, a unary pointwise function,
-  ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of a later dim and
-  conversions: the guard continues on the result;
+  ``values.permute([2, 0, 1])``), or ``unsqueeze(0)``: ``ValueError``; one that keeps it, a
+  unary pointwise function, ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of
+  a later dim and conversions: the guard continues on the result;
 * anything else: the guard ends, the result plain (what the model computes never changes).
 """
 
@@ -73,7 +73,10 @@ class RowsInDoubt(torch.Tensor):
             return guarded._carried(out)
         if args[0] is guarded and (name in _CONTINUES or name in row_wise_ops):
             return guarded._carried(out)
-        if name == "unsqueeze" and args[0] is guarded and int(args[1]) % (out.dim()) != 0:
+        if name == "unsqueeze" and args[0] is guarded:
+            dim = args[1] if len(args) > 1 else kwargs["dim"]
+            if int(dim) % out.dim() == 0:
+                guarded._refuse("'unsqueeze' at dim 0, which moves its dim 0")
             return guarded._carried(out)
         return out.as_subclass(torch.Tensor)
 
