@@ -356,9 +356,18 @@ class _ModelBatch:
         """A tensor made outside autograd and not a view of the model's inputs."""
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
 
-    def is_made_in_forward(self, x: torch.Tensor) -> bool:
-        """Made outside autograd in the forward: not a view of the model's input, nor of one of
-        its parameters or buffers."""
+    def rows_in_doubt(self, x: Any) -> bool:
+        """Whether the layer input ``x``, taken to hold the examples, was taken so by its shape
+        alone: indices (token types, position buckets) made in the forward (not a view of the
+        model's input, a parameter or a buffer), their dim 0 and another dim of the batch size
+        (``grabkit.stats.rows_in_doubt`` checks what the model does with the output). Floating
+        inputs made without autograd (a replayed layer's output) are left to the batch-dim
+        checks."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.is_floating_point():
+            return False
+        b = self.size
+        if x.is_complex() or b < 2 or x.shape[0] != b or b not in x.shape[1:] or not x.stride(0):
+            return False
         return self._is_shared(x) and not self._is_model_state(x)
 
     def _is_model_state(self, x: torch.Tensor) -> bool:
@@ -1217,29 +1226,11 @@ class PerSampleStats(StatisticsSource):
         self._hook_output(call, hooked, layer.name)
         if expanded is not None:
             return expand_for_batch(output, expanded, layer.name)
-        if group is None and replaced is None and self._rows_in_doubt(layer_input):
+        batch = self._batch
+        in_doubt = group is None and batch is not None and batch.rows_in_doubt(layer_input)
+        if in_doubt and replaced is None:
             return guard_rows(output, layer.name, layer_input.shape)
         return replaced
-
-    def _rows_in_doubt(self, x: Any) -> bool:
-        """Whether the layer input ``x``, taken to hold the examples, was taken so by its shape
-        alone: indices (token types, position buckets) made in the forward, their dim 0 and
-        another dim of the batch size (``grabkit.stats.rows_in_doubt`` checks what the model
-        does with the output). Floating inputs made without autograd (a replayed layer's
-        output) are left to the batch-dim checks."""
-        batch = self._batch
-        if batch is None or not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return False
-        if x.is_floating_point() or x.is_complex():
-            return False
-        b = batch.size
-        return (
-            b > 1
-            and x.shape[0] == b
-            and b in x.shape[1:]
-            and bool(x.stride(0))
-            and (batch.is_made_in_forward(x))
-        )
 
     def _watch_unread_outputs(self, name: str, outputs: tuple[Any, ...]) -> None:
         """Outputs after the first of a whole-call rule's layer (MultiheadAttention's attention

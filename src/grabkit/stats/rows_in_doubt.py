@@ -17,31 +17,29 @@ its dim 0 as the batch:
 * ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
   ``values.permute([2, 0, 1])``), or ``unsqueeze(0)``: ``ValueError``; one that keeps it, a
   unary pointwise function, ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of
-  a later dim and conversions: the guard continues on the result;
+  a later dim, conversions and ``detach``: the guard continues on the result;
 * anything else: the guard ends, the result plain (what the model computes never changes).
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import torch
 
-from grabkit.stats.shared_inputs import elementwise_ops, row_wise_ops
+from grabkit.stats.shared_inputs import (
+    ELEMENTWISE_OPS,
+    ROW_WISE_OPS,
+    SAME_OPS,
+    UNARY_OPS,
+    op_name,
+)
 
 __all__ = ["RowsInDoubt", "guard_rows"]
 
-_CONTINUES = frozenset(
-    {
-        "tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square",
-        "to", "contiguous", "float", "double", "half", "bfloat16", "type_as", "clone",
-    }
-)  # fmt: skip
+#: ops after which the rows stay where they were: the guard goes on with the result
+_CONTINUES = UNARY_OPS | SAME_OPS | ROW_WISE_OPS
 _MOVES = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "t"})
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "__name__", "")
 
 
 class RowsInDoubt(torch.Tensor):
@@ -56,13 +54,13 @@ class RowsInDoubt(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _name(func)
+        name = op_name(func)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         guarded = next((a for a in args if isinstance(a, RowsInDoubt)), None)
         if guarded is None or not isinstance(out, torch.Tensor):
             return out
-        if name in elementwise_ops:
+        if name in ELEMENTWISE_OPS:
             operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             if any(a.dim() > guarded.dim() for a in operands):
                 guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
@@ -71,7 +69,7 @@ class RowsInDoubt(torch.Tensor):
             if _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
                 guarded._refuse(f"{name!r}, which moves its dim 0")
             return guarded._carried(out)
-        if args[0] is guarded and (name in _CONTINUES or name in row_wise_ops):
+        if args[0] is guarded and name in _CONTINUES:
             return guarded._carried(out)
         if name == "unsqueeze" and args[0] is guarded:
             dim = args[1] if len(args) > 1 else kwargs["dim"]

@@ -34,20 +34,26 @@ from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["BatchExpanded", "elementwise_ops", "expand_for_batch", "row_wise_ops"]
+__all__ = [
+    "ELEMENTWISE_OPS",
+    "ROW_WISE_OPS",
+    "SAME_OPS",
+    "UNARY_OPS",
+    "BatchExpanded",
+    "expand_for_batch",
+    "op_name",
+]
 
-_ELEMENTWISE = frozenset(
+ELEMENTWISE_OPS = frozenset(
     f"{prefix}{op}{suffix}"
     for op in ("add", "sub", "mul", "div", "true_divide")
     for prefix, suffix in (("", ""), ("__", "__"), ("__r", "__"), ("__i", "__"))
 ) | {"__truediv__", "__rtruediv__", "__itruediv__", "where"}
-_UNARY = frozenset(
+UNARY_OPS = frozenset(
     {"tanh", "sigmoid", "relu", "gelu", "silu", "exp", "neg", "__neg__", "softplus", "square"}
 )
-_ROW_WISE = frozenset({"linear", "layer_norm", "rms_norm"})
-#: the elementwise and row-wise ops, by name (also for ``grabkit.stats.rows_in_doubt``)
-elementwise_ops, row_wise_ops = _ELEMENTWISE, _ROW_WISE
-_SAME = frozenset(
+ROW_WISE_OPS = frozenset({"linear", "layer_norm", "rms_norm"})
+SAME_OPS = frozenset(
     {"to", "contiguous", "float", "double", "half", "bfloat16", "type_as", "clone", "detach"}
 )
 _HARMLESS = frozenset(
@@ -58,7 +64,9 @@ _HARMLESS = frozenset(
 )  # fmt: skip
 
 
-def _name(func: Any) -> str:
+def op_name(func: Any) -> str:
+    """The name of a torch function as ``__torch_function__`` receives it (a property's own name
+    for its getter)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":  # a property: Tensor.shape.__get__
         owner = getattr(func, "__self__", None)
@@ -96,7 +104,7 @@ class BatchExpanded(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = _name(func)
+        name = op_name(func)
         if name == "permute" and args and isinstance(args[0], BatchExpanded):
             return args[0]._permuted(args[1:], kwargs)
         with torch._C.DisableTorchFunctionSubclass():
@@ -131,7 +139,7 @@ class BatchExpanded(torch.Tensor):
 
     def _checked(self, name: str, args: tuple, kwargs: dict, out: Any) -> Any:
         batch = self.grabkit_batch
-        if name in _SAME and args and args[0] is self and isinstance(out, torch.Tensor):
+        if name in SAME_OPS and args and args[0] is self and isinstance(out, torch.Tensor):
             return _wrap(out, self.grabkit_model_shape, self.grabkit_layer, batch)
         if name == "unsqueeze" and len(args) > 1 and int(args[1]) == 0 and args[0] is self:
             unsqueezed = torch.Size((1, *self.grabkit_model_shape))
@@ -160,7 +168,7 @@ class BatchExpanded(torch.Tensor):
     def _model_result(self, name: str, args: tuple, kwargs: dict, out: torch.Tensor):
         """The shape the model's own result would have, for the ops whose result shape follows
         from their operands' (None for any other op)."""
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE_OPS:
             shapes = [_model_shape(a) for a in (*args, *kwargs.values())]
             try:
                 return torch.broadcast_shapes(*shapes)
@@ -168,9 +176,9 @@ class BatchExpanded(torch.Tensor):
                 return None
         if name == "scaled_dot_product_attention":
             return _attention_result(args, kwargs)
-        if name in _UNARY and args and args[0] is self:
+        if name in UNARY_OPS and args and args[0] is self:
             return self.grabkit_model_shape
-        if name in _ROW_WISE and args and args[0] is self:
+        if name in ROW_WISE_OPS and args and args[0] is self:
             return torch.Size((*self.grabkit_model_shape[:-1], out.shape[-1]))
         return None
 
