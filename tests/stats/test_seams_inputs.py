@@ -52,18 +52,10 @@ class Positions(nn.Module):
         return F.linear(h, self.tokens.weight) if self.tied else h
 
 
-def per_example_rows(model: nn.Module, wrap, ids: torch.Tensor) -> torch.Tensor:
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = []
-    for i in range(ids.shape[0]):
-        grads = torch.autograd.grad(model(wrap(ids[i : i + 1])).square().sum(), params)
-        rows.append(torch.cat([g.reshape(-1) for g in grads]))
-    return torch.stack(rows)
-
-
 def rows_of_examples(model: nn.Module, loss_of_example) -> torch.Tensor:
-    """(B, d): ``torch.autograd.grad`` of ``loss_of_example(i)``, example i run alone."""
-    params = list(model.parameters())
+    """(B, d): ``torch.autograd.grad`` of ``loss_of_example(i)``, example i run alone, over the
+    trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
     rows = [
         torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss_of_example(i), params)])
         for i in range(B)
@@ -80,18 +72,12 @@ def assert_exact(model: nn.Module, loss_of, reference_tools) -> None:
         reference_tools.assert_matches(stats, expected)
 
 
-def _exact(model: nn.Module, wrap, ids: torch.Tensor, reference_tools) -> None:
-    expected = per_example_rows(model, wrap, ids)
-    with PerSampleStats(model, "sum") as stats:
-        model(wrap(ids)).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
-
-
 @pytest.mark.parametrize("container", sorted(CONTAINERS))
 def test_shared_positions_of_a_batch_in_a_container_are_exact(container, reference_tools):
     """Reading raised on the old code (the positions counted as T examples)."""
     torch.manual_seed(0)
-    _exact(Positions(), CONTAINERS[container], torch.randint(0, VOCAB, (B, B + 2)), reference_tools)
+    model, wrap, ids = Positions(), CONTAINERS[container], torch.randint(0, VOCAB, (B, B + 2))
+    assert_exact(model, lambda rows: model(wrap(ids[rows])).square().sum(), reference_tools)
 
 
 @pytest.mark.parametrize("container", sorted(CONTAINERS))
@@ -107,9 +93,8 @@ def test_positions_as_many_as_the_examples_are_refused_as_for_a_bare_tensor(cont
 def test_a_tied_head_of_a_model_called_on_a_dict_is_computed(reference_tools):
     """The functional-use watch runs for a dict input too (the identity check raised)."""
     torch.manual_seed(0)
-    _exact(
-        Positions(tied=True), CONTAINERS["dict"], torch.randint(0, VOCAB, (B, 3)), reference_tools
-    )
+    model, wrap, ids = Positions(tied=True), CONTAINERS["dict"], torch.randint(0, VOCAB, (B, 3))
+    assert_exact(model, lambda rows: model(wrap(ids[rows])).square().sum(), reference_tools)
 
 
 def test_parameters_unfrozen_later_are_followed_for_a_dict_input(reference_tools):
@@ -122,7 +107,7 @@ def test_parameters_unfrozen_later_are_followed_for_a_dict_input(reference_tools
         model(wrap(ids)).square().sum().backward()
         stats.norms_squared()
         model.mix.requires_grad_(True)
-        expected = per_example_rows(model, wrap, ids)
+        expected = rows_of_examples(model, lambda i: model(wrap(ids[i : i + 1])).square().sum())
         model.zero_grad()
         model(wrap(ids)).square().sum().backward()
         assert "mix.weight" in stats.param_shapes
@@ -146,10 +131,7 @@ def test_a_zero_dim_first_input_is_passed_over_for_the_batch(reference_tools):
     for no batch at all: the layers were refused as "called outside the model's forward"."""
     torch.manual_seed(0)
     model, t, x = TimeConditioned(), torch.tensor(0.7), torch.randn(B, WIDTH)
-    expected = rows_of_examples(model, lambda i: model(t, x[i : i + 1]).square().sum())
-    with PerSampleStats(model, "sum") as stats:
-        model(t, x).square().sum().backward()
-        reference_tools.assert_matches(stats, expected)
+    assert_exact(model, lambda rows: model(t, x[rows]).square().sum(), reference_tools)
 
 
 class Scaled(nn.Module):
