@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: the ``benchmarks`` package for LeNet and data
-    sys.path.append(str(ROOT))
+if str(ROOT) not in sys.path:  # run as a script: this ``benchmarks`` package for LeNet and data,
+    sys.path.insert(0, str(ROOT))  # ahead of site-packages (opacus installs one of that name)
 
 STEPS_PER_BLOCK = 8
 BATCH = {"mlp": 64, "lenet": 16}
