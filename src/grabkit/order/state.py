@@ -45,6 +45,9 @@ __all__ = [
 #: what ``GraBBatchSampler`` adds to the configuration it saves (its batch_size, drop_last);
 #: ``GraBSampler`` loads such a state without them
 BATCHING_KEYS = ("batch_sampler_batch_size", "batch_sampler_drop_last")
+#: configuration keys that states saved before they were recorded lack: such a state is checked
+#: without them (``layout``: the parameters a hook-mode ordering state sums)
+LATER_KEYS = frozenset({"layout"})
 
 
 def _plain(value: Any) -> Any:
@@ -83,14 +86,21 @@ def check_config(
             f"sampler writes version={version}; it was saved by another grabkit version."
         )
     theirs = dict(state["config"])
-    differ = sorted(k for k in set(theirs) | set(config) if theirs.get(k) != config.get(k))
+    keys = (set(theirs) | set(config)) - (LATER_KEYS - set(theirs))
+    differ = sorted(k for k in keys if theirs.get(k) != config.get(k))
     if differ:
-        pairs = ", ".join(f"{k}={theirs.get(k)!r} vs {config.get(k)!r}" for k in differ)
+        pairs = ", ".join(f"{k}={_short(theirs.get(k))} vs {_short(config.get(k))}" for k in differ)
         raise ValueError(
             f"{where}.load_state_dict: the state was saved by a sampler with another "
             f"configuration ({pairs}, saved vs this sampler); build the sampler with the same "
             "dataset, topology and options as the one that was saved."
         )
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a layout lists every parameter)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
 
 
 def check_positions(

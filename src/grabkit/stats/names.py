@@ -11,9 +11,12 @@ draws the same maps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
 from torch import nn
 
-__all__ = ["canonical_parameter_names"]
+__all__ = ["canonical_name_of", "canonical_parameter_names", "parameter_layout"]
 
 # children through which a wrapper holds the wrapped module, whatever the wrapper's class: names
 # private to torch.compile, FSDP and torch.distributed's checkpoint / offload wrappers
@@ -41,6 +44,24 @@ def canonical_parameter_names(model: nn.Module) -> dict[str, str]:
             )
         seen[short] = name
     return canonical
+
+
+def parameter_layout(model: nn.Module, shapes: Mapping[str, torch.Size]) -> list[list]:
+    """``[[canonical name, [sizes]], ...]`` for the parameters ``shapes`` names (names in
+    ``model.named_parameters()``), in its order: plain data that tells whether a flat vector
+    over these parameters (a sampler's running sum) can be read against another model's."""
+    canonical = canonical_parameter_names(model)
+    return [[canonical.get(name, name), list(shape)] for name, shape in shapes.items()]
+
+
+def canonical_name_of(name: str) -> str:
+    """The canonical name read from a parameter's name alone, where no model is at hand (a dict
+    of parameters): the wrappers' children dropped, and a leading ``module.`` (a data-parallel
+    wrapper's, or an attribute of that name, dropped alike on both sides of a comparison)."""
+    parts = [part for part in name.split(".") if part not in _WRAPPED_CHILDREN]
+    if len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def _canonical(model: nn.Module, name: str) -> str:

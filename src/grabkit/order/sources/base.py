@@ -125,12 +125,31 @@ class GradientSource(ABC):
         gradient length, and whatever else changes the orders."""
         return {"dim": self.dim}
 
-    def check_saved_config(  # noqa: B027 (nothing to refuse by default)
+    def check_saved_config(
         self, where: str, state: Mapping[str, Any], config: Mapping[str, Any]
     ) -> None:
         """Refuse a saved sampler ``state`` this source cannot continue, with a reason more
         precise than the configuration's difference (called by ``load_state_dict`` before the
-        sampler's own check; ``config`` is the sampler's). Nothing by default."""
+        sampler's own check; ``config`` is the sampler's). By default: a state whose running
+        sums lie over other parameters (``layout``, where both record one: another model of
+        the same width, or the same parameters registered in another order), naming the first
+        difference; a state saved without a layout is left to the configuration check."""
+        saved, ours = state.get("config", {}).get("layout"), config.get("layout")
+        if saved is None or ours is None or saved == ours:
+            return
+        at = next(
+            (i for i, (a, b) in enumerate(zip(saved, ours, strict=False)) if a != b),
+            min(len(saved), len(ours)),
+        )
+        raise ValueError(
+            f"{where}.load_state_dict: the state was saved over other parameters: its ordering "
+            f"state sums the gradients of {len(saved)} parameters laid out differently from "
+            f"this sampler's {len(ours)} (at parameter {at}: saved {_entry(saved, at)}, here "
+            f"{_entry(ours, at)}), so its sums would be read against the wrong parameters. Load "
+            "it into a sampler over the model it was saved with: the same trainable parameters, "
+            "registered in the same order (wrappers that only rename them, such as DDP, "
+            "torch.compile or checkpoint wrappers, are looked through)."
+        )
 
 
 def dense_batch(grads: Gradients) -> GradientBatch:
@@ -176,3 +195,12 @@ def check_dim(
                 "the per-example gradients of exactly the same parameters at every step."
             )
     return pieces
+
+
+def _entry(layout: list[list], at: int) -> str:
+    """Parameter ``at`` of a saved ``layout`` as ``'name' (sizes)``, or ``nothing`` past its
+    end."""
+    if at >= len(layout):
+        return "nothing"
+    name, shape = layout[at]
+    return f"{name!r} {tuple(shape)}"

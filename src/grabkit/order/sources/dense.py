@@ -9,6 +9,7 @@ import torch
 
 from grabkit.order.sources.base import Gradients, GradientSource, check_dim, dense_batch
 from grabkit.stats.gradient_batch import GradientBatch
+from grabkit.stats.names import canonical_name_of
 
 #: name -> per-example shape of a dict of per-example gradients, in the order it is flattened
 Layout = dict[str, tuple[int, ...]]
@@ -74,7 +75,13 @@ class DenseGradients(GradientSource):
         return pieces
 
     def config(self) -> dict[str, Any]:
-        return {"dim": self._given}
+        """``dim``, and where ``params`` was a dict its ``layout`` (names read canonically,
+        ``grabkit.stats.names.canonical_name_of``, and shapes, in order), so that a state saved
+        over other parameters of the same width is refused."""
+        if not self._params_layout:
+            return {"dim": self._given}
+        layout = [[canonical_name_of(n), list(shape)] for n, shape in self.layout.items()]
+        return {"dim": self._given, "layout": layout}
 
     def after_load(self) -> None:
         """The width (and a dict's layout) of this process's earlier steps need not be the

@@ -32,6 +32,7 @@ from grabkit.order.topology import Setting
 from grabkit.order.transforms import Chain, Project
 from grabkit.stats.engine import PerSampleStats, unwrap_data_parallel
 from grabkit.stats.gradient_batch import GradientBatch, as_gradient_batch
+from grabkit.stats.names import parameter_layout
 from grabkit.stats.source import StatisticsSource, Subscription
 
 __all__ = ["HOOK_SAMPLER_NOT_PICKLABLE", "ExactHooks", "HookGradients"]
@@ -120,6 +121,15 @@ class HookGradients(GradientSource):
             raise ValueError(_SAME_INPUT.format(shape=tuple(inputs[0].shape)))
         self.pending.append(batch)
         self._pending_inputs.append((where, inputs))
+
+    def config(self) -> dict[str, Any]:
+        """``dim``, and for exact statistics (a ``PerSampleStats``) their ``layout``: the
+        trainable parameters in the flat order the ordering state sums them, by canonical name
+        and shape (``grabkit.stats.names.parameter_layout``)."""
+        config = super().config()
+        if isinstance(self._stats, PerSampleStats):
+            config["layout"] = parameter_layout(self._stats.model, self._stats.param_shapes)
+        return config
 
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
         if grads is not None:
