@@ -299,6 +299,26 @@ def test_exact_sampler_names_a_trainable_set_change():
     sampler.close()
 
 
+def test_exact_sampler_names_a_trainable_set_change_of_the_same_width():
+    """Layer-wise training: one block trained, then the next of the same shape. The width stays,
+    but the ordering state's running sums are of the first block's parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+    model[2].requires_grad_(False)
+    data = torch.utils.data.TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    sampler = GraBSampler(data, model=model, batch_size=6, balance_type="pair")
+    order = list(iter(sampler))
+    xs, ys = data.tensors
+    step(model, xs[order[:6]], ys[order[:6]])
+    sampler.step()
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(True)  # 20 numbers for 20: the same width
+    step(model, xs[order[6:]], ys[order[6:]])
+    with pytest.raises(ValueError, match=r"trainable parameters changed.*'0\.weight'.*'2\.weight'"):
+        sampler.step()
+    sampler.close()
+
+
 # -- 5. a sequence-first copy of the input, and expansions that change the model --------------
 class SequenceFirstCopy(nn.Module):
     """Reads a sequence-first copy of its (B, T) input: not an input shared by the batch."""

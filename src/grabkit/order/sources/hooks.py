@@ -94,6 +94,8 @@ class HookGradients(GradientSource):
         #: the tensors themselves (kept alive, so no later tensor takes over their memory)
         self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
+        #: the exact statistics' trainable parameters the ordering state sums (set at bind)
+        self._shapes: Mapping[str, torch.Size] | None = None
 
     @property
     def statistics(self) -> StatisticsReader | None:
@@ -106,6 +108,8 @@ class HookGradients(GradientSource):
             )
         if isinstance(self._stats, StatisticsSource):
             self.subscription = self._stats.subscribe(self.capture)
+        if isinstance(self._stats, PerSampleStats):
+            self._shapes = self._stats.param_shapes
 
     def capture(self, *, check: bool = True) -> None:
         """Keep the statistics of the backward that just ran, once. Their identity check stays
@@ -140,8 +144,15 @@ class HookGradients(GradientSource):
         return check_dim(pieces, self.dim)
 
     def _check_trainable_set(self, pieces: list[GradientBatch]) -> None:
-        """Exact statistics follow the trainable set: another length than at construction means
-        parameters were frozen or unfrozen since, which the ordering state cannot follow."""
+        """Exact statistics follow the trainable set: other parameters than at construction
+        (frozen or unfrozen since; a layer replaced by one of the same name and shape is the
+        same parameter) are refused, since the ordering state sums the first ones' gradients,
+        also where the width stays (one block trained, then another of the same shape)."""
+        shapes = self._stats.param_shapes if isinstance(self._stats, PerSampleStats) else None
+        if shapes is not None and shapes is not self._shapes:
+            if self._shapes is not None and list(shapes.items()) != list(self._shapes.items()):
+                raise ValueError(_changed_set(self._shapes, shapes, self.dim))
+            self._shapes = shapes
         for piece in pieces:
             if self.dim is not None and piece.dim != self.dim:
                 raise ValueError(
@@ -247,3 +258,22 @@ class ExactHooks(HookGradients):
         super().close()
         if self._stats is not None:
             self._stats.close()
+
+
+def _changed_set(
+    then: Mapping[str, torch.Size], now: Mapping[str, torch.Size], dim: int | None
+) -> str:
+    """The refusal of a trainable set other than the one the ordering state sums, naming the
+    first parameter that differs."""
+    old, new = list(then.items()), list(now.items())
+    at = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), len(old))
+    was = f"{old[at][0]!r} {tuple(old[at][1])}" if at < len(old) else "nothing"
+    is_now = f"{new[at][0]!r} {tuple(new[at][1])}" if at < len(new) else "nothing"
+    return (
+        f"the model's trainable parameters changed since this sampler was built: its ordering "
+        f"state sums the gradients of {len(old)} parameters ({dim} numbers per example), and "
+        f"the hooks now give those of {len(new)} others (at parameter {at}: {was} then, "
+        f"{is_now} now), whose sums it cannot continue (parameters frozen or unfrozen). Build "
+        "a new sampler for the new trainable set, or use statistics='sketch', whose width does "
+        "not change."
+    )
