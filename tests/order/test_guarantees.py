@@ -108,6 +108,46 @@ def test_a_batch_left_out_without_skip_is_refused(workers, hook):
     sampler.close()
 
 
+@pytest.mark.parametrize("hook", [False, True])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_first_batch_left_out_without_skip_is_named_at_the_epochs_end(workers, hook):
+    """Left out before the epoch's first step, a batch cannot be told from the loader fetching
+    ahead, so every later step's gradients went to the examples one batch before them, and the
+    epoch ended stepped in part without a word. The epoch's end names it: a whole batch of the
+    examples handed out was never stepped."""
+    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
+    data = TensorDataset(x, y, torch.arange(16))
+    model = _model()
+    kwargs = {"model": model} if hook else {}
+    sampler = GraBSampler(data, balance_type="pair", batch_size=4, **kwargs)
+    loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
+    for k, (xb, yb, _) in enumerate(loader):
+        if k == 0:
+            continue  # no backward, no skip()
+        loss = F.cross_entropy(model(xb), yb)
+        if hook:
+            loss.backward()
+            sampler.step()
+        else:
+            sampler.step(_per_example(model, xb, yb))
+    with pytest.warns(UserWarning, match=r"4 of the 16 examples.*never stepped.*skip\(\)"):
+        iter(sampler)
+    sampler.close()
+
+
+def test_an_epoch_whose_loader_dropped_its_last_partial_batch_ends_quietly():
+    x, y = torch.randn(18, 3, dtype=torch.float64), torch.randint(0, 2, (18,))
+    data = TensorDataset(x, y)
+    model = _model()
+    sampler = GraBSampler(data, balance_type="pair", batch_size=4)
+    loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, drop_last=True)
+    for xb, yb in loader:
+        sampler.step(_per_example(model, xb, yb))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        iter(sampler)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loaders_fetching_ahead_and_skip_are_no_batch_left_out(workers):
     """Batches fetched ahead by workers, a window of micro-batches fetched at once (as Trainer

@@ -118,6 +118,21 @@ def test_a_batch_term_through_activations_is_left_out(float64, reference_tools):
         reference_tools.assert_matches(stats, expected)
 
 
+@pytest.mark.parametrize("through_activations", [False, True])
+def test_sketches_leave_a_declared_batch_term_out(float64, through_activations):
+    """``SketchedStats.batch_term``: each example's sketch is that of its own loss's gradient,
+    an L2 penalty or a term on a batch statistic of the hidden activations left out."""
+    model = mlp()
+    x, y = data()
+    expected = reference(model, x, y)
+    with SketchedStats(model, dim=16, seed=1, loss_reduction="sum") as stats:
+        out = model(x)
+        hidden = model[1](model[0](x)) if through_activations else None
+        term = hidden.mean(dim=0).square().sum() if through_activations else 1e-2 * l2(model)
+        (per_example_loss(out, y).sum() + stats.batch_term(term)).backward()
+        torch.testing.assert_close(stats.sketches(), stats.sketch.apply_dense(expected))
+
+
 def test_batch_term_needs_a_scalar_with_a_graph():
     model = mlp()
     with PerSampleStats(model) as stats, pytest.raises(ValueError, match="scalar"):

@@ -266,6 +266,7 @@ class GraBSampler(Sampler[int], Stateful):
         self._epoch = epoch
         self._order = order.to(torch.int64).cpu()
         self._yielded = self._stepped = 0
+        self._largest_step = 0  # the most examples one step() of this epoch took
         self._started = False
         self._requested_epoch = None
         self.ordering.start_epoch(epoch)
@@ -294,10 +295,32 @@ class GraBSampler(Sampler[int], Stateful):
                 "sampler.step(...) after each backward (see the GraBSampler docstring).",
                 stacklevel=3,
             )
+        self._warn_batch_left_out()
         epoch = self._epoch + 1 if self._requested_epoch is None else self._requested_epoch
         order = self.ordering.finish_epoch(self._order, epoch)
         self._finished_any = True
         self._begin(epoch, order)
+
+    def _warn_batch_left_out(self) -> None:
+        """An epoch handed out whole but stepped short by at least a batch (the loader's
+        ``batch_size``, else the largest step's): a batch left out without ``skip()`` before
+        the epoch's first step, which cannot be told from a loader fetching ahead then (every
+        later attribution of the epoch went one batch early), or a loop that stopped the epoch
+        early. A loader's dropped partial batch is shorter than a batch and passes."""
+        batch = self.batch_size if self.batch_size > 1 else self._largest_step
+        unstepped = self.num_samples - self._stepped
+        if not (self._stepped and self._yielded == self.num_samples and unstepped >= batch > 0):
+            return
+        warnings.warn(
+            f"GraBSampler epoch {self._epoch} ended with {unstepped} of the "
+            f"{self.num_samples} examples it handed out never stepped: a whole batch or more. "
+            "A batch left out without sampler.skip() (a `continue` before its backward) shifts "
+            "every later step's gradients onto the examples handed out before them, and before "
+            "the epoch's first step it cannot be told from the loader fetching ahead; call "
+            "sampler.skip() for every batch you leave out. (A loop that stops its epochs early "
+            "on purpose can ignore this.)",
+            stacklevel=4,
+        )
 
     @property
     def epoch(self) -> int:
@@ -440,6 +463,7 @@ class GraBSampler(Sampler[int], Stateful):
         for piece in pieces:
             piece.settle()  # a check no host transfer of the balancing settled (else nothing)
         self._stepped = start + B
+        self._largest_step = max(self._largest_step, B)
         self._started = True
         if grads is None:
             self.source.clear()

@@ -993,6 +993,8 @@ class PerSampleStats(StatisticsSource):
         self._param_list = [p for _, p in self._params]
         #: id -> name of the model's own parameters (``fully_shard``'s sharded ones left out)
         self._param_names = {id(p): name for name, p in self._params if not is_sharded(p)}
+        #: name -> parameter, the same ones (for the check of gradients reset unused)
+        self._param_by_name = {name: p for name, p in self._params if not is_sharded(p)}
 
     def _parameters_replaced(self) -> bool:
         """Whether the model's parameters are other objects or names than those attached to
@@ -1075,6 +1077,9 @@ class PerSampleStats(StatisticsSource):
         self._closed_a_backward = getattr(self, "_backward_seen", False)
         self._backward_seen = False  # a backward accumulated into .grad: statistics to read
         self._gradient_seen = False  # any hook received a gradient: the next forward is new
+        #: the first parameter a backward of this step reached and its version then (() for
+        #: a sharded one): ``gradients_discarded`` reads whether its ``.grad`` was reset since
+        self._first_reached: tuple[torch.Tensor, int] | tuple[()] | None = None
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         #: (call, node, output number, output shape) of each hooked output of this step, for
@@ -1602,6 +1607,9 @@ class PerSampleStats(StatisticsSource):
         self._backward_seen = self._gradient_seen = True
         self._statistics = None
         self.generation += 1
+        if self._first_reached is None:
+            param = self._param_by_name.get(name)
+            self._first_reached = () if param is None else (param, param._version)
         identity = self._identity
         if identity is not None and identity.active:
             identity.observe(name, grad)
@@ -1677,6 +1685,17 @@ class PerSampleStats(StatisticsSource):
         """Whether a backward since this step's first forward reached the trainable parameters,
         not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one)."""
         return bool(self._param_grads)
+
+    @property
+    def gradients_discarded(self) -> bool:
+        """Whether the gradients this step's backwards added into ``.grad`` were reset since
+        (``zero_grad(set_to_none=True)``: the first parameter they reached has no ``.grad``)
+        with no optimizer step (that parameter unchanged): they trained nothing."""
+        reached = self._first_reached
+        if not reached:
+            return False
+        param, version = reached
+        return param.grad is None and param._version == version
 
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached), checked

@@ -689,6 +689,15 @@ class SketchedStats(StatisticsSource):
     def parameter_gradients_seen(self) -> bool:
         return self.engine.parameter_gradients_seen
 
+    @property
+    def gradients_discarded(self) -> bool:
+        return self.engine.gradients_discarded
+
+    def batch_term(self, term: torch.Tensor) -> torch.Tensor:
+        """Declare a loss term that is not a sum over examples (``PerSampleStats.batch_term``):
+        its gradient is left out of every example's sketch. Returns ``term``."""
+        return self.engine.batch_term(term)
+
     def sketches(self) -> torch.Tensor:
         """(B, k) S g_i of the latest backward (computed on first read, then cached), after
         the identity check of its statistics has passed."""

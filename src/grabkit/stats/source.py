@@ -55,6 +55,15 @@ class StatisticsSource(ABC):
         return True
 
     @property
+    def gradients_discarded(self) -> bool:
+        """Whether the gradients this step's backwards added into ``.grad`` were reset since
+        (``zero_grad``) before any optimizer step used them: such backwards trained nothing (a
+        GAN generator's step through the model, an FGSM ``loss.backward()`` taken for the
+        input gradient) and are no micro-batch of an update. Sources that cannot tell say
+        False."""
+        return False
+
+    @property
     def step_inputs(self) -> tuple[torch.Tensor, ...]:
         """The tensors the model's forward took in this step (its batch), so a consumer can
         tell two backwards over the same batch from two micro-batches; () where unknown."""

@@ -61,6 +61,19 @@ _SAME_INPUT = (
 )
 
 
+_DISCARDED = (
+    "hook mode: {count} backward(s) since the last step() reached the model's parameters, and "
+    "their gradients were reset (zero_grad) before any optimizer step used them: they trained "
+    "nothing and are no micro-batch of this step, and their rows would go to examples they are "
+    "not of. A backward that is not over the sampler's examples must reach none of the model's "
+    "parameters: freeze the model for it (model.requires_grad_(False) for a GAN generator's "
+    "step through this discriminator), or take an input gradient with "
+    "torch.autograd.grad(loss, x) instead of loss.backward() (FGSM). If they were over the "
+    "sampler's examples, call sampler.step() after each (before zero_grad), or sampler.skip() "
+    "for a batch left out."
+)
+
+
 def _input_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
     """Where the model's input tensors lie: the same key means the same memory, read while
     the tensors live (views of one tensor with other rows, micro-batches, differ)."""
@@ -94,6 +107,8 @@ class HookGradients(GradientSource):
         #: the tensors themselves (kept alive, so no later tensor takes over their memory)
         self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
+        #: backwards since the last step whose gradients were reset before any optimizer step
+        self._discarded = 0
         #: the exact statistics' trainable parameters the ordering state sums (set at bind)
         self._shapes: Mapping[str, torch.Size] | None = None
 
@@ -118,6 +133,9 @@ class HookGradients(GradientSource):
         ``check``: refuse a backward whose forward took the same input as a kept one."""
         batch = self.subscription.take(settle=False)
         if batch is None:
+            return
+        if self._stats.gradients_discarded:  # trained nothing: refused at step()
+            self._discarded += 1
             return
         inputs = tuple(self._stats.step_inputs)
         where = _input_key(inputs)
@@ -168,6 +186,8 @@ class HookGradients(GradientSource):
         if self.subscription is None:
             return [as_gradient_batch(self._stats.gradient_batch())]
         self.capture()
+        if self._discarded:
+            raise ValueError(_DISCARDED.format(count=self._discarded))
         if not self.pending:
             raise ValueError(
                 "step() found no loss.backward() since the last step(): hook mode balances the "
@@ -178,6 +198,7 @@ class HookGradients(GradientSource):
 
     def clear(self) -> None:
         self.pending, self._pending_inputs = [], []
+        self._discarded = 0
 
     def discard(self) -> int:
         if self.subscription is not None:
