@@ -87,9 +87,11 @@ class ExampleGradientNorms:
 
     def capture(self) -> None:
         """Keep the norms of the backward that just ran (once; the next forward calls it).
-        A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased)."""
+        A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased). A backward whose gradients were
+        reset before any optimizer step used them (an FGSM ``loss.backward()`` for the input
+        gradient) trained nothing and is left out."""
         batch = self.subscription.take()
-        if batch is None:
+        if batch is None or self.stats.gradients_discarded:
             return
         squares = batch.norms_squared()
         norms = squares.detach().clamp(min=0).sqrt().cpu()
