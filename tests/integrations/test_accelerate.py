@@ -12,10 +12,14 @@ pytest.importorskip("transformers")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from tests.integrations.tiny import B, N, dataset, params, tiny_bert  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader  # noqa: E402
 
 from grabkit import OptimizerWrapperGNTS  # noqa: E402
-from grabkit.integrations.accelerate import SamplerCheckpoint, adaptive_step  # noqa: E402
+from grabkit.integrations.accelerate import (  # noqa: E402
+    SamplerCheckpoint,
+    adaptive_step,
+    shard_by_sampler,
+)
 from grabkit.order import GraBSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -141,3 +145,40 @@ def test_adaptive_step_through_accelerates_grad_scaler():
     model.bias.grad = torch.zeros_like(model.bias)
     assert adaptive_step(optimizer, count=4) is False
     assert wrapper.num_skipped == 1 and wrapper.num_draws == 0
+
+
+def _sharded(rank: int, **shard_options) -> DataLoader:
+    """What ``prepare()`` builds on process ``rank`` of 2 for a GraB loader of 21 examples in
+    batches of 4: accelerate's ``BatchSamplerShard`` around the loader's batch sampler. The
+    sampler (mean balancing, dense gradients) splits the epoch itself, 11 examples a process
+    (one of them padding)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    sampler = GraBSampler(range(21), balance_type="mean", num_replicas=2, rank=rank, batch_size=4)
+    shard = BatchSamplerShard(
+        BatchSampler(sampler, 4, drop_last=False), num_processes=2, process_index=rank,
+        **shard_options,
+    )  # fmt: skip
+    return DataLoader(range(21), batch_sampler=shard)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_by_sampler_passes_a_partial_last_batch_through(rank):
+    """Batches of 4, 4 and 3 on each process: accelerate's even_batches (its default) completed
+    the last one with the epoch's first example, which this process's sampler never yielded
+    there (its step then refused 4 gradients for the 3 examples left); shard_by_sampler passes
+    the sampler's own batches through."""
+    loader = _sharded(rank)
+    twin = GraBSampler(range(21), balance_type="mean", num_replicas=2, rank=rank, batch_size=4)
+    expected = list(BatchSampler(twin, 4, drop_last=False))
+    assert [len(batch) for batch in expected] == [4, 4, 3]
+    assert [batch.tolist() for batch in shard_by_sampler(loader)] == expected
+    assert len(loader) == 3
+
+
+def test_shard_by_sampler_refuses_split_batches():
+    """split_batches=True reads batch_size=4 as both processes' batch (2 each); kept whole, each
+    process would train 4 of its share, twice the global batch asked for."""
+    loader = _sharded(0, split_batches=True)
+    with pytest.raises(ValueError, match=r"split_batches=True.*batch_size=2"):
+        shard_by_sampler(loader)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "check_not_dispatched",
     "check_not_resharded",
     "check_not_skipped",
     "check_sampler_iteration",
@@ -145,8 +146,34 @@ def check_wiring(obj: Any, kind: str) -> bool:
     return False
 
 
+def check_not_dispatched(loader: Any, num_replicas: int) -> None:
+    """Raise when ``loader`` is accelerate's ``DataLoaderDispatcher`` on several processes
+    (``dispatch_batches=True``): process 0 alone iterates it and hands every process a slice of
+    its batches, so a GraB sampler that splits the epoch across the ranks is drawn on process 0
+    only; the other ranks' shares are never trained, each rank's gradients are credited to
+    examples it did not train, and process 0 blocks in the sampler's first collective, which
+    the others never reach."""
+    if not _is(loader, "accelerate", "DataLoaderDispatcher"):
+        return
+    processes = int(getattr(_attribute(loader, "state"), "num_processes", 1))
+    if processes <= 1:
+        return
+    raise ValueError(
+        f"accelerate's dispatch_batches=True on {processes} processes: process 0 alone iterates "
+        f"this loader and slices its batches for every process, but its GraBSampler "
+        f"(num_replicas={num_replicas}) splits the epoch across the processes itself: the other "
+        "processes' shares would never be trained, GraB would credit each process's gradients "
+        "to examples it did not train, and process 0 would wait in the sampler's first "
+        "collective for processes that never reach it. Leave dispatch_batches off "
+        "(DataLoaderConfiguration(dispatch_batches=False); the default for a map-style "
+        "dataset) and call grabkit.integrations.accelerate.shard_by_sampler(loader) after "
+        "prepare(): every process then draws its own share."
+    )
+
+
 def check_not_resharded(num_replicas: int, rank: int) -> None:
-    """Raise when accelerate's ``BatchSamplerShard`` re-splits a GraB sampler's batches.
+    """Raise when accelerate's ``BatchSamplerShard`` re-splits a GraB sampler's batches, or its
+    ``DataLoaderDispatcher`` hands them out (:func:`check_not_dispatched`).
 
     A GraB sampler decides from the gradients of the examples it yields in visit order; under
     accelerate's ``prepare()`` every process draws the sampler's whole output and keeps every
@@ -155,6 +182,7 @@ def check_not_resharded(num_replicas: int, rank: int) -> None:
     a fraction of its share).
     """
     for owner in frames_self(depth=2):
+        check_not_dispatched(owner, num_replicas)
         processes = getattr(owner, "num_processes", 1)
         if not _is(owner, "accelerate", "BatchSamplerShard") or processes <= 1:
             continue
