@@ -182,3 +182,21 @@ def test_shard_by_sampler_refuses_split_batches():
     loader = _sharded(0, split_batches=True)
     with pytest.raises(ValueError, match=r"split_batches=True.*batch_size=2"):
         shard_by_sampler(loader)
+
+
+def test_a_grab_loader_dispatched_to_several_processes_is_refused_at_its_first_batch():
+    """dispatch_batches=True without shard_by_sampler (which refuses it on every process):
+    process 0 alone draws from the loader and slices its batches for all, and its sampler
+    waited in its first collective for processes that never reach it. Refused at the first
+    batch, before any collective. One process runs this test: the dispatcher's process count
+    is set to 2 by hand."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    Accelerator(cpu=True)
+    sampler = GraBSampler(range(8), balance_type="mean", num_replicas=2, rank=0, batch_size=2)
+    loader = DataLoaderDispatcher(range(8), sampler=sampler, batch_size=2)
+    loader.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"dispatch_batches=True on 2 processes.*shard_by_sampler"):
+        next(iter(loader))
