@@ -200,3 +200,87 @@ def test_a_grab_loader_dispatched_to_several_processes_is_refused_at_its_first_b
     loader.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"dispatch_batches=True on 2 processes.*shard_by_sampler"):
         next(iter(loader))
+
+
+def test_accelerate_accumulate_balances_each_microbatch_as_the_plain_loop():
+    """accumulate() with 2 microbatches a window (the epoch's 7th alone, which accelerate still
+    divides by 2), the hook-mode sampler stepped at each window's end: the orders and parameters
+    of the same loop without accelerate (each loss divided by 2, backwards then one step)."""
+    got = _accumulating_run(None)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2, record_orders=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(DataLoader(data, sampler=sampler, batch_size=2))
+        for i, (x, y, _) in enumerate(batches):
+            (torch.nn.functional.cross_entropy(model(x), y) / 2).backward()
+            if i % 2 == 1 or i == len(batches) - 1:
+                sampler.step()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert got["orders"] == sampler.orders_history
+    assert len({tuple(order) for order in got["orders"]}) == 3
+    for name, value in params(model).items():
+        assert torch.equal(got["params"][name], value), name
+
+
+def test_save_state_before_the_sampler_stepped_its_backwards_is_refused(tmp_path):
+    """The same loop: a save_state after a window's first microbatch found the sampler with a
+    backward it had not stepped. Its statistics are in no state and the resumed loader yielded
+    its examples again (trained twice: 38 examples after the checkpoint where the
+    uninterrupted run trains 36), without a word. Refused, naming sync_gradients."""
+    with pytest.raises(ValueError, match=r"not stepped.*sync_gradients"):
+        _accumulating_run(tmp_path, save_at=3)
+
+
+def test_accelerate_accumulate_window_resumes_bitwise(tmp_path):
+    """The same loop saved after a window's last microbatch (its optimizer step)."""
+    full = _accumulating_run(tmp_path, save_at=4)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = _accumulating_run(tmp_path, resume=4)
+    assert resumed["seen"] == full["seen"][4:]
+    assert resumed["orders"] == full["orders"]
+    for name, value in resumed["params"].items():
+        assert torch.equal(value, full["params"][name]), name
+
+
+def _mlp_and_rows() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset]:
+    """A small MLP and 14 rows (inputs, labels, row index)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    rows = torch.Generator().manual_seed(1)
+    x, y = torch.randn(14, 5, generator=rows), torch.randint(0, 2, (14,), generator=rows)
+    return model, torch.utils.data.TensorDataset(x, y, torch.arange(14))
+
+
+def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
+    """``_mlp_and_rows`` in batches of 2 under accumulate() with 2 microbatches a window, 3
+    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end)."""
+    folder = None if root is None else str(root)
+    accelerator = Accelerator(cpu=True, project_dir=folder, gradient_accumulation_steps=2)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2, record_orders=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, sampler=sampler, batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
+    microbatches, first, seen = 0, 0, []
+    if resume is not None:
+        accelerator.load_state(str(root / "state"))
+        microbatches, first = resume, resume // len(loader)
+    for epoch in range(first, 3):
+        loader.set_epoch(epoch)
+        for x, y, index in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                if accelerator.sync_gradients:
+                    sampler.step()  # the window's microbatches, each to its own examples
+                optimizer.step()
+                optimizer.zero_grad()
+            microbatches += 1
+            seen.append(index.tolist())
+            if microbatches == save_at:
+                accelerator.save_state(str(root / "state"))
+    return {"seen": seen, "orders": sampler.orders_history, "params": params(model)}

@@ -105,7 +105,10 @@ class SamplerCheckpoint:
     """A ``GraBSampler`` for ``accelerator.register_for_checkpointing``, prefetch-safe.
 
     Save right after an optimizer step (everything stepped was trained); the saved state hands
-    the examples the loader fetched ahead back to the sampler. A state saved after the prepared
+    the examples the loader fetched ahead back to the sampler. Under ``accumulate()`` that is
+    where ``accelerator.sync_gradients`` is True: a state taken after backwards the sampler has
+    not stepped yet (stepped at the window's end) is refused (their statistics are in no state,
+    and the resumed loader would yield their examples again). A state saved after the prepared
     loader's last batch of an epoch (accelerate's ``end_of_dataloader``) is marked as ended, so
     the resume starts the next epoch even when the loader dropped a partial last batch whose
     examples were never stepped (``drop_last=True``).
@@ -136,8 +139,25 @@ class SamplerCheckpoint:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        self._check_all_stepped()
         state, ended = self.sampler.state_dict(), self._epoch_over()
         return rewound_state(state, self.sampler.num_samples, ended=ended)
+
+    def _check_all_stepped(self) -> None:
+        """Refuse a state taken after backwards the sampler has not stepped (hook mode stepped
+        at an accumulation window's end, saved inside the window): no state holds their
+        statistics, and the resumed loader would yield their examples again, trained twice."""
+        unstepped = self.sampler.source.unstepped()
+        if not unstepped:
+            return
+        raise ValueError(
+            f"SamplerCheckpoint: save_state after backwards over {unstepped} examples that the "
+            "GraBSampler has not stepped yet (inside an accumulation window whose sampler.step() "
+            "comes at its end): their statistics are in no state, and the resumed loader would "
+            "yield these examples again, trained twice. Call save_state where "
+            "accelerator.sync_gradients is True, after sampler.step() and the optimizer step "
+            "(accelerate's save_state holds no accumulated gradient either)."
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.sampler
