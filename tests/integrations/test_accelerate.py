@@ -202,6 +202,25 @@ def test_a_grab_loader_dispatched_to_several_processes_is_refused_at_its_first_b
         next(iter(loader))
 
 
+def test_accelerates_stateful_loader_is_refused_at_its_first_batch():
+    """DataLoaderConfiguration(use_stateful_dataloader=True): after load_state torchdata
+    fast-forwards the loader's plain BatchSampler by the batches it counted. Resumed inside an
+    epoch on top of SamplerCheckpoint, that skipped untrained batches (refused at a later step,
+    naming nothing of the cause); without SamplerCheckpoint no GraB state was saved, and a
+    resume at an epoch's end ordered the next epochs otherwise than the uninterrupted run
+    (other parameters), silently. Refused when the loader first draws from the sampler."""
+    pytest.importorskip("torchdata")
+    from accelerate import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2)
+    loader = accelerator.prepare(DataLoader(data, sampler=sampler, batch_size=2))
+    with pytest.raises(ValueError, match=r"use_stateful_dataloader=True.*SamplerCheckpoint"):
+        next(iter(loader))
+
+
 def test_accelerate_accumulate_balances_each_microbatch_as_the_plain_loop():
     """accumulate() with 2 microbatches a window (the epoch's 7th alone, which accelerate still
     divides by 2), the hook-mode sampler stepped at each window's end: the orders and parameters

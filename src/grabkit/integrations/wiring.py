@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "check_not_accelerate_stateful",
     "check_not_dispatched",
     "check_not_resharded",
     "check_not_skipped",
@@ -227,11 +228,41 @@ def check_not_skipped(sampler: Any) -> None:
             )
 
 
+def check_not_accelerate_stateful() -> None:
+    """Raise when accelerate's prepared loader built with
+    ``DataLoaderConfiguration(use_stateful_dataloader=True)`` iterates a GraB sampler.
+
+    ``save_state`` then saves torchdata's loader snapshot, and after ``load_state`` torchdata
+    fast-forwards the loader's batch sampler (a plain ``BatchSampler`` to it) by the batches it
+    counted: on top of a sampler that ``SamplerCheckpoint`` restored to its epoch's untrained
+    rest, that skips untrained batches (inside an epoch, refused at a later step without naming
+    the cause); without ``SamplerCheckpoint`` the sampler's ordering state is in no checkpoint
+    and the resumed run orders otherwise than the uninterrupted one (silently).
+    """
+    for owner in frames_self(depth=2):
+        loader = _is(owner, "accelerate", "DataLoaderShard") or _is(
+            owner, "accelerate", "DataLoaderDispatcher"
+        )
+        if loader and getattr(owner, "use_stateful_dataloader", False):
+            raise ValueError(
+                "accelerate's DataLoaderConfiguration(use_stateful_dataloader=True) iterates "
+                "this GraBSampler: save_state would hold torchdata's loader snapshot, and after "
+                "load_state torchdata fast-forwards the epoch by the batches it counted, on top "
+                "of the sampler's own resume (untrained batches skipped), or without "
+                "SamplerCheckpoint resumes no GraB state at all (another order than the "
+                "uninterrupted run). Leave use_stateful_dataloader off and register "
+                "grabkit.integrations.accelerate.SamplerCheckpoint(sampler) for save_state: "
+                "the plain prepared loader then resumes the epoch's untrained rest exactly."
+            )
+
+
 def check_sampler_iteration(sampler: Any) -> None:
     """What a GraB sampler checks at each ``iter()``: refused when accelerate re-splits its
-    batches or skips batches of an epoch it resumes itself; warned (once) when a framework
+    batches, restores it through a stateful loader, or skips batches of an epoch it resumes
+    itself; warned (once) when a framework
     iterates it without the GraB integration."""
     check_not_resharded(sampler.num_replicas, sampler.rank)
+    check_not_accelerate_stateful()
     check_not_skipped(sampler)
     if not getattr(sampler, "_wiring_warned", False):
         check_wiring(sampler, "sampler")
