@@ -114,6 +114,36 @@ def test_adaptive_step_refuses_accelerate_accumulation():
         adaptive_step(optimizer, count=B)
 
 
+def test_the_window_left_at_the_end_is_flushed_by_the_wrapper_inside():
+    """AcceleratedOptimizer has no flush(); the wrapper inside it applies the window still
+    accumulating when the loop ends, as the plain wrapper's flush() does."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+    reference.load_state_dict(model.state_dict())
+
+    def every_two(m):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=2, norm_threshold=1e-9)
+
+    wrapper, reference_wrapper = every_two(model), every_two(reference)
+    optimizer = AcceleratedOptimizer(wrapper, device_placement=False)
+    x, y = torch.randn(12, 8), torch.randint(0, 2, (12,))
+    for part in range(3):  # a window of 2 microbatches, then 1 left accumulating
+        rows = slice(4 * part, 4 * part + 4)
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        adaptive_step(optimizer, count=4)
+        torch.nn.functional.cross_entropy(reference(x[rows]), y[rows]).backward()
+        reference_wrapper.step(count=4)
+    assert wrapper.num_draws == 1
+    assert optimizer.optimizer.flush() and reference_wrapper.flush()
+    assert wrapper.num_steps == 2 and wrapper.num_draws == 0
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_adaptive_step_through_accelerates_grad_scaler():
     """The GradScaler path: accelerate's AcceleratedOptimizer with a (CPU) GradScaler."""
     from accelerate.optimizer import AcceleratedOptimizer

@@ -20,7 +20,10 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   would divide every loss and ``accumulate()`` would hide microbatches from the wrapper. Clip
   with the wrapper's ``clip_grad_norm=``, which clips the window's averaged gradient, not with
   ``accelerator.clip_grad_norm_`` before ``adaptive_step``: that would clip every microbatch
-  before the wrapper measures it, and a norm-threshold rule would see the clipped norms.
+  before the wrapper measures it, and a norm-threshold rule would see the clipped norms. At
+  the end of training the window still accumulating is applied by the wrapper's own
+  ``flush()`` (``optimizer.optimizer.flush()``: ``AcceleratedOptimizer`` has none); left
+  unflushed, its microbatches are never applied (a ``save_state`` holds them for a resume).
 * :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
