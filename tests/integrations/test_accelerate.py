@@ -12,10 +12,14 @@ pytest.importorskip("transformers")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from tests.integrations.tiny import B, N, dataset, params, tiny_bert  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import BatchSampler, DataLoader  # noqa: E402
 
 from grabkit import OptimizerWrapperGNTS  # noqa: E402
-from grabkit.integrations.accelerate import SamplerCheckpoint, adaptive_step  # noqa: E402
+from grabkit.integrations.accelerate import (  # noqa: E402
+    SamplerCheckpoint,
+    adaptive_step,
+    shard_by_sampler,
+)
 from grabkit.order import GraBSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,6 +114,36 @@ def test_adaptive_step_refuses_accelerate_accumulation():
         adaptive_step(optimizer, count=B)
 
 
+def test_the_window_left_at_the_end_is_flushed_by_the_wrapper_inside():
+    """AcceleratedOptimizer has no flush(); the wrapper inside it applies the window still
+    accumulating when the loop ends, as the plain wrapper's flush() does."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(8, 2), torch.nn.Linear(8, 2)
+    reference.load_state_dict(model.state_dict())
+
+    def every_two(m):
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=2, norm_threshold=1e-9)
+
+    wrapper, reference_wrapper = every_two(model), every_two(reference)
+    optimizer = AcceleratedOptimizer(wrapper, device_placement=False)
+    x, y = torch.randn(12, 8), torch.randint(0, 2, (12,))
+    for part in range(3):  # a window of 2 microbatches, then 1 left accumulating
+        rows = slice(4 * part, 4 * part + 4)
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        adaptive_step(optimizer, count=4)
+        torch.nn.functional.cross_entropy(reference(x[rows]), y[rows]).backward()
+        reference_wrapper.step(count=4)
+    assert wrapper.num_draws == 1
+    assert optimizer.optimizer.flush() and reference_wrapper.flush()
+    assert wrapper.num_steps == 2 and wrapper.num_draws == 0
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_adaptive_step_through_accelerates_grad_scaler():
     """The GradScaler path: accelerate's AcceleratedOptimizer with a (CPU) GradScaler."""
     from accelerate.optimizer import AcceleratedOptimizer
@@ -141,3 +175,161 @@ def test_adaptive_step_through_accelerates_grad_scaler():
     model.bias.grad = torch.zeros_like(model.bias)
     assert adaptive_step(optimizer, count=4) is False
     assert wrapper.num_skipped == 1 and wrapper.num_draws == 0
+
+
+def _sharded(rank: int, **shard_options) -> DataLoader:
+    """What ``prepare()`` builds on process ``rank`` of 2 for a GraB loader of 21 examples in
+    batches of 4: accelerate's ``BatchSamplerShard`` around the loader's batch sampler. The
+    sampler (mean balancing, dense gradients) splits the epoch itself, 11 examples a process
+    (one of them padding)."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    sampler = GraBSampler(range(21), balance_type="mean", num_replicas=2, rank=rank, batch_size=4)
+    shard = BatchSamplerShard(
+        BatchSampler(sampler, 4, drop_last=False), num_processes=2, process_index=rank,
+        **shard_options,
+    )  # fmt: skip
+    return DataLoader(range(21), batch_sampler=shard)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_shard_by_sampler_passes_a_partial_last_batch_through(rank):
+    """Batches of 4, 4 and 3 on each process: accelerate's even_batches (its default) completed
+    the last one with the epoch's first example, which this process's sampler never yielded
+    there (its step then refused 4 gradients for the 3 examples left); shard_by_sampler passes
+    the sampler's own batches through."""
+    loader = _sharded(rank)
+    twin = GraBSampler(range(21), balance_type="mean", num_replicas=2, rank=rank, batch_size=4)
+    expected = list(BatchSampler(twin, 4, drop_last=False))
+    assert [len(batch) for batch in expected] == [4, 4, 3]
+    assert [batch.tolist() for batch in shard_by_sampler(loader)] == expected
+    assert len(loader) == 3
+
+
+def test_shard_by_sampler_refuses_split_batches():
+    """split_batches=True reads batch_size=4 as both processes' batch (2 each); kept whole, each
+    process would train 4 of its share, twice the global batch asked for."""
+    loader = _sharded(0, split_batches=True)
+    with pytest.raises(ValueError, match=r"split_batches=True.*batch_size=2"):
+        shard_by_sampler(loader)
+
+
+def test_a_grab_loader_dispatched_to_several_processes_is_refused_at_its_first_batch():
+    """dispatch_batches=True without shard_by_sampler (which refuses it on every process):
+    process 0 alone draws from the loader and slices its batches for all, and its sampler
+    waited in its first collective for processes that never reach it. Refused at the first
+    batch, before any collective. One process runs this test: the dispatcher's process count
+    is set to 2 by hand."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    Accelerator(cpu=True)
+    sampler = GraBSampler(range(8), balance_type="mean", num_replicas=2, rank=0, batch_size=2)
+    loader = DataLoaderDispatcher(range(8), sampler=sampler, batch_size=2)
+    loader.state = SimpleNamespace(num_processes=2, process_index=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"dispatch_batches=True on 2 processes.*shard_by_sampler"):
+        next(iter(loader))
+
+
+def test_accelerates_stateful_loader_is_refused_at_its_first_batch():
+    """DataLoaderConfiguration(use_stateful_dataloader=True): after load_state torchdata
+    fast-forwards the loader's plain BatchSampler by the batches it counted. Resumed inside an
+    epoch on top of SamplerCheckpoint, that skipped untrained batches (refused at a later step,
+    naming nothing of the cause); without SamplerCheckpoint no GraB state was saved, and a
+    resume at an epoch's end ordered the next epochs otherwise than the uninterrupted run
+    (other parameters), silently. Refused when the loader first draws from the sampler."""
+    pytest.importorskip("torchdata")
+    from accelerate import DataLoaderConfiguration
+
+    config = DataLoaderConfiguration(use_stateful_dataloader=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2)
+    loader = accelerator.prepare(DataLoader(data, sampler=sampler, batch_size=2))
+    with pytest.raises(ValueError, match=r"use_stateful_dataloader=True.*SamplerCheckpoint"):
+        next(iter(loader))
+
+
+def test_accelerate_accumulate_balances_each_microbatch_as_the_plain_loop():
+    """accumulate() with 2 microbatches a window (the epoch's 7th alone, which accelerate still
+    divides by 2), the hook-mode sampler stepped at each window's end: the orders and parameters
+    of the same loop without accelerate (each loss divided by 2, backwards then one step)."""
+    got = _accumulating_run(None)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2, record_orders=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        batches = list(DataLoader(data, sampler=sampler, batch_size=2))
+        for i, (x, y, _) in enumerate(batches):
+            (torch.nn.functional.cross_entropy(model(x), y) / 2).backward()
+            if i % 2 == 1 or i == len(batches) - 1:
+                sampler.step()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert got["orders"] == sampler.orders_history
+    assert len({tuple(order) for order in got["orders"]}) == 3
+    for name, value in params(model).items():
+        assert torch.equal(got["params"][name], value), name
+
+
+def test_save_state_before_the_sampler_stepped_its_backwards_is_refused(tmp_path):
+    """The same loop: a save_state after a window's first microbatch found the sampler with a
+    backward it had not stepped. Its statistics are in no state and the resumed loader yielded
+    its examples again (trained twice: 38 examples after the checkpoint where the
+    uninterrupted run trains 36), without a word. Refused, naming sync_gradients."""
+    with pytest.raises(ValueError, match=r"not stepped.*sync_gradients"):
+        _accumulating_run(tmp_path, save_at=3)
+
+
+def test_accelerate_accumulate_window_resumes_bitwise(tmp_path):
+    """The same loop saved after a window's last microbatch (its optimizer step)."""
+    full = _accumulating_run(tmp_path, save_at=4)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    resumed = _accumulating_run(tmp_path, resume=4)
+    assert resumed["seen"] == full["seen"][4:]
+    assert resumed["orders"] == full["orders"]
+    for name, value in resumed["params"].items():
+        assert torch.equal(value, full["params"][name]), name
+
+
+def _mlp_and_rows() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset]:
+    """A small MLP and 14 rows (inputs, labels, row index)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    rows = torch.Generator().manual_seed(1)
+    x, y = torch.randn(14, 5, generator=rows), torch.randint(0, 2, (14,), generator=rows)
+    return model, torch.utils.data.TensorDataset(x, y, torch.arange(14))
+
+
+def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
+    """``_mlp_and_rows`` in batches of 2 under accumulate() with 2 microbatches a window, 3
+    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end)."""
+    folder = None if root is None else str(root)
+    accelerator = Accelerator(cpu=True, project_dir=folder, gradient_accumulation_steps=2)
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=2, record_orders=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, sampler=sampler, batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
+    microbatches, first, seen = 0, 0, []
+    if resume is not None:
+        accelerator.load_state(str(root / "state"))
+        microbatches, first = resume, resume // len(loader)
+    for epoch in range(first, 3):
+        loader.set_epoch(epoch)
+        for x, y, index in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                if accelerator.sync_gradients:
+                    sampler.step()  # the window's microbatches, each to its own examples
+                optimizer.step()
+                optimizer.zero_grad()
+            microbatches += 1
+            seen.append(index.tolist())
+            if microbatches == save_at:
+                accelerator.save_state(str(root / "state"))
+    return {"seen": seen, "orders": sampler.orders_history, "params": params(model)}

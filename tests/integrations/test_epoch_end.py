@@ -78,7 +78,8 @@ def accelerate_run(
         updates, first_epoch = resume, resume // len(loader)
     for epoch in range(first_epoch, epochs):
         # the prepared loader's count, with which accelerate renumbers the sampler at iter()
-        (loader if number_by == "loader" else sampler).set_epoch(epoch)
+        if number_by != "none":  # "none": accelerate's count alone numbers the epochs
+            (loader if number_by == "loader" else sampler).set_epoch(epoch)
         for batch in loader:
             accelerator.backward(model(**batch).loss)
             sampler.step()
@@ -123,3 +124,28 @@ def test_sampler_set_epoch_that_accelerate_renumbers_after_a_resume_is_refused(t
     accelerate_run(tmp_path, stop_after=stop, number_by="sampler", prob_balance=True)
     with pytest.raises(ValueError, match=r"set_epoch\(0\) after set_epoch\(1\).*loader\.set_epoch"):
         accelerate_run(tmp_path, resume=stop, number_by="sampler", prob_balance=True)
+
+
+@pytest.mark.usefixtures("fresh_accelerator_state")
+@pytest.mark.parametrize("stop", [2, N // B, N // B + 2])  # inside epoch 0, its end, inside 1
+def test_accelerate_loop_that_numbers_no_epochs_resumes_exactly_or_is_refused(tmp_path, stop):
+    """A loop that calls no set_epoch: the prepared loader numbers the sampler with its own
+    count, 0 again after load_state. Inside epoch 0 that is the epoch's number (exact); at
+    epoch 0's end it would number epoch 1 as 0 again, and inside epoch 1 abandon its untrained
+    rest and train a whole epoch in its place (2 * N examples after the checkpoint where the
+    uninterrupted run trains 3 * N - 8 * B): raised at the resumed loader's first iter(), naming
+    loader.set_epoch."""
+    full_model, full_sampler, _ = accelerate_run(
+        tmp_path, stop_after=stop, number_by="none", prob_balance=True
+    )
+    if stop > 2:
+        with pytest.raises(ValueError, match=r"set_epoch\(0\) after load_state_dict.*loader"):
+            accelerate_run(tmp_path, resume=stop, number_by="none", prob_balance=True)
+        return
+    model, sampler, trained = accelerate_run(
+        tmp_path, resume=stop, number_by="none", prob_balance=True
+    )
+    assert trained == 3 * N - stop * B
+    assert sampler.orders_history == full_sampler.orders_history
+    for name, value in params(model).items():
+        assert torch.equal(value, params(full_model)[name]), name

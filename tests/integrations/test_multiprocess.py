@@ -9,7 +9,12 @@ One spawn serves every test here (each rank imports transformers once):
   rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, or at an
   epoch's last step) ends with the uninterrupted run's orders and parameters;
 * the README's accelerate multi-process block, run as written on both ranks; without its
-  ``shard_by_sampler`` line the first batch is refused, naming it.
+  ``shard_by_sampler`` line the first batch is refused, naming it;
+* that recipe on 21 examples in batches of 4 (each rank's share, 11 with one padding example,
+  ends in a partial batch, which accelerate's default ``even_batches`` would complete with other
+  examples): every rank trains the sampler's split, and ``load_state`` of rank 0's state at an
+  epoch's last step or inside an epoch resumes bitwise; ``dispatch_batches=True`` is refused on
+  every rank.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from tests.support.distributed import run_distributed
 
 from grabkit.noise import MicrobatchNoiseScale
 from grabkit.order import GraBSampler
+from grabkit.order.distributed import padded_order
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 W, B, K, SKETCH, EPOCHS = 2, 3, 2, 64, 2  # 12 examples a rank and epoch: 2 windows of 2 x 3
+UNEVEN, UB = 21, 4  # 11 examples a rank and epoch (one of them padding): batches of 4, 4 and 3
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
@@ -103,6 +110,66 @@ def _readme_run(folder: str, keep_split: bool) -> dict:
     }  # fmt: skip
 
 
+def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
+    """The multi-process recipe on ``UNEVEN`` examples (a small MLP, ``prob_balance`` so that the
+    epoch numbers count), 3 epochs: ``save_state`` to ``step_<n>`` after the updates in
+    ``save_at``, or ``load_state`` of ``step_<resume>`` and the epoch loop from
+    ``resume // len(loader)``. ``loader_config``: accelerate's ``DataLoaderConfiguration``."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from grabkit.integrations.accelerate import SamplerCheckpoint, shard_by_sampler
+
+    config = DataLoaderConfiguration(**loader_config)
+    accelerator = Accelerator(cpu=True, project_dir=root, dataloader_config=config)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+    rows = torch.Generator().manual_seed(1)
+    x, y = torch.randn(UNEVEN, 5, generator=rows), torch.randint(0, 2, (UNEVEN,), generator=rows)
+    data = TensorDataset(x, y, torch.arange(UNEVEN))
+    sampler = GraBSampler(
+        data, model=model, statistics="sketch", sketch_dim=16, batch_size=UB, prob_balance=True,
+        record_orders=True,
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(data, sampler=sampler, batch_size=UB)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    try:
+        loader = shard_by_sampler(loader)
+    except ValueError as error:
+        return {"error": str(error)}
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler))
+    updates, first, seen = 0, 0, []
+    if resume is not None:
+        accelerator.load_state(os.path.join(root, f"step_{resume}"))
+        updates, first = resume, resume // len(loader)
+    for epoch in range(first, 3):
+        loader.set_epoch(epoch)
+        for inputs, labels, index in loader:
+            accelerator.backward(torch.nn.functional.cross_entropy(model(inputs), labels))
+            sampler.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append(index.tolist())
+            updates += 1
+            if updates in save_at:
+                accelerator.save_state(os.path.join(root, f"step_{updates}"))
+    return {
+        "seen": seen, "orders": sampler.orders_history, "seed": sampler.seed,
+        "params": [p.detach().tolist() for p in model.parameters()],
+    }  # fmt: skip
+
+
+def _uneven_runs(root: str) -> dict:
+    """The uninterrupted run (saving after epoch 0's last update, 3, and inside epoch 1, 5), its
+    two resumes, and the refused ``dispatch_batches=True``."""
+    runs = {"full": _uneven_run(root, save_at=(3, 5))}
+    for step in (3, 5):
+        runs[step] = _uneven_run(root, resume=step)
+    runs["dispatch"] = _uneven_run(root, dispatch_batches=True)
+    return runs
+
+
 def _body(rank: int, world_size: int, root: str) -> dict:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -114,7 +181,10 @@ def _body(rank: int, world_size: int, root: str) -> dict:
         resumed[step] = _trainer_run(os.path.join(root, f"resumed{step}"), checkpoint)
     readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
     refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
-    return {"full": full, "resumed": resumed, "readme": readme, "refused": refused}
+    uneven = _uneven_runs(os.path.join(root, "uneven"))
+    return {
+        "full": full, "resumed": resumed, "readme": readme, "refused": refused, "uneven": uneven,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +272,33 @@ def test_readme_accelerate_recipe_on_two_processes(ranks):
         assert got["len"] == 256 // W // 16  # accelerate kept the sampler's split
     for got in ranks:
         assert "shard_by_sampler(loader)" in got["refused"]["error"]
+
+
+def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exactly(ranks):
+    """Each rank trains its share of the padded epoch in batches of 4, 4 and 3 (accelerate's
+    even_batches completed the 3 with the epoch's first example, and the step refused it), and
+    load_state of rank 0's state at epoch 0's last update or inside epoch 1 ends bitwise with
+    the uninterrupted run's orders and parameters on every rank."""
+    full = [got["uneven"]["full"] for got in ranks]
+    orders = full[0]["orders"]
+    assert full[1]["orders"] == orders and len({tuple(order) for order in orders}) == 3
+    for rank, got in enumerate(full):
+        expected = []
+        for epoch, order in enumerate(orders):
+            padded = padded_order(torch.tensor(order), UNEVEN + 1, got["seed"], epoch)
+            share = padded[rank::W].tolist()
+            expected += [share[i : i + UB] for i in range(0, len(share), UB)]
+        assert got["seen"] == expected
+    for got in ranks:
+        for step in (3, 5):
+            resumed = got["uneven"][step]
+            assert resumed["seen"] == got["uneven"]["full"]["seen"][step:]
+            assert resumed["orders"] == got["uneven"]["full"]["orders"]
+            assert resumed["params"] == got["uneven"]["full"]["params"]
+
+
+def test_accelerate_dispatch_batches_is_refused_on_every_rank(ranks):
+    """dispatch_batches=True: rank 0 alone draws from the loader (rank 1's share never trained)
+    and hung in the sampler's first collective; shard_by_sampler refuses it on both ranks."""
+    for got in ranks:
+        assert "dispatch_batches=True" in got["uneven"]["dispatch"]["error"]

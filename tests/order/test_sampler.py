@@ -16,6 +16,7 @@ from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from grabkit import GraBBatchSampler, GraBSampler
+from grabkit.integrations.resume import rewound_state
 from grabkit.order import BALANCE_TYPES
 from grabkit.stats.gradient_batch import DenseGradientBatch
 
@@ -799,3 +800,34 @@ def test_two_numbers_for_the_next_epoch_are_refused():
     list(sampler)
     sampler.set_epoch(2)  # a new epoch after iter(): a fresh number
     assert sampler.epoch == 1
+
+
+def test_a_number_below_the_resumed_epoch_is_refused():
+    """After load_state_dict, a loop that numbers the epochs from 0 again (accelerate's prepared
+    loader with no loader.set_epoch: its count restarts at 0 after load_state) would abandon the
+    untrained rest of a state saved inside epoch 1 (a whole new epoch trained in its place), or
+    number the epoch after a state saved at epoch 1's end as an earlier one: raised, nothing
+    changed. The resumed epoch's own number, and later ones, still number it."""
+    X = torch.randn(6, 2, dtype=torch.float64)
+    sampler = GraBSampler(range(6), balance_type="mean", seed=1)
+    run_epoch(sampler, X, 2)
+    order = list(sampler)
+    sampler.step(X[order[:2]])
+    inside = rewound_state(sampler.state_dict(), sampler.num_samples)  # at an optimizer step
+    resumed = GraBSampler(range(6), balance_type="mean", seed=1)
+    resumed.load_state_dict(copy.deepcopy(inside))
+    with pytest.raises(ValueError, match=r"set_epoch\(0\) after load_state_dict.*inside epoch 1"):
+        resumed.set_epoch(0)
+    resumed.set_epoch(1)
+    assert list(resumed) == order[2:]  # the untrained rest, as before the refusal
+    sampler.step(X[order[2:]])
+    ended = rewound_state(sampler.state_dict(), sampler.num_samples)
+    for number, allowed in ((1, False), (2, True)):
+        resumed = GraBSampler(range(6), balance_type="mean", seed=1)
+        resumed.load_state_dict(copy.deepcopy(ended))
+        if not allowed:
+            with pytest.raises(ValueError, match=r"end of epoch 1.*loader\.set_epoch"):
+                resumed.set_epoch(number)
+            continue
+        resumed.set_epoch(number)
+        assert list(resumed) == list(sampler) and resumed.epoch == sampler.epoch == 2

@@ -20,7 +20,10 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   would divide every loss and ``accumulate()`` would hide microbatches from the wrapper. Clip
   with the wrapper's ``clip_grad_norm=``, which clips the window's averaged gradient, not with
   ``accelerator.clip_grad_norm_`` before ``adaptive_step``: that would clip every microbatch
-  before the wrapper measures it, and a norm-threshold rule would see the clipped norms.
+  before the wrapper measures it, and a norm-threshold rule would see the clipped norms. At
+  the end of training the window still accumulating is applied by the wrapper's own
+  ``flush()`` (``optimizer.optimizer.flush()``: ``AcceleratedOptimizer`` has none); left
+  unflushed, its microbatches are never applied (a ``save_state`` holds them for a resume).
 * :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
@@ -35,8 +38,10 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
 * :func:`shard_by_sampler`: several processes. Build the ``GraBSampler`` after ``Accelerator()``
   with ``statistics="sketch"`` (it splits every epoch across the ranks, and its steps gather the
   ranks' sketches) and call ``shard_by_sampler`` on the prepared loader, so that accelerate's
-  ``BatchSamplerShard`` does not split the batches again; a GraB loader re-split by accelerate is
-  refused at its first batch.
+  ``BatchSamplerShard`` does not split the batches again (nor complete a partial last batch with
+  other examples: the sampler gives every process the same number); a GraB loader re-split by
+  accelerate is refused at its first batch, ``split_batches=True`` and ``dispatch_batches=True``
+  (several processes) by ``shard_by_sampler``.
 
 Nothing here imports accelerate; it works with any object that has ``.optimizer`` and
 ``.scaler`` the way ``AcceleratedOptimizer`` has them.
@@ -51,6 +56,7 @@ import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.resume import adopt_rank, rewound_state
+from grabkit.integrations.wiring import check_not_dispatched
 from grabkit.order import GraBBatchSampler, GraBSampler
 
 __all__ = ["SamplerCheckpoint", "adaptive_step", "grab_sampler_of", "shard_by_sampler"]
@@ -102,7 +108,10 @@ class SamplerCheckpoint:
     """A ``GraBSampler`` for ``accelerator.register_for_checkpointing``, prefetch-safe.
 
     Save right after an optimizer step (everything stepped was trained); the saved state hands
-    the examples the loader fetched ahead back to the sampler. A state saved after the prepared
+    the examples the loader fetched ahead back to the sampler. Under ``accumulate()`` that is
+    where ``accelerator.sync_gradients`` is True: a state taken after backwards the sampler has
+    not stepped yet (stepped at the window's end) is refused (their statistics are in no state,
+    and the resumed loader would yield their examples again). A state saved after the prepared
     loader's last batch of an epoch (accelerate's ``end_of_dataloader``) is marked as ended, so
     the resume starts the next epoch even when the loader dropped a partial last batch whose
     examples were never stepped (``drop_last=True``).
@@ -133,8 +142,25 @@ class SamplerCheckpoint:
         )
 
     def state_dict(self) -> dict[str, Any]:
+        self._check_all_stepped()
         state, ended = self.sampler.state_dict(), self._epoch_over()
         return rewound_state(state, self.sampler.num_samples, ended=ended)
+
+    def _check_all_stepped(self) -> None:
+        """Refuse a state taken after backwards the sampler has not stepped (hook mode stepped
+        at an accumulation window's end, saved inside the window): no state holds their
+        statistics, and the resumed loader would yield their examples again, trained twice."""
+        unstepped = self.sampler.source.unstepped()
+        if not unstepped:
+            return
+        raise ValueError(
+            f"SamplerCheckpoint: save_state after backwards over {unstepped} examples that the "
+            "GraBSampler has not stepped yet (inside an accumulation window whose sampler.step() "
+            "comes at its end): their statistics are in no state, and the resumed loader would "
+            "yield these examples again, trained twice. Call save_state where "
+            "accelerator.sync_gradients is True, after sampler.step() and the optimizer step "
+            "(accelerate's save_state holds no accumulated gradient either)."
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.sampler
@@ -187,11 +213,18 @@ def shard_by_sampler(loader: Any) -> Any:
     the second split must go: this makes the prepared loader's ``BatchSamplerShard`` pass the
     sampler's batches through (as ``transformers.Trainer`` does for its own rank-aware sampler),
     after checking that the sampler was built for these processes. ``len(loader)`` is then this
-    rank's number of batches. Returns the loader (changed in place).
+    rank's number of batches. A partial last batch passes through too: the sampler pads the
+    epoch so that every process yields the same number of examples, and accelerate's
+    ``even_batches`` would complete that batch with the epoch's first examples, which this
+    process's sampler never yielded there. Returns the loader (changed in place).
 
     Raises:
-        ValueError: the loader draws from no ``GraBSampler``, or the sampler's ``num_replicas``
-            / ``rank`` are not accelerate's ``num_processes`` / ``process_index``.
+        ValueError: the loader draws from no ``GraBSampler``; the sampler's ``num_replicas`` /
+            ``rank`` are not accelerate's ``num_processes`` / ``process_index``; accelerate's
+            ``split_batches=True`` (the loader's ``batch_size`` read as all processes' batch:
+            kept whole, each process would train that many of its share) or
+            ``dispatch_batches=True`` (process 0 alone draws from the loader) on several
+            processes.
     """
     sampler = grab_sampler_of(loader)
     if sampler is None:
@@ -199,8 +232,8 @@ def shard_by_sampler(loader: Any) -> Any:
             "shard_by_sampler: this loader draws from no GraBSampler (or GraBBatchSampler); pass "
             "the loader returned by accelerator.prepare(DataLoader(data, sampler=grab_sampler))."
         )
-    shards = _batch_sampler_shards(loader)
-    for shard in shards:
+    check_not_dispatched(loader, sampler.num_replicas)
+    for shard in _batch_sampler_shards(loader):
         processes, index = int(shard.num_processes), int(shard.process_index)
         if processes == 1:
             continue  # one process, or already passed through
@@ -211,8 +244,28 @@ def shard_by_sampler(loader: Any) -> Any:
                 f"{sampler.num_replicas}, rank={sampler.rank}; build it after Accelerator() with "
                 'statistics="sketch" and leave num_replicas and rank to the process group.'
             )
-        shard.num_processes, shard.process_index = 1, 0
+        _check_not_split(shard, processes)
+        # the sampler gives every process the same number of examples (DistributedSampler's
+        # padding); accelerate's even_batches would complete a partial last batch with the
+        # epoch's first examples, which this process's sampler never yielded there
+        shard.num_processes, shard.process_index, shard.even_batches = 1, 0, False
     return loader
+
+
+def _check_not_split(shard: Any, processes: int) -> None:
+    """Refuse accelerate's ``split_batches=True``: it reads the DataLoader's ``batch_size`` as
+    the batch of all processes together, which the sampler's split cannot keep."""
+    if not getattr(shard, "split_batches", False):
+        return
+    size = shard.batch_size
+    raise ValueError(
+        f"shard_by_sampler: accelerate's split_batches=True reads the DataLoader's "
+        f"batch_size={size} as the batch of all {processes} processes together (each training "
+        f"{size} / {processes} of it), but the GraBSampler splits the epoch itself: each "
+        f"process would train {size} examples of its own share, a global batch {processes} "
+        f"times the one asked for. Build the DataLoader (and the sampler's batch_size) with the "
+        f"batch of one process, batch_size={size // processes}, and leave split_batches off."
+    )
 
 
 def _batch_sampler_shards(loader: Any) -> list[Any]:

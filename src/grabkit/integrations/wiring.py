@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
+    "check_not_accelerate_stateful",
+    "check_not_dispatched",
     "check_not_resharded",
     "check_not_skipped",
     "check_sampler_iteration",
@@ -145,8 +147,34 @@ def check_wiring(obj: Any, kind: str) -> bool:
     return False
 
 
+def check_not_dispatched(loader: Any, num_replicas: int) -> None:
+    """Raise when ``loader`` is accelerate's ``DataLoaderDispatcher`` on several processes
+    (``dispatch_batches=True``): process 0 alone iterates it and hands every process a slice of
+    its batches, so a GraB sampler that splits the epoch across the ranks is drawn on process 0
+    only; the other ranks' shares are never trained, each rank's gradients are credited to
+    examples it did not train, and process 0 blocks in the sampler's first collective, which
+    the others never reach."""
+    if not _is(loader, "accelerate", "DataLoaderDispatcher"):
+        return
+    processes = int(getattr(_attribute(loader, "state"), "num_processes", 1))
+    if processes <= 1:
+        return
+    raise ValueError(
+        f"accelerate's dispatch_batches=True on {processes} processes: process 0 alone iterates "
+        f"this loader and slices its batches for every process, but its GraBSampler "
+        f"(num_replicas={num_replicas}) splits the epoch across the processes itself: the other "
+        "processes' shares would never be trained, GraB would credit each process's gradients "
+        "to examples it did not train, and process 0 would wait in the sampler's first "
+        "collective for processes that never reach it. Leave dispatch_batches off "
+        "(DataLoaderConfiguration(dispatch_batches=False); the default for a map-style "
+        "dataset) and call grabkit.integrations.accelerate.shard_by_sampler(loader) after "
+        "prepare(): every process then draws its own share."
+    )
+
+
 def check_not_resharded(num_replicas: int, rank: int) -> None:
-    """Raise when accelerate's ``BatchSamplerShard`` re-splits a GraB sampler's batches.
+    """Raise when accelerate's ``BatchSamplerShard`` re-splits a GraB sampler's batches, or its
+    ``DataLoaderDispatcher`` hands them out (:func:`check_not_dispatched`).
 
     A GraB sampler decides from the gradients of the examples it yields in visit order; under
     accelerate's ``prepare()`` every process draws the sampler's whole output and keeps every
@@ -155,6 +183,7 @@ def check_not_resharded(num_replicas: int, rank: int) -> None:
     a fraction of its share).
     """
     for owner in frames_self(depth=2):
+        check_not_dispatched(owner, num_replicas)
         processes = getattr(owner, "num_processes", 1)
         if not _is(owner, "accelerate", "BatchSamplerShard") or processes <= 1:
             continue
@@ -199,11 +228,41 @@ def check_not_skipped(sampler: Any) -> None:
             )
 
 
+def check_not_accelerate_stateful() -> None:
+    """Raise when accelerate's prepared loader built with
+    ``DataLoaderConfiguration(use_stateful_dataloader=True)`` iterates a GraB sampler.
+
+    ``save_state`` then saves torchdata's loader snapshot, and after ``load_state`` torchdata
+    fast-forwards the loader's batch sampler (a plain ``BatchSampler`` to it) by the batches it
+    counted: on top of a sampler that ``SamplerCheckpoint`` restored to its epoch's untrained
+    rest, that skips untrained batches (inside an epoch, refused at a later step without naming
+    the cause); without ``SamplerCheckpoint`` the sampler's ordering state is in no checkpoint
+    and the resumed run orders otherwise than the uninterrupted one (silently).
+    """
+    for owner in frames_self(depth=2):
+        loader = _is(owner, "accelerate", "DataLoaderShard") or _is(
+            owner, "accelerate", "DataLoaderDispatcher"
+        )
+        if loader and getattr(owner, "use_stateful_dataloader", False):
+            raise ValueError(
+                "accelerate's DataLoaderConfiguration(use_stateful_dataloader=True) iterates "
+                "this GraBSampler: save_state would hold torchdata's loader snapshot, and after "
+                "load_state torchdata fast-forwards the epoch by the batches it counted, on top "
+                "of the sampler's own resume (untrained batches skipped), or without "
+                "SamplerCheckpoint resumes no GraB state at all (another order than the "
+                "uninterrupted run). Leave use_stateful_dataloader off and register "
+                "grabkit.integrations.accelerate.SamplerCheckpoint(sampler) for save_state: "
+                "the plain prepared loader then resumes the epoch's untrained rest exactly."
+            )
+
+
 def check_sampler_iteration(sampler: Any) -> None:
     """What a GraB sampler checks at each ``iter()``: refused when accelerate re-splits its
-    batches or skips batches of an epoch it resumes itself; warned (once) when a framework
+    batches, restores it through a stateful loader, or skips batches of an epoch it resumes
+    itself; warned (once) when a framework
     iterates it without the GraB integration."""
     check_not_resharded(sampler.num_replicas, sampler.rank)
+    check_not_accelerate_stateful()
     check_not_skipped(sampler)
     if not getattr(sampler, "_wiring_warned", False):
         check_wiring(sampler, "sampler")

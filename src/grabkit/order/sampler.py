@@ -187,6 +187,9 @@ class GraBSampler(Sampler[int], Stateful):
         #: the most examples left handed out but unstepped after a step() of this iteration
         self._in_flight: int | None = None
         self._numbered: int | None = None  # set_epoch's next epoch since the last iter()
+        #: after load_state_dict, until the next iter(): the lowest number the resumed loop
+        #: may give the epoch it resumes (the saved one, or the next after an ended epoch)
+        self._resumed_epoch: int | None = None
 
     def _declare_state(self) -> None:
         """The live part of the state (shared by every ``state_dict()``, refreshed after each
@@ -340,7 +343,10 @@ class GraBSampler(Sampler[int], Stateful):
                 (the number of the epoch under way aside): two loops number the epochs
                 differently (accelerate's prepared loader numbers its sampler with its
                 own count, which restarts at 0 after ``load_state``), and one would silently
-                reseed the epoch with the other's number.
+                reseed the epoch with the other's number; or, after ``load_state_dict`` and
+                before the next ``iter()``, a number below the epoch the state resumes (a loop
+                numbering from 0 again: accelerate's count when the loop calls no
+                ``loader.set_epoch``).
         """
         epoch = check_non_negative_int("epoch", epoch)
         if self._numbered is not None and epoch != self._numbered:
@@ -353,9 +359,37 @@ class GraBSampler(Sampler[int], Stateful):
                 "out of an epoch); call loader.set_epoch(epoch) on the prepared loader instead "
                 "of sampler.set_epoch(epoch), so that both agree."
             )
+        self._check_resumed_number(epoch)
         self._numbered = None if epoch == self._epoch else epoch  # the epoch under way: no-op
         self._requested_epoch = epoch
         self._publish()
+
+    def _check_resumed_number(self, epoch: int) -> None:
+        """Refuse, between ``load_state_dict`` and the next ``iter()``, a number below the epoch
+        the state resumes: the saved epoch (mid-epoch) or the next one (a state whose epoch
+        ended). The uninterrupted run never numbers an epoch lower than one it trained, and such a
+        number would abandon the untrained rest of a saved epoch or seed the next epoch's random
+        parts (``prob_balance``, the padding of several ranks) as an earlier one's."""
+        lowest = self._resumed_epoch
+        if lowest is None or epoch >= lowest:
+            return
+        if lowest == self._epoch:
+            where = (
+                f"inside epoch {self._epoch} (its next iter() yields the epoch's untrained rest)"
+            )
+            effect = "abandon that rest untrained and train a whole epoch in its place"
+        else:
+            where = f"at the end of epoch {self._epoch} (its next iter() starts epoch {lowest})"
+            effect = f"start epoch {lowest} under the number of an epoch already trained"
+        raise ValueError(
+            f"GraBSampler.set_epoch({epoch}) after load_state_dict of a state saved {where}: the "
+            f"resumed run would {effect}, and seed its random parts as epoch {epoch}. "
+            f"Number the resumed epochs from {lowest}. In an accelerate loop the prepared "
+            "DataLoader numbers its sampler at each iter() with its own count, which restarts "
+            "at 0 after load_state: call loader.set_epoch(epoch) on the prepared loader before "
+            "each epoch, the loop running from step // len(loader) (accelerate's recipe). "
+            "Nothing changed."
+        )
 
     def _padded_order(self) -> torch.Tensor:
         return collective.padded_order(self._order, self.total_size, self.seed, self._epoch)
@@ -395,7 +429,7 @@ class GraBSampler(Sampler[int], Stateful):
             self._yielded = 0
         self._token += 1
         self._in_flight = None
-        self._numbered = None
+        self._numbered = self._resumed_epoch = None
         self._publish()
         return self._iterate(self._token, self._yielded, self._local_indices().tolist())
 
@@ -577,6 +611,7 @@ class GraBSampler(Sampler[int], Stateful):
         self.orders_history = [o.tolist() for o in self._history]
         self._resume = self._started and not state.get("ended", False)
         self._numbered = None
+        self._resumed_epoch = self._epoch + int(self._started and not self._resume)
         self.source.after_load()
         self._token += 1
         self._in_flight = None

@@ -104,6 +104,11 @@ class GradientSource(ABC):
         """Drop what was kept for a skipped step; return how many examples that was."""
         return 0
 
+    def unstepped(self) -> int:
+        """How many examples the backwards kept since the last ``step()`` cover (hook mode: a
+        window of microbatches stepped at its end); 0 where nothing is kept."""
+        return 0
+
     def after_load(self) -> None:
         """A sampler state was loaded: drop what this process kept from before it (the
         statistics of earlier backwards, the last one included)."""

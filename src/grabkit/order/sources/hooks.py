@@ -200,6 +200,11 @@ class HookGradients(GradientSource):
         self.pending, self._pending_inputs = [], []
         self._discarded = 0
 
+    def unstepped(self) -> int:
+        if self.subscription is not None:
+            self.capture()  # the latest backward, as the next forward would keep it
+        return sum(int(b.size) for b in self.pending)
+
     def discard(self) -> int:
         if self.subscription is not None:
             self.capture(check=False)
