@@ -1,10 +1,12 @@
 """A guard on a layer output whose rows are taken for the examples on the evidence of shape alone.
 
-A layer input of indices made inside the forward (not a view of the model's input, not a
-parameter or buffer) whose dim 0 has the batch size B is taken to hold one row per example. Where
-another of its dims has size B too, that is a guess: Hugging Face BERT's (B, T) zero token types
-made when none are given hold the examples, but T5's (T, T) relative-position buckets with
-T == B are shared by the batch and only look like it. Shapes cannot tell them apart; what the
+A layer input made inside the forward without autograd (not a view of the model's input, not a
+parameter or buffer) whose dim 0 has the batch size B is taken to hold one row per example.
+Where another of its dims, or of the model's inputs, has size B too (T == B), that is a guess:
+Hugging Face BERT's (B, T) zero token types made when none are given, or a one-hot copy of the
+(B, T) tokens, hold the examples, but T5's (T, T) relative-position buckets, a (T, T, 1) float
+relative-position feature, a (T, d) sinusoidal table or a (T, 1) float copy of given position
+ids are shared by the batch and only look like it. Shapes cannot tell them apart; what the
 model does with the layer's output can. So the engine hands the model that output as a
 ``RowsInDoubt`` view (no copy, the same values), which checks at run time that the model treats
 its dim 0 as the batch:
@@ -13,12 +15,17 @@ its dim 0 as the batch:
   the rows meet the batch in dim 0, which ends the guard (BERT's ``inputs_embeds +
   token_type_embeddings``);
 * an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
-  rows were not the examples: ``ValueError``;
+  rows were not the examples (a (T, d) table's output added to (B, T, d) hidden states):
+  ``ValueError``;
 * ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
   ``values.permute([2, 0, 1])``), or ``unsqueeze(0)``: ``ValueError``; one that keeps it, a
   unary pointwise function, ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of
   a later dim, conversions and ``detach``: the guard continues on the result;
 * anything else: the guard ends, the result plain (what the model computes never changes).
+
+The cost of the guess: with T == B, a copy of the examples made without autograd (the model's
+input scaled) whose layer output the model makes sequence-first (``transpose(0, 1)`` before a
+``batch_first=False`` layer) is refused too, as a shared table's would be.
 """
 
 from __future__ import annotations
@@ -85,11 +92,13 @@ class RowsInDoubt(torch.Tensor):
         shape = tuple(self.grabkit_input_shape)
         raise ValueError(
             f"layer {self.grabkit_layer!r} got an input of shape {shape} made inside the "
-            f"forward, whose dim 0 has the batch size and so does another of its dims, so "
-            f"PerSampleStats took its rows for the examples; but the model passes the layer's "
-            f"output to {what}, so they are not (T5's (T, T) relative-position buckets with "
-            f"T == B are shared by the batch). PerSampleStats cannot tell them apart by shape: "
-            f"use a batch size that differs from the sequence lengths."
+            f"forward without autograd, whose dim 0 has the batch size while another dim of it "
+            f"or of the model's input has it too (T == B), so PerSampleStats took its rows for "
+            f"the examples; but the model passes the layer's output to {what}, as it would a "
+            f"table shared by the batch (T5's (T, T) relative-position buckets, a (T, d) "
+            f"position table or a relative-position feature made in the forward), not rows of "
+            f"examples. PerSampleStats cannot tell them apart by shape: use a batch size that "
+            f"differs from the sequence lengths."
         )
 
 
