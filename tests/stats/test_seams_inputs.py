@@ -470,13 +470,14 @@ class FloatMadeInForward(nn.Module):
     """A Linear on a floating tensor the forward makes without autograd, shared by the batch: a
     (T, T, 1) relative-position feature, whose (T, T, H) output is permuted to (H, T, T) and
     added to the (B, H, T, T) attention scores, or a (T, d) sinusoidal table, whose output is
-    added to the (B, T, d) token vectors. With T == B its dim 0 has the batch size by chance."""
+    added to the (B, T, d) token vectors (as it is, given a batch dim by ``[None]``, or expanded
+    to (B, T, d)). With T == B its dim 0 has the batch size by chance."""
 
     def __init__(self, use: str) -> None:
         super().__init__()
         self.use = use
         self.tokens, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, 2)
-        if use == "table":
+        if use.startswith("table"):
             self.table = nn.Linear(WIDTH, WIDTH)
         else:
             self.relative, self.query = nn.Linear(1, HEADS), nn.Linear(WIDTH, HEADS * WIDTH)
@@ -484,10 +485,15 @@ class FloatMadeInForward(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         b, t = ids.shape
         h = self.tokens(ids)  # (B, T, d)
-        if self.use == "table":
+        if self.use.startswith("table"):
             frequencies = 10.0 ** -(torch.arange(WIDTH, dtype=h.dtype) / WIDTH)
             table = torch.sin(torch.arange(t, dtype=h.dtype)[:, None] * frequencies)  # (T, d)
-            return self.head(torch.tanh(h + self.table(table))).mean(dim=1)
+            positions = self.table(table)
+            if self.use == "table[None]":
+                positions = positions[None]
+            elif self.use == "table.expand":
+                positions = positions.expand(b, -1, -1)
+            return self.head(torch.tanh(h + positions)).mean(dim=1)
         offsets = torch.arange(t)[:, None] - torch.arange(t)[None, :]
         bias = self.relative(offsets.to(h.dtype).unsqueeze(-1)).permute(2, 0, 1)  # (H, T, T)
         q = self.query(h).view(b, t, HEADS, WIDTH).transpose(1, 2)  # (B, H, T, d)
@@ -495,16 +501,16 @@ class FloatMadeInForward(nn.Module):
         return self.head((scores.softmax(dim=-1) @ q).mean(dim=1)).mean(dim=1)
 
 
-@pytest.mark.parametrize("use", ["relative", "table"])
+@pytest.mark.parametrize("use", ["relative", "table", "table[None]", "table.expand"])
 def test_floats_made_in_the_forward_as_many_as_the_examples_are_refused(use):
     """A floating tensor shared by the batch, made in the forward, with T == B looks like one
     row per example; the model's use of the layer's output (a permute of its dim 0, a
-    broadcast against more dims) shows it is not: refused, naming the layer and the fix. On
-    the old code the layer's own per-example norms were silently 173% (relative feature) and
-    352% (sinusoidal table) off."""
+    broadcast against more dims, new dims put in front of it) shows it is not: refused, naming
+    the layer and the fix. On the old code the layer's own per-example norms were silently 173%
+    (relative feature), 352% (sinusoidal table) and 180% (the table given a batch dim) off."""
     torch.manual_seed(0)
     model = FloatMadeInForward(use)
-    refused = rf"'{use}'.*(moves its dim 0|more dims).*batch size that differs"
+    refused = r"'(relative|table)'.*(moves its dim 0|more dims).*batch size that differs"
     with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=refused):
         model(torch.randint(0, VOCAB, (B, B)))
 
@@ -514,6 +520,16 @@ def test_floats_made_in_the_forward_are_shared_otherwise(use, reference_tools):
     torch.manual_seed(0)
     model, ids = FloatMadeInForward(use), torch.randint(0, VOCAB, (B, B + 1))
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+@pytest.mark.parametrize("use", ["table[None]", "table.expand"])
+def test_a_table_given_a_batch_dim_after_its_layer_is_refused_otherwise_too(use):
+    """With T != B the table's output is expanded to (B, T, d) for the batch, and an index or an
+    expand of it would change what the model computes: refused by that check instead."""
+    torch.manual_seed(0)
+    model = FloatMadeInForward(use)
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'table'.*shared"):
+        model(torch.randint(0, VOCAB, (B, B + 1)))
 
 
 class FloatPositionsGiven(PositionsGiven):

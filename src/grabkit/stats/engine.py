@@ -1248,8 +1248,8 @@ class PerSampleStats(StatisticsSource):
         were taken for the examples by its shape alone (``_ModelBatch.rows_in_doubt``), so that
         the model gets the layer's output guarded (``grabkit.stats.rows_in_doubt``); else None."""
         given = args[0] if args else next(iter(kwargs.values()))
-        batch = self._batch
-        if group is None and batch is not None and batch.rows_in_doubt(given):
+        batch = self._batch_for(group)
+        if batch is not None and batch.rows_in_doubt(given):
             return given.shape
         return None
 

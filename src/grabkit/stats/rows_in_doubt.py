@@ -18,9 +18,10 @@ its dim 0 as the batch:
   rows were not the examples (a (T, d) table's output added to (B, T, d) hidden states):
   ``ValueError``;
 * ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
-  ``values.permute([2, 0, 1])``), or ``unsqueeze(0)``: ``ValueError``; one that keeps it, a
-  unary pointwise function, ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of
-  a later dim, conversions and ``detach``: the guard continues on the result;
+  ``values.permute([2, 0, 1])``), or an op that puts new dims in front of it (``unsqueeze(0)``,
+  ``x[None]``, ``view(1, ...)``, ``expand(B, ...)``, ``repeat``): ``ValueError``; one that keeps
+  it, a unary pointwise function, ``F.linear`` or a normalisation over the last dims,
+  ``unsqueeze`` of a later dim, conversions and ``detach``: the guard continues on the result;
 * anything else: the guard ends, the result plain (what the model computes never changes).
 
 The cost of the guess: with T == B, a copy of the examples made without autograd (the model's
@@ -72,16 +73,13 @@ class RowsInDoubt(torch.Tensor):
             if any(a.dim() > guarded.dim() for a in operands):
                 guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
             return out.as_subclass(torch.Tensor)
-        if name in _MOVES and args[0] is guarded:
-            if _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
-                guarded._refuse(f"{name!r}, which moves its dim 0")
-            return guarded._carried(out)
-        if args[0] is guarded and name in _CONTINUES:
-            return guarded._carried(out)
-        if name == "unsqueeze" and args[0] is guarded:
-            dim = args[1] if len(args) > 1 else kwargs["dim"]
-            if int(dim) % out.dim() == 0:
-                guarded._refuse("'unsqueeze' at dim 0, which moves its dim 0")
+        if args[0] is not guarded:
+            return out.as_subclass(torch.Tensor)
+        if name in _MOVES and _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
+            guarded._refuse(f"{name!r}, which moves its dim 0")
+        if _puts_dims_before(guarded.shape, out) and not name.startswith("new_"):
+            guarded._refuse(f"{name!r}, which moves its dim 0 behind new dims")
+        if name in _CONTINUES or name in _MOVES or name == "unsqueeze":
             return guarded._carried(out)
         return out.as_subclass(torch.Tensor)
 
@@ -100,6 +98,15 @@ class RowsInDoubt(torch.Tensor):
             f"examples. PerSampleStats cannot tell them apart by shape: use a batch size that "
             f"differs from the sequence lengths."
         )
+
+
+def _puts_dims_before(shape: torch.Size, out: torch.Tensor) -> bool:
+    """Whether ``out`` has the dims of ``shape`` behind new ones (``x[None]``, ``unsqueeze(0)``,
+    ``view(1, *shape)``, ``expand(B, *shape)``, ``repeat``, ``expand_as`` a (B, ...) tensor), as
+    a table shared by the batch is given a batch dim; ``new_zeros`` and its kind make a tensor
+    unrelated to the values."""
+    rank = len(shape)
+    return out.dim() > rank and tuple(out.shape[out.dim() - rank :]) == tuple(shape)
 
 
 def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
