@@ -495,19 +495,26 @@ class FloatMadeInForward(nn.Module):
                 positions = positions.expand(b, -1, -1)
             return self.head(torch.tanh(h + positions)).mean(dim=1)
         offsets = torch.arange(t)[:, None] - torch.arange(t)[None, :]
-        bias = self.relative(offsets.to(h.dtype).unsqueeze(-1)).permute(2, 0, 1)  # (H, T, T)
+        bias = self.relative(offsets.to(h.dtype).unsqueeze(-1))  # (T, T, H)
+        if self.use == "relative[..., :1].squeeze":
+            bias = bias[..., :1].squeeze(-1)  # (T, T): one bias for every head
+        else:
+            bias = bias.permute(2, 0, 1)  # (H, T, T)
         q = self.query(h).view(b, t, HEADS, WIDTH).transpose(1, 2)  # (B, H, T, d)
         scores = q @ q.transpose(-1, -2) + bias
         return self.head((scores.softmax(dim=-1) @ q).mean(dim=1)).mean(dim=1)
 
 
-@pytest.mark.parametrize("use", ["relative", "table", "table[None]", "table.expand"])
+@pytest.mark.parametrize(
+    "use", ["relative", "relative[..., :1].squeeze", "table", "table[None]", "table.expand"]
+)
 def test_floats_made_in_the_forward_as_many_as_the_examples_are_refused(use):
     """A floating tensor shared by the batch, made in the forward, with T == B looks like one
     row per example; the model's use of the layer's output (a permute of its dim 0, a
-    broadcast against more dims, new dims put in front of it) shows it is not: refused, naming
-    the layer and the fix. On the old code the layer's own per-example norms were silently 173%
-    (relative feature), 352% (sinusoidal table) and 180% (the table given a batch dim) off."""
+    broadcast against more dims, also after an index and a squeeze that keep dim 0, new dims
+    put in front of it) shows it is not: refused, naming the layer and the fix. On the old code
+    the layer's own per-example norms were silently 98% (relative feature), 2302% (its index
+    and squeeze) and 128% (sinusoidal table, also given a batch dim) off."""
     torch.manual_seed(0)
     model = FloatMadeInForward(use)
     refused = r"'(relative|table)'.*(moves its dim 0|more dims).*batch size that differs"
@@ -522,13 +529,14 @@ def test_floats_made_in_the_forward_are_shared_otherwise(use, reference_tools):
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
 
 
-@pytest.mark.parametrize("use", ["table[None]", "table.expand"])
-def test_a_table_given_a_batch_dim_after_its_layer_is_refused_otherwise_too(use):
-    """With T != B the table's output is expanded to (B, T, d) for the batch, and an index or an
+@pytest.mark.parametrize("use", ["relative[..., :1].squeeze", "table[None]", "table.expand"])
+def test_an_index_or_an_expand_of_a_table_s_output_is_refused_otherwise_too(use):
+    """With T != B the table's output is expanded to (B, ...) for the batch, and an index or an
     expand of it would change what the model computes: refused by that check instead."""
     torch.manual_seed(0)
     model = FloatMadeInForward(use)
-    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'table'.*shared"):
+    refused = r"'(relative|table)'.*shared by the batch"
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=refused):
         model(torch.randint(0, VOCAB, (B, B + 1)))
 
 
@@ -551,7 +559,7 @@ def test_a_float_copy_of_given_positions_is_refused_as_many_as_the_examples(
 ):
     """With T == B the (T, 1) copy looks like one row per example, and its output is added to
     the (B, T, d) tokens: refused (on the old code the Linear's own per-example norms were
-    silently 127% off, the whole gradient's 4.1%); with T != B it is shared by the batch."""
+    silently 89% off, the whole gradient's 4.2%); with T != B it is shared by the batch."""
     torch.manual_seed(0)
     model = FloatPositionsGiven()
     ids, positions = torch.randint(0, VOCAB, (B, length)), torch.arange(length)

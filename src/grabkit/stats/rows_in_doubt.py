@@ -17,12 +17,15 @@ its dim 0 as the batch:
 * an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
   rows were not the examples (a (T, d) table's output added to (B, T, d) hidden states):
   ``ValueError``;
-* ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
+* ``permute``, ``transpose``, ``swapaxes``, ``movedim`` or ``.T`` that moves dim 0 (T5's
   ``values.permute([2, 0, 1])``), or an op that puts new dims in front of it (``unsqueeze(0)``,
-  ``x[None]``, ``view(1, ...)``, ``expand(B, ...)``, ``repeat``): ``ValueError``; one that keeps
-  it, a unary pointwise function, ``F.linear`` or a normalisation over the last dims,
-  ``unsqueeze`` of a later dim, conversions and ``detach``: the guard continues on the result;
-* anything else: the guard ends, the result plain (what the model computes never changes).
+  ``x[None]``, ``view(1, ...)``, ``expand(B, ...)``, ``repeat``): ``ValueError``;
+* an op that keeps the rows in dim 0: a result of the same shape (a pointwise function, dropout,
+  a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
+  ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
+  index that keeps dim 0 whole (``x[..., 0]``): the guard continues on the result;
+* anything else (a reduction, an op that changes dim 0's size): the guard ends, the result
+  plain (what the model computes never changes).
 
 The cost of the guess: with T == B, a copy of the examples made without autograd (the model's
 input scaled) whose layer output the model makes sequence-first (``transpose(0, 1)`` before a
@@ -35,19 +38,15 @@ from typing import NoReturn
 
 import torch
 
-from grabkit.stats.shared_inputs import (
-    ELEMENTWISE_OPS,
-    ROW_WISE_OPS,
-    SAME_OPS,
-    UNARY_OPS,
-    op_name,
-)
+from grabkit.stats.shared_inputs import ELEMENTWISE_OPS, ROW_WISE_OPS, op_name
 
 __all__ = ["RowsInDoubt", "guard_rows"]
 
-#: ops after which the rows stay where they were: the guard goes on with the result
-_CONTINUES = UNARY_OPS | SAME_OPS | ROW_WISE_OPS
-_MOVES = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "t"})
+#: ops after which the rows stay in dim 0 where its size does: the guard goes on with the result
+_ROW_KEEPING = ROW_WISE_OPS | {"unsqueeze", "squeeze", "view", "reshape", "flatten", "unflatten"}
+_MOVES = frozenset(
+    {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "T", "mT", "H", "mH"}
+)
 
 
 class RowsInDoubt(torch.Tensor):
@@ -73,13 +72,13 @@ class RowsInDoubt(torch.Tensor):
             if any(a.dim() > guarded.dim() for a in operands):
                 guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
             return out.as_subclass(torch.Tensor)
-        if args[0] is not guarded:
-            return out.as_subclass(torch.Tensor)
+        if args[0] is not guarded or name.startswith("new_") or name.endswith("_like"):
+            return out.as_subclass(torch.Tensor)  # not on its values (``x.new_zeros(...)``)
         if name in _MOVES and _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
             guarded._refuse(f"{name!r}, which moves its dim 0")
-        if _puts_dims_before(guarded.shape, out) and not name.startswith("new_"):
+        if _puts_dims_before(guarded.shape, out) or _indexes_none_first(name, args):
             guarded._refuse(f"{name!r}, which moves its dim 0 behind new dims")
-        if name in _CONTINUES or name in _MOVES or name == "unsqueeze":
+        if _keeps_rows(name, guarded.shape, args, out):
             return guarded._carried(out)
         return out.as_subclass(torch.Tensor)
 
@@ -109,10 +108,37 @@ def _puts_dims_before(shape: torch.Size, out: torch.Tensor) -> bool:
     return out.dim() > rank and tuple(out.shape[out.dim() - rank :]) == tuple(shape)
 
 
+def _indexes_none_first(name: str, args: tuple) -> bool:
+    """Whether ``args`` index with a new dim in front (``x[None, ..., 0]``)."""
+    if name != "__getitem__" or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return bool(index) and index[0] is None
+
+
+def _keeps_rows(name: str, shape: torch.Size, args: tuple, out: torch.Tensor) -> bool:
+    """Whether ``out``, the result of ``name`` on a tensor of ``shape`` (its first argument),
+    holds that tensor's rows in its dim 0: a result of the same shape (a pointwise function,
+    dropout, a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
+    ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
+    index that keeps dim 0 whole (``x[..., 0]``, ``x[:, None]``)."""
+    if out.dim() == 0 or out.shape[0] != shape[0]:
+        return False
+    if out.shape == shape or name in _ROW_KEEPING or name in _MOVES:
+        return True
+    if name != "__getitem__":
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    first = index[0] if index else None
+    return first is Ellipsis or (isinstance(first, slice) and first == slice(None))
+
+
 def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
     """Whether ``name(*args)`` on a tensor of ``rank`` dims puts another dim first."""
-    if name == "t":
+    if name in ("t", "mT", "mH"):
         return rank == 2
+    if name in ("T", "H"):
+        return rank > 1
     if name == "permute":
         dims = args if args and isinstance(args[0], int) else tuple(args[0] if args else ())
         dims = dims or tuple(kwargs.get("dims", ()))
