@@ -498,6 +498,8 @@ class FloatMadeInForward(nn.Module):
         bias = self.relative(offsets.to(h.dtype).unsqueeze(-1))  # (T, T, H)
         if self.use == "relative[..., :1].squeeze":
             bias = bias[..., :1].squeeze(-1)  # (T, T): one bias for every head
+        elif self.use == "relative.sum":
+            bias = bias.sum(dim=-1)
         else:
             bias = bias.permute(2, 0, 1)  # (H, T, T)
         q = self.query(h).view(b, t, HEADS, WIDTH).transpose(1, 2)  # (B, H, T, d)
@@ -505,16 +507,18 @@ class FloatMadeInForward(nn.Module):
         return self.head((scores.softmax(dim=-1) @ q).mean(dim=1)).mean(dim=1)
 
 
-@pytest.mark.parametrize(
-    "use", ["relative", "relative[..., :1].squeeze", "table", "table[None]", "table.expand"]
-)
+RELATIVE_USES = ["relative", "relative[..., :1].squeeze", "relative.sum"]
+
+
+@pytest.mark.parametrize("use", [*RELATIVE_USES, "table", "table[None]", "table.expand"])
 def test_floats_made_in_the_forward_as_many_as_the_examples_are_refused(use):
     """A floating tensor shared by the batch, made in the forward, with T == B looks like one
     row per example; the model's use of the layer's output (a permute of its dim 0, a
-    broadcast against more dims, also after an index and a squeeze that keep dim 0, new dims
-    put in front of it) shows it is not: refused, naming the layer and the fix. On the old code
-    the layer's own per-example norms were silently 98% (relative feature), 2302% (its index
-    and squeeze) and 128% (sinusoidal table, also given a batch dim) off."""
+    broadcast against more dims, also after an index, a squeeze or a sum that keep dim 0, new
+    dims put in front of it) shows it is not: refused, naming the layer and the fix. On the old
+    code the layer's own per-example norms were silently 98% (relative feature), 2302% (its
+    index and squeeze), 94% (its sum) and 128% (sinusoidal table, also given a batch dim)
+    off."""
     torch.manual_seed(0)
     model = FloatMadeInForward(use)
     refused = r"'(relative|table)'.*(moves its dim 0|more dims).*batch size that differs"
@@ -529,10 +533,12 @@ def test_floats_made_in_the_forward_are_shared_otherwise(use, reference_tools):
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
 
 
-@pytest.mark.parametrize("use", ["relative[..., :1].squeeze", "table[None]", "table.expand"])
+@pytest.mark.parametrize(
+    "use", ["relative[..., :1].squeeze", "relative.sum", "table[None]", "table.expand"]
+)
 def test_an_index_or_an_expand_of_a_table_s_output_is_refused_otherwise_too(use):
-    """With T != B the table's output is expanded to (B, ...) for the batch, and an index or an
-    expand of it would change what the model computes: refused by that check instead."""
+    """With T != B the table's output is expanded to (B, ...) for the batch, and an index, a sum
+    or an expand of it would change what the model computes: refused by that check instead."""
     torch.manual_seed(0)
     model = FloatMadeInForward(use)
     refused = r"'(relative|table)'.*shared by the batch"
@@ -574,8 +580,11 @@ class FloatsOfTheExamples(nn.Module):
     """Floating tensors made in the forward without autograd that do hold one row per example,
     with the batch size in another dim of the model's input (T == B, H == W == B): the tokens
     one-hot (B, T, V) into a Linear whose output is added to the token vectors, an image
-    normalised in the forward into a Conv2d, a ReLU and a Linear head, or (B, T, d) vectors
-    scaled in the forward into a MultiheadAttention (whose output is the first of two)."""
+    normalised in the forward into a Conv2d, a ReLU and a Linear head, (B, T, d) vectors
+    scaled in the forward into a MultiheadAttention (whose output is the first of two) or
+    through a Linear and a LayerNorm into a TransformerEncoderLayer (which transposes its input
+    inside), or an image normalised into 1x1 patches plus position embeddings shared by the
+    batch (expanded for it) and a TransformerEncoderLayer."""
 
     def __init__(self, use: str) -> None:
         super().__init__()
@@ -585,6 +594,12 @@ class FloatsOfTheExamples(nn.Module):
             self.conv, self.pixels = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3 * B * B, WIDTH)
         elif use == "attention":
             self.attn = nn.MultiheadAttention(WIDTH, 1, batch_first=True)
+        elif use == "encoder":
+            self.inputs, self.norm = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+            self.encoder = nn.TransformerEncoderLayer(WIDTH, 1, 8, dropout=0.0, batch_first=True)
+        elif use == "patches":
+            self.conv, self.positions = nn.Conv2d(2, WIDTH, 1), nn.Embedding(B * B, WIDTH)
+            self.encoder = nn.TransformerEncoderLayer(WIDTH, 1, 8, dropout=0.0, batch_first=True)
         else:
             self.tokens, self.one_hot = nn.Embedding(VOCAB, WIDTH), nn.Linear(VOCAB, WIDTH)
 
@@ -596,18 +611,25 @@ class FloatsOfTheExamples(nn.Module):
             h = x * 0.5
             out, _ = self.attn(h, h, h)
             return self.head(torch.tanh(out)).mean(dim=1)
+        if self.use == "encoder":
+            return self.head(self.encoder(self.norm(self.inputs(x * 0.5))).mean(dim=1))
+        if self.use == "patches":
+            patches = self.conv((x - 0.5) / 2).flatten(2).transpose(1, 2)  # (B, H * W, d)
+            h = patches + self.positions(torch.arange(patches.shape[1]))
+            return self.head(self.encoder(h).mean(dim=1))
         one_hot = F.one_hot(x, VOCAB).to(self.head.weight.dtype)  # (B, T, V), made here
         h = self.tokens(x) + self.one_hot(one_hot)
         return self.head(torch.tanh(h)).mean(dim=1)
 
 
-@pytest.mark.parametrize("use", ["one_hot", "image", "attention"])
+@pytest.mark.parametrize("use", ["one_hot", "image", "attention", "encoder", "patches"])
 def test_floats_made_in_the_forward_from_the_examples_are_exact(use, reference_tools):
     """What the model does with their layers' outputs treats dim 0 as the batch, so the
     run-time check lets them through at T == B."""
     torch.manual_seed(0)
     model = FloatsOfTheExamples(use)
-    shapes = {"image": (B, 2, B, B), "attention": (B, B, WIDTH)}
+    shapes = {"image": (B, 2, B, B), "patches": (B, 2, B, B)}
+    shapes |= {"attention": (B, B, WIDTH), "encoder": (B, B, WIDTH)}
     x = torch.randn(shapes[use]) if use in shapes else torch.randint(0, VOCAB, (B, B))
     assert_exact(model, lambda rows: model(x[rows]).square().sum(), reference_tools)
 

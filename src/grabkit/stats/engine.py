@@ -95,7 +95,7 @@ from grabkit.stats.parametrized import (
     refuse_weight_hooks,
 )
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
-from grabkit.stats.rows_in_doubt import guard_rows
+from grabkit.stats.rows_in_doubt import RowsInDoubt, guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.source import StatisticsSource
@@ -779,6 +779,9 @@ class PerSampleStats(StatisticsSource):
         self._model_handles: list[Any] = []
         self._handles: list[Any] = []
         self._enter_handles: list[Any] = []
+        #: id of a replayed layer running on an output whose rows are in doubt -> (the layer
+        #: in doubt, its input's shape), for its own output (``_on_replayed_layer_enter``)
+        self._doubt_carried: dict[int, tuple[str, torch.Size] | None] = {}
         self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._layers: list[_TrackedLayer] = []
@@ -907,6 +910,10 @@ class PerSampleStats(StatisticsSource):
             # user's replaces it (its change is then part of the model, after the layer)
             handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
             self._handles.append(handle)
+            if layer.rule.whole_call or layer.rule.multiple_outputs:
+                enter = _WeakHook(me, "_on_replayed_layer_enter")
+                handle = layer.module.register_forward_pre_hook(enter, with_kwargs=True)
+                self._handles.append(handle)
             if self._watching_forwards:
                 handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
                 self._handles.append(handle)
@@ -1172,6 +1179,25 @@ class PerSampleStats(StatisticsSource):
         if not self._inert and self._watching and self._watch is not None:
             self._watch.running.append(id(module))
 
+    def _on_replayed_layer_enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A layer whose rule takes its whole call (attention, recurrent, the torch.func
+        fallback) called on an output whose rows are in doubt (``grabkit.stats.rows_in_doubt``):
+        its forward runs on the plain tensors, since what it does inside (``MultiheadAttention``
+        transposes its batch-first input) is the layer's, whose rule knows where its batch dim
+        is; ``_record_call`` guards its output in turn (a recurrent layer's is left plain)."""
+        guarded = [a for a in (*args, *kwargs.values()) if isinstance(a, RowsInDoubt)]
+        first = guarded[0] if guarded else None
+        carried = None if first is None else (first.grabkit_layer, first.grabkit_input_shape)
+        self._doubt_carried[id(module)] = carried
+        if first is None:
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = {id(a): a.as_subclass(torch.Tensor) for a in guarded}
+        args = tuple(plain.get(id(a), a) for a in args)
+        return args, {k: plain.get(id(v), v) for k, v in kwargs.items()}
+
     def _on_layer_exit(self, layer: _TrackedLayer) -> None:
         if self._watching and self._watch is not None:
             running = self._watch.running
@@ -1236,9 +1262,12 @@ class PerSampleStats(StatisticsSource):
         if expanded is not None:
             return expand_for_batch(output, expanded, layer.name)
         in_doubt = self._input_in_doubt(args, kwargs, group)
-        if in_doubt is None:
+        carried = self._doubt_carried.pop(id(module), None) if layer.rule.whole_call else None
+        if in_doubt is not None:
+            carried = (layer.name, in_doubt)
+        if carried is None:
             return replaced
-        guarded = guard_rows(output, layer.name, in_doubt)
+        guarded = guard_rows(output, *carried)
         return guarded if outputs is output else (guarded, *outputs[1:])
 
     def _input_in_doubt(

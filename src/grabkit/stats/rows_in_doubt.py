@@ -23,9 +23,17 @@ its dim 0 as the batch:
 * an op that keeps the rows in dim 0: a result of the same shape (a pointwise function, dropout,
   a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
   ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
-  index that keeps dim 0 whole (``x[..., 0]``): the guard continues on the result;
-* anything else (a reduction, an op that changes dim 0's size): the guard ends, the result
-  plain (what the model computes never changes).
+  index that keeps dim 0 whole (``x[..., 0]``), a sum, mean or other reduction over later dims:
+  the guard continues on the result;
+* anything else (a reduction over dim 0 or all dims, an op that changes dim 0's size, a
+  ``torch.cat`` or ``einsum`` with it among others): the guard ends, the result plain (what the
+  model computes never changes).
+
+A tracked layer whose rule takes its whole call (``MultiheadAttention``, a recurrent layer, the
+torch.func fallback) runs on the plain tensor, since what it does inside is the layer's (its
+rule knows its batch dim), and its output is guarded in turn (a recurrent layer's is left
+plain). An op that meets an expanded shared output (``grabkit.stats.shared_inputs``) is left to
+that one's checks, once a broadcast of the guarded rows against more dims is refused.
 
 The cost of the guess: with T == B, a copy of the examples made without autograd (the model's
 input scaled) whose layer output the model makes sequence-first (``transpose(0, 1)`` before a
@@ -34,16 +42,17 @@ input scaled) whose layer output the model makes sequence-first (``transpose(0, 
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from grabkit.stats.shared_inputs import ELEMENTWISE_OPS, ROW_WISE_OPS, op_name
+from grabkit.stats.shared_inputs import ELEMENTWISE_OPS, ROW_WISE_OPS, BatchExpanded, op_name
 
 __all__ = ["RowsInDoubt", "guard_rows"]
 
 #: ops after which the rows stay in dim 0 where its size does: the guard goes on with the result
 _ROW_KEEPING = ROW_WISE_OPS | {"unsqueeze", "squeeze", "view", "reshape", "flatten", "unflatten"}
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "logsumexp", "norm"})
 _MOVES = frozenset(
     {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "T", "mT", "H", "mH"}
 )
@@ -62,6 +71,8 @@ class RowsInDoubt(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
+        if BatchExpanded in types:
+            return _beside_expanded(name, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         guarded = next((a for a in args if isinstance(a, RowsInDoubt)), None)
@@ -78,7 +89,7 @@ class RowsInDoubt(torch.Tensor):
             guarded._refuse(f"{name!r}, which moves its dim 0")
         if _puts_dims_before(guarded.shape, out) or _indexes_none_first(name, args):
             guarded._refuse(f"{name!r}, which moves its dim 0 behind new dims")
-        if _keeps_rows(name, guarded.shape, args, out):
+        if _keeps_rows(name, guarded.shape, args, kwargs, out):
             return guarded._carried(out)
         return out.as_subclass(torch.Tensor)
 
@@ -99,6 +110,19 @@ class RowsInDoubt(torch.Tensor):
         )
 
 
+def _beside_expanded(name: str, args: tuple, kwargs: dict) -> Any:
+    """An op on a guarded output and an expanded shared one (``BatchExpanded``): refused where
+    it broadcasts the guarded rows against more dims, else left to the expanded one's checks
+    (``NotImplemented``), which decide what the model computes."""
+    operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    guarded = next(a for a in operands if isinstance(a, RowsInDoubt))
+    with torch._C.DisableTorchFunctionSubclass():
+        wider = any(a.dim() > guarded.dim() for a in operands)
+    if name in ELEMENTWISE_OPS and wider:
+        guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
+    return NotImplemented
+
+
 def _puts_dims_before(shape: torch.Size, out: torch.Tensor) -> bool:
     """Whether ``out`` has the dims of ``shape`` behind new ones (``x[None]``, ``unsqueeze(0)``,
     ``view(1, *shape)``, ``expand(B, *shape)``, ``repeat``, ``expand_as`` a (B, ...) tensor), as
@@ -116,21 +140,33 @@ def _indexes_none_first(name: str, args: tuple) -> bool:
     return bool(index) and index[0] is None
 
 
-def _keeps_rows(name: str, shape: torch.Size, args: tuple, out: torch.Tensor) -> bool:
+def _keeps_rows(name: str, shape: torch.Size, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
     """Whether ``out``, the result of ``name`` on a tensor of ``shape`` (its first argument),
     holds that tensor's rows in its dim 0: a result of the same shape (a pointwise function,
     dropout, a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
     ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
-    index that keeps dim 0 whole (``x[..., 0]``, ``x[:, None]``)."""
+    index that keeps dim 0 whole (``x[..., 0]``, ``x[:, None]``), a reduction over later dims."""
     if out.dim() == 0 or out.shape[0] != shape[0]:
         return False
     if out.shape == shape or name in _ROW_KEEPING or name in _MOVES:
         return True
+    if name in _REDUCTIONS:
+        return _reduces_later_dims(len(shape), args, kwargs)
     if name != "__getitem__":
         return False
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
     first = index[0] if index else None
     return first is Ellipsis or (isinstance(first, slice) and first == slice(None))
+
+
+def _reduces_later_dims(rank: int, args: tuple, kwargs: dict) -> bool:
+    """Whether a reduction called with ``args`` and ``kwargs`` names its dims and dim 0 is not
+    among them (``bias.sum(-1)``)."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None:
+        return False
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return bool(dims) and all(int(d) % rank != 0 for d in dims)
 
 
 def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
