@@ -461,3 +461,239 @@ def test_relative_positions_made_in_the_forward_are_shared_otherwise(use, refere
     torch.manual_seed(0)
     model, ids = MadeInForward(use), torch.randint(0, VOCAB, (B, B + 1))
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+HEADS = 2
+
+
+class FloatMadeInForward(nn.Module):
+    """A Linear on a floating tensor the forward makes without autograd, shared by the batch: a
+    (T, T, 1) relative-position feature, whose (T, T, H) output is permuted to (H, T, T) and
+    added to the (B, H, T, T) attention scores, or a (T, d) sinusoidal table, whose output is
+    added to the (B, T, d) token vectors (as it is, given a batch dim by ``[None]``, or expanded
+    to (B, T, d)). With T == B its dim 0 has the batch size by chance."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.tokens, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, 2)
+        if use.startswith("table"):
+            self.table = nn.Linear(WIDTH, WIDTH)
+        else:
+            self.relative, self.query = nn.Linear(1, HEADS), nn.Linear(WIDTH, HEADS * WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.tokens(ids)  # (B, T, d)
+        if self.use.startswith("table"):
+            frequencies = 10.0 ** -(torch.arange(WIDTH, dtype=h.dtype) / WIDTH)
+            table = torch.sin(torch.arange(t, dtype=h.dtype)[:, None] * frequencies)  # (T, d)
+            positions = self.table(table)
+            if self.use == "table[None]":
+                positions = positions[None]
+            elif self.use == "table.expand":
+                positions = positions.expand(b, -1, -1)
+            return self.head(torch.tanh(h + positions)).mean(dim=1)
+        offsets = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+        bias = self.relative(offsets.to(h.dtype).unsqueeze(-1))  # (T, T, H)
+        if self.use == "relative[..., :1].squeeze":
+            bias = bias[..., :1].squeeze(-1)  # (T, T): one bias for every head
+        elif self.use == "relative.sum":
+            bias = bias.sum(dim=-1)
+        else:
+            bias = bias.permute(2, 0, 1)  # (H, T, T)
+        q = self.query(h).view(b, t, HEADS, WIDTH).transpose(1, 2)  # (B, H, T, d)
+        scores = q @ q.transpose(-1, -2) + bias
+        return self.head((scores.softmax(dim=-1) @ q).mean(dim=1)).mean(dim=1)
+
+
+RELATIVE_USES = ["relative", "relative[..., :1].squeeze", "relative.sum"]
+
+
+@pytest.mark.parametrize("use", [*RELATIVE_USES, "table", "table[None]", "table.expand"])
+def test_floats_made_in_the_forward_as_many_as_the_examples_are_refused(use):
+    """A floating tensor shared by the batch, made in the forward, with T == B looks like one
+    row per example; the model's use of the layer's output (a permute of its dim 0, a
+    broadcast against more dims, also after an index, a squeeze or a sum that keep dim 0, new
+    dims put in front of it) shows it is not: refused, naming the layer and the fix. On the old
+    code the layer's own per-example norms were silently 98% (relative feature), 2302% (its
+    index and squeeze), 94% (its sum) and 128% (sinusoidal table, also given a batch dim)
+    off."""
+    torch.manual_seed(0)
+    model = FloatMadeInForward(use)
+    refused = r"'(relative|table)'.*(moves its dim 0|more dims).*batch size that differs"
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=refused):
+        model(torch.randint(0, VOCAB, (B, B)))
+
+
+@pytest.mark.parametrize("use", ["relative", "table"])
+def test_floats_made_in_the_forward_are_shared_otherwise(use, reference_tools):
+    torch.manual_seed(0)
+    model, ids = FloatMadeInForward(use), torch.randint(0, VOCAB, (B, B + 1))
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+@pytest.mark.parametrize(
+    "use", ["relative[..., :1].squeeze", "relative.sum", "table[None]", "table.expand"]
+)
+def test_an_index_or_an_expand_of_a_table_s_output_is_refused_otherwise_too(use):
+    """With T != B the table's output is expanded to (B, ...) for the batch, and an index, a sum
+    or an expand of it would change what the model computes: refused by that check instead."""
+    torch.manual_seed(0)
+    model = FloatMadeInForward(use)
+    refused = r"'(relative|table)'.*shared by the batch"
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=refused):
+        model(torch.randint(0, VOCAB, (B, B + 1)))
+
+
+class FloatPositionsGiven(PositionsGiven):
+    """(T,) position ids given beside the tokens, fed to a Linear as a (T, 1) float copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions = nn.Linear(1, WIDTH)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        positions = position_ids.to(self.head.weight.dtype)[:, None]  # (T, 1), made here
+        h = self.tokens(input_ids) + self.positions(positions)
+        return self.head(torch.tanh(h)).mean(dim=1)
+
+
+@pytest.mark.parametrize("length", [B, B + 1])
+def test_a_float_copy_of_given_positions_is_refused_as_many_as_the_examples(
+    length, reference_tools
+):
+    """With T == B the (T, 1) copy looks like one row per example, and its output is added to
+    the (B, T, d) tokens: refused (on the old code the Linear's own per-example norms were
+    silently 89% off, the whole gradient's 4.2%); with T != B it is shared by the batch."""
+    torch.manual_seed(0)
+    model = FloatPositionsGiven()
+    ids, positions = torch.randint(0, VOCAB, (B, length)), torch.arange(length)
+    if length == B:
+        with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'positions'.*T == B"):
+            model(ids, positions)
+        return
+    assert_exact(model, lambda rows: model(ids[rows], positions).square().sum(), reference_tools)
+
+
+class FloatsOfTheExamples(nn.Module):
+    """Floating tensors made in the forward without autograd that do hold one row per example,
+    with the batch size in another dim of the model's input (T == B, H == W == B): the tokens
+    one-hot (B, T, V) into a Linear whose output is added to the token vectors, an image
+    normalised in the forward into a Conv2d, a ReLU and a Linear head, (B, T, d) vectors
+    scaled in the forward into a MultiheadAttention (whose output is the first of two) or
+    through a Linear and a LayerNorm into a TransformerEncoderLayer (which transposes its input
+    inside), or an image normalised into 1x1 patches plus position embeddings shared by the
+    batch (expanded for it) and a TransformerEncoderLayer."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.head = nn.Linear(WIDTH, 2)
+        if use == "image":
+            self.conv, self.pixels = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3 * B * B, WIDTH)
+        elif use == "attention":
+            self.attn = nn.MultiheadAttention(WIDTH, 1, batch_first=True)
+        elif use == "encoder":
+            self.inputs, self.norm = nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)
+            self.encoder = nn.TransformerEncoderLayer(WIDTH, 1, 8, dropout=0.0, batch_first=True)
+        elif use == "patches":
+            self.conv, self.positions = nn.Conv2d(2, WIDTH, 1), nn.Embedding(B * B, WIDTH)
+            self.encoder = nn.TransformerEncoderLayer(WIDTH, 1, 8, dropout=0.0, batch_first=True)
+        else:
+            self.tokens, self.one_hot = nn.Embedding(VOCAB, WIDTH), nn.Linear(VOCAB, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use == "image":
+            features = torch.relu(self.conv((x - 0.5) / 2)).flatten(1)
+            return self.head(torch.tanh(self.pixels(features)))
+        if self.use == "attention":
+            h = x * 0.5
+            out, _ = self.attn(h, h, h)
+            return self.head(torch.tanh(out)).mean(dim=1)
+        if self.use == "encoder":
+            return self.head(self.encoder(self.norm(self.inputs(x * 0.5))).mean(dim=1))
+        if self.use == "patches":
+            patches = self.conv((x - 0.5) / 2).flatten(2).transpose(1, 2)  # (B, H * W, d)
+            h = patches + self.positions(torch.arange(patches.shape[1]))
+            return self.head(self.encoder(h).mean(dim=1))
+        one_hot = F.one_hot(x, VOCAB).to(self.head.weight.dtype)  # (B, T, V), made here
+        h = self.tokens(x) + self.one_hot(one_hot)
+        return self.head(torch.tanh(h)).mean(dim=1)
+
+
+@pytest.mark.parametrize("use", ["one_hot", "image", "attention", "encoder", "patches"])
+def test_floats_made_in_the_forward_from_the_examples_are_exact(use, reference_tools):
+    """What the model does with their layers' outputs treats dim 0 as the batch, so the
+    run-time check lets them through at T == B."""
+    torch.manual_seed(0)
+    model = FloatsOfTheExamples(use)
+    shapes = {"image": (B, 2, B, B), "patches": (B, 2, B, B)}
+    shapes |= {"attention": (B, B, WIDTH), "encoder": (B, B, WIDTH)}
+    x = torch.randn(shapes[use]) if use in shapes else torch.randint(0, VOCAB, (B, B))
+    assert_exact(model, lambda rows: model(x[rows]).square().sum(), reference_tools)
+
+
+class SequenceFirstAfterALinear(nn.Module):
+    """The model's (B, T, f) features scaled in the forward (a copy made without autograd), a
+    Linear, then its output made sequence-first for a GRU with ``batch_first=False``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs, self.gru = nn.Linear(3, WIDTH), nn.GRU(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inputs(x * 0.5).transpose(0, 1)  # (T, B, d)
+        return self.head(self.gru(h)[0][-1])
+
+
+@pytest.mark.parametrize("length", [B, B + 1])
+def test_a_copy_of_the_examples_made_sequence_first_after_its_layer(length, reference_tools):
+    """With T == B, a copy of the examples made without autograd cannot be told by its shape
+    from a table of T rows shared by the batch, and moving its layer's output's dim 0 away is
+    what a shared table's use would do: refused, naming the fix (another batch size), though
+    the rows were the examples; with T != B exact."""
+    torch.manual_seed(0)
+    model, x = SequenceFirstAfterALinear(), torch.randn(B, length, 3)
+    if length == B:
+        with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'inputs'.*T == B"):
+            model(x)
+        return
+    assert_exact(model, lambda rows: model(x[rows]).square().sum(), reference_tools)
+
+
+class CheckpointedSequenceFirst(nn.Module):
+    """Token vectors through a reentrant checkpoint of a Linear whose output is made
+    sequence-first for a GRU: the recomputed call's input is a leaf that requires grad, made
+    by the checkpoint without autograd history."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.mix = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.gru, self.head = nn.GRU(WIDTH, WIDTH), nn.Linear(WIDTH, 2)
+        self.checkpointed = True
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mix(h).transpose(0, 1)  # (T, B, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids)
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        else:
+            h = self.block(h)
+        return self.head(self.gru(h)[0][-1])
+
+
+def test_a_reentrant_checkpoint_s_recomputed_input_is_not_in_doubt(reference_tools):
+    """With T == B, the recomputed input (a leaf that requires grad) is autograd's, not a
+    tensor made without it: the sequence-first output after it stays exact."""
+    torch.manual_seed(0)
+    model, ids = CheckpointedSequenceFirst(), torch.randint(0, VOCAB, (B, B))
+    model.checkpointed = False  # torch.autograd.grad cannot run a reentrant checkpoint
+    expected = rows_of_examples(model, lambda i: model(ids[i : i + 1]).square().sum())
+    model.checkpointed = True
+    with PerSampleStats(model, "sum") as stats:
+        model(ids).square().sum().backward()
+        reference_tools.assert_matches(stats, expected)

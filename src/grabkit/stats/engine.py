@@ -95,7 +95,7 @@ from grabkit.stats.parametrized import (
     refuse_weight_hooks,
 )
 from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
-from grabkit.stats.rows_in_doubt import guard_rows
+from grabkit.stats.rows_in_doubt import RowsInDoubt, guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
 from grabkit.stats.source import StatisticsSource
@@ -357,18 +357,21 @@ class _ModelBatch:
         return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
 
     def rows_in_doubt(self, x: Any) -> bool:
-        """Whether the layer input ``x``, taken to hold the examples, was taken so by its shape
-        alone: indices (token types, position buckets) made in the forward (not a view of the
-        model's input, a parameter or a buffer), their dim 0 and another dim of the batch size
-        (``grabkit.stats.rows_in_doubt`` checks what the model does with the output). Floating
-        inputs made without autograd (a replayed layer's output) are left to the batch-dim
-        checks."""
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.is_floating_point():
+        """Whether the layer input ``x`` (as the model passed it, not detached), taken to hold
+        the examples, was taken so by its shape alone: a tensor made in the forward without
+        autograd (not a view of the model's input, a parameter, a buffer, or a leaf that
+        requires grad such as a reentrant checkpoint's recomputed input) whose dim 0 has the
+        batch size while another dim of it, or of one of the model's inputs, has it too (T ==
+        B). Indices (BERT's token types, T5's position buckets) and floating tensors (a float
+        relative-position feature, a sinusoidal table, a float copy of given positions) alike:
+        ``grabkit.stats.rows_in_doubt`` checks what the model does with the layer's output."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.is_complex():
             return False
         b = self.size
-        if x.is_complex() or b < 2 or x.shape[0] != b or b not in x.shape[1:] or not x.stride(0):
+        if b < 2 or x.shape[0] != b or not x.stride(0) or x.requires_grad:
             return False
-        return self._is_shared(x) and not self._is_model_state(x)
+        by_chance = b in x.shape[1:] or self._holder is not None
+        return by_chance and self._is_shared(x) and not self._is_model_state(x)
 
     def _is_model_state(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd that is (a view of) one of the model's parameters or
@@ -776,6 +779,9 @@ class PerSampleStats(StatisticsSource):
         self._model_handles: list[Any] = []
         self._handles: list[Any] = []
         self._enter_handles: list[Any] = []
+        #: id of a replayed layer running on an output whose rows are in doubt -> (the layer
+        #: in doubt, its input's shape), for its own output (``_on_replayed_layer_enter``)
+        self._doubt_carried: dict[int, tuple[str, torch.Size] | None] = {}
         self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._layers: list[_TrackedLayer] = []
@@ -904,6 +910,10 @@ class PerSampleStats(StatisticsSource):
             # user's replaces it (its change is then part of the model, after the layer)
             handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
             self._handles.append(handle)
+            if layer.rule.whole_call or layer.rule.multiple_outputs:
+                enter = _WeakHook(me, "_on_replayed_layer_enter")
+                handle = layer.module.register_forward_pre_hook(enter, with_kwargs=True)
+                self._handles.append(handle)
             if self._watching_forwards:
                 handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
                 self._handles.append(handle)
@@ -1169,6 +1179,25 @@ class PerSampleStats(StatisticsSource):
         if not self._inert and self._watching and self._watch is not None:
             self._watch.running.append(id(module))
 
+    def _on_replayed_layer_enter(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A layer whose rule takes its whole call (attention, recurrent, the torch.func
+        fallback) called on an output whose rows are in doubt (``grabkit.stats.rows_in_doubt``):
+        its forward runs on the plain tensors, since what it does inside (``MultiheadAttention``
+        transposes its batch-first input) is the layer's, whose rule knows where its batch dim
+        is; ``_record_call`` guards its output in turn (a recurrent layer's is left plain)."""
+        guarded = [a for a in (*args, *kwargs.values()) if isinstance(a, RowsInDoubt)]
+        first = guarded[0] if guarded else None
+        carried = None if first is None else (first.grabkit_layer, first.grabkit_input_shape)
+        self._doubt_carried[id(module)] = carried
+        if first is None:
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            plain = {id(a): a.as_subclass(torch.Tensor) for a in guarded}
+        args = tuple(plain.get(id(a), a) for a in args)
+        return args, {k: plain.get(id(v), v) for k, v in kwargs.items()}
+
     def _on_layer_exit(self, layer: _TrackedLayer) -> None:
         if self._watching and self._watch is not None:
             running = self._watch.running
@@ -1210,6 +1239,7 @@ class PerSampleStats(StatisticsSource):
         replaced = layer.rule.replace_output(module, output) if layer.rule.whole_call else None
         if replaced is not None:  # the same values, laid out batch-first
             output = replaced
+        outputs = output
         if layer.rule.whole_call and isinstance(output, tuple) and output:
             self._watch_unread_outputs(layer.name, output[1:])
             output = output[0]  # e.g. MultiheadAttention's (out, weights)
@@ -1231,11 +1261,26 @@ class PerSampleStats(StatisticsSource):
         self._hook_output(call, hooked, layer.name)
         if expanded is not None:
             return expand_for_batch(output, expanded, layer.name)
-        batch = self._batch
-        in_doubt = group is None and batch is not None and batch.rows_in_doubt(layer_input)
-        if in_doubt and replaced is None:
-            return guard_rows(output, layer.name, layer_input.shape)
-        return replaced
+        in_doubt = self._input_in_doubt(args, kwargs, group)
+        carried = self._doubt_carried.pop(id(module), None) if layer.rule.whole_call else None
+        if in_doubt is not None:
+            carried = (layer.name, in_doubt)
+        if carried is None:
+            return replaced
+        guarded = guard_rows(output, *carried)
+        return guarded if outputs is output else (guarded, *outputs[1:])
+
+    def _input_in_doubt(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], group: GroupRows | None
+    ) -> torch.Size | None:
+        """The shape of a call's first input (as the model passed it, not detached) whose rows
+        were taken for the examples by its shape alone (``_ModelBatch.rows_in_doubt``), so that
+        the model gets the layer's output guarded (``grabkit.stats.rows_in_doubt``); else None."""
+        given = args[0] if args else next(iter(kwargs.values()))
+        batch = self._batch_for(group)
+        if batch is not None and batch.rows_in_doubt(given):
+            return given.shape
+        return None
 
     def _watch_unread_outputs(self, name: str, outputs: tuple[Any, ...]) -> None:
         """Outputs after the first of a whole-call rule's layer (MultiheadAttention's attention

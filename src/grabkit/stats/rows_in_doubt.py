@@ -1,10 +1,12 @@
 """A guard on a layer output whose rows are taken for the examples on the evidence of shape alone.
 
-A layer input of indices made inside the forward (not a view of the model's input, not a
-parameter or buffer) whose dim 0 has the batch size B is taken to hold one row per example. Where
-another of its dims has size B too, that is a guess: Hugging Face BERT's (B, T) zero token types
-made when none are given hold the examples, but T5's (T, T) relative-position buckets with
-T == B are shared by the batch and only look like it. Shapes cannot tell them apart; what the
+A layer input made inside the forward without autograd (not a view of the model's input, not a
+parameter or buffer) whose dim 0 has the batch size B is taken to hold one row per example.
+Where another of its dims, or of the model's inputs, has size B too (T == B), that is a guess:
+Hugging Face BERT's (B, T) zero token types made when none are given, or a one-hot copy of the
+(B, T) tokens, hold the examples, but T5's (T, T) relative-position buckets, a (T, T, 1) float
+relative-position feature, a (T, d) sinusoidal table or a (T, 1) float copy of given position
+ids are shared by the batch and only look like it. Shapes cannot tell them apart; what the
 model does with the layer's output can. So the engine hands the model that output as a
 ``RowsInDoubt`` view (no copy, the same values), which checks at run time that the model treats
 its dim 0 as the batch:
@@ -13,33 +15,47 @@ its dim 0 as the batch:
   the rows meet the batch in dim 0, which ends the guard (BERT's ``inputs_embeds +
   token_type_embeddings``);
 * an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
-  rows were not the examples: ``ValueError``;
-* ``permute``, ``transpose``, ``swapaxes`` or ``movedim`` that moves dim 0 (T5's
-  ``values.permute([2, 0, 1])``), or ``unsqueeze(0)``: ``ValueError``; one that keeps it, a
-  unary pointwise function, ``F.linear`` or a normalisation over the last dims, ``unsqueeze`` of
-  a later dim, conversions and ``detach``: the guard continues on the result;
-* anything else: the guard ends, the result plain (what the model computes never changes).
+  rows were not the examples (a (T, d) table's output added to (B, T, d) hidden states):
+  ``ValueError``;
+* ``permute``, ``transpose``, ``swapaxes``, ``movedim`` or ``.T`` that moves dim 0 (T5's
+  ``values.permute([2, 0, 1])``), or an op that puts new dims in front of it (``unsqueeze(0)``,
+  ``x[None]``, ``view(1, ...)``, ``expand(B, ...)``, ``repeat``): ``ValueError``;
+* an op that keeps the rows in dim 0: a result of the same shape (a pointwise function, dropout,
+  a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
+  ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
+  index that keeps dim 0 whole (``x[..., 0]``), a sum, mean or other reduction over later dims:
+  the guard continues on the result;
+* anything else (a reduction over dim 0 or all dims, an op that changes dim 0's size, a
+  ``torch.cat`` or ``einsum`` with it among others): the guard ends, the result plain (what the
+  model computes never changes).
+
+A tracked layer whose rule takes its whole call (``MultiheadAttention``, a recurrent layer, the
+torch.func fallback) runs on the plain tensor, since what it does inside is the layer's (its
+rule knows its batch dim), and its output is guarded in turn (a recurrent layer's is left
+plain). An op that meets an expanded shared output (``grabkit.stats.shared_inputs``) is left to
+that one's checks, once a broadcast of the guarded rows against more dims is refused.
+
+The cost of the guess: with T == B, a copy of the examples made without autograd (the model's
+input scaled) whose layer output the model makes sequence-first (``transpose(0, 1)`` before a
+``batch_first=False`` layer) is refused too, as a shared table's would be.
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from grabkit.stats.shared_inputs import (
-    ELEMENTWISE_OPS,
-    ROW_WISE_OPS,
-    SAME_OPS,
-    UNARY_OPS,
-    op_name,
-)
+from grabkit.stats.shared_inputs import ELEMENTWISE_OPS, ROW_WISE_OPS, BatchExpanded, op_name
 
 __all__ = ["RowsInDoubt", "guard_rows"]
 
-#: ops after which the rows stay where they were: the guard goes on with the result
-_CONTINUES = UNARY_OPS | SAME_OPS | ROW_WISE_OPS
-_MOVES = frozenset({"permute", "transpose", "swapaxes", "swapdims", "movedim", "t"})
+#: ops after which the rows stay in dim 0 where its size does: the guard goes on with the result
+_ROW_KEEPING = ROW_WISE_OPS | {"unsqueeze", "squeeze", "view", "reshape", "flatten", "unflatten"}
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "logsumexp", "norm"})
+_MOVES = frozenset(
+    {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "T", "mT", "H", "mH"}
+)
 
 
 class RowsInDoubt(torch.Tensor):
@@ -55,6 +71,8 @@ class RowsInDoubt(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
+        if BatchExpanded in types:
+            return _beside_expanded(name, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         guarded = next((a for a in args if isinstance(a, RowsInDoubt)), None)
@@ -65,16 +83,13 @@ class RowsInDoubt(torch.Tensor):
             if any(a.dim() > guarded.dim() for a in operands):
                 guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
             return out.as_subclass(torch.Tensor)
-        if name in _MOVES and args[0] is guarded:
-            if _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
-                guarded._refuse(f"{name!r}, which moves its dim 0")
-            return guarded._carried(out)
-        if args[0] is guarded and name in _CONTINUES:
-            return guarded._carried(out)
-        if name == "unsqueeze" and args[0] is guarded:
-            dim = args[1] if len(args) > 1 else kwargs["dim"]
-            if int(dim) % out.dim() == 0:
-                guarded._refuse("'unsqueeze' at dim 0, which moves its dim 0")
+        if args[0] is not guarded or name.startswith("new_") or name.endswith("_like"):
+            return out.as_subclass(torch.Tensor)  # not on its values (``x.new_zeros(...)``)
+        if name in _MOVES and _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
+            guarded._refuse(f"{name!r}, which moves its dim 0")
+        if _puts_dims_before(guarded.shape, out) or _indexes_none_first(name, args):
+            guarded._refuse(f"{name!r}, which moves its dim 0 behind new dims")
+        if _keeps_rows(name, guarded.shape, args, kwargs, out):
             return guarded._carried(out)
         return out.as_subclass(torch.Tensor)
 
@@ -85,18 +100,81 @@ class RowsInDoubt(torch.Tensor):
         shape = tuple(self.grabkit_input_shape)
         raise ValueError(
             f"layer {self.grabkit_layer!r} got an input of shape {shape} made inside the "
-            f"forward, whose dim 0 has the batch size and so does another of its dims, so "
-            f"PerSampleStats took its rows for the examples; but the model passes the layer's "
-            f"output to {what}, so they are not (T5's (T, T) relative-position buckets with "
-            f"T == B are shared by the batch). PerSampleStats cannot tell them apart by shape: "
-            f"use a batch size that differs from the sequence lengths."
+            f"forward without autograd, whose dim 0 has the batch size while another dim of it "
+            f"or of the model's input has it too (T == B), so PerSampleStats took its rows for "
+            f"the examples; but the model passes the layer's output to {what}, as it would a "
+            f"table shared by the batch (T5's (T, T) relative-position buckets, a (T, d) "
+            f"position table or a relative-position feature made in the forward), not rows of "
+            f"examples. PerSampleStats cannot tell them apart by shape: use a batch size that "
+            f"differs from the sequence lengths."
         )
+
+
+def _beside_expanded(name: str, args: tuple, kwargs: dict) -> Any:
+    """An op on a guarded output and an expanded shared one (``BatchExpanded``): refused where
+    it broadcasts the guarded rows against more dims, else left to the expanded one's checks
+    (``NotImplemented``), which decide what the model computes."""
+    operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    guarded = next(a for a in operands if isinstance(a, RowsInDoubt))
+    with torch._C.DisableTorchFunctionSubclass():
+        wider = any(a.dim() > guarded.dim() for a in operands)
+    if name in ELEMENTWISE_OPS and wider:
+        guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
+    return NotImplemented
+
+
+def _puts_dims_before(shape: torch.Size, out: torch.Tensor) -> bool:
+    """Whether ``out`` has the dims of ``shape`` behind new ones (``x[None]``, ``unsqueeze(0)``,
+    ``view(1, *shape)``, ``expand(B, *shape)``, ``repeat``, ``expand_as`` a (B, ...) tensor), as
+    a table shared by the batch is given a batch dim; ``new_zeros`` and its kind make a tensor
+    unrelated to the values."""
+    rank = len(shape)
+    return out.dim() > rank and tuple(out.shape[out.dim() - rank :]) == tuple(shape)
+
+
+def _indexes_none_first(name: str, args: tuple) -> bool:
+    """Whether ``args`` index with a new dim in front (``x[None, ..., 0]``)."""
+    if name != "__getitem__" or len(args) < 2:
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    return bool(index) and index[0] is None
+
+
+def _keeps_rows(name: str, shape: torch.Size, args: tuple, kwargs: dict, out: torch.Tensor) -> bool:
+    """Whether ``out``, the result of ``name`` on a tensor of ``shape`` (its first argument),
+    holds that tensor's rows in its dim 0: a result of the same shape (a pointwise function,
+    dropout, a softmax, a normalisation, a conversion), ``F.linear``, a transpose of later dims,
+    ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
+    index that keeps dim 0 whole (``x[..., 0]``, ``x[:, None]``), a reduction over later dims."""
+    if out.dim() == 0 or out.shape[0] != shape[0]:
+        return False
+    if out.shape == shape or name in _ROW_KEEPING or name in _MOVES:
+        return True
+    if name in _REDUCTIONS:
+        return _reduces_later_dims(len(shape), args, kwargs)
+    if name != "__getitem__":
+        return False
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    first = index[0] if index else None
+    return first is Ellipsis or (isinstance(first, slice) and first == slice(None))
+
+
+def _reduces_later_dims(rank: int, args: tuple, kwargs: dict) -> bool:
+    """Whether a reduction called with ``args`` and ``kwargs`` names its dims and dim 0 is not
+    among them (``bias.sum(-1)``)."""
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None:
+        return False
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return bool(dims) and all(int(d) % rank != 0 for d in dims)
 
 
 def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
     """Whether ``name(*args)`` on a tensor of ``rank`` dims puts another dim first."""
-    if name == "t":
+    if name in ("t", "mT", "mH"):
         return rank == 2
+    if name in ("T", "H"):
+        return rank > 1
     if name == "permute":
         dims = args if args and isinstance(args[0], int) else tuple(args[0] if args else ())
         dims = dims or tuple(kwargs.get("dims", ()))
