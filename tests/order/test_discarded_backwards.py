@@ -59,11 +59,16 @@ def test_the_gan_loop_with_the_discriminator_frozen_for_the_generator_step_runs(
     gan(freeze=True)
 
 
-def test_an_fgsm_backward_before_the_adversarial_one_is_refused():
+def classifier() -> tuple[torch.Tensor, torch.Tensor, nn.Module, torch.optim.Optimizer]:
+    """Data (x, y), a small classifier and its SGD optimizer."""
     torch.manual_seed(0)
     x, y = torch.randn(N, 5), torch.randint(0, 2, (N,))
     model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return x, y, model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def test_an_fgsm_backward_before_the_adversarial_one_is_refused():
+    x, y, model, opt = classifier()
     sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=B)
     order = list(sampler)
     idx = order[:B]
@@ -79,10 +84,7 @@ def test_an_fgsm_backward_before_the_adversarial_one_is_refused():
 
 def test_a_backward_an_optimizer_step_used_stays_a_micro_batch_of_the_next_step():
     """A loop that forgot one ``step()``: both batches balanced at the next, in order."""
-    torch.manual_seed(0)
-    x, y = torch.randn(N, 5), torch.randint(0, 2, (N,))
-    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y, model, opt = classifier()
     sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=B)
     order = list(sampler)
     for start in (0, B):

@@ -89,23 +89,35 @@ def test_a_batch_left_out_without_skip_is_refused(workers, hook):
     and forgets ``skip()``: silently wrong on the old code (every later batch's gradients went
     to the examples yielded one batch before them, to the epoch's end). The examples handed out
     but not stepped grow by a batch, which no loader does between two steps."""
-    x, y = torch.randn(32, 3, dtype=torch.float64), torch.randint(0, 2, (32,))
-    data = TensorDataset(x, y, torch.arange(32))
+    model, sampler, loader = _pair_loop(32, hook, workers)
+    with pytest.raises(ValueError, match=r"left out.*skip\(\)"):
+        _train_leaving_out(loader, sampler, model, hook, left_out=2)
+    sampler.close()
+
+
+def _pair_loop(n: int, hook: bool, workers: int):
+    """A model, a pair-balancing sampler over n examples (hook mode or not) and its loader of
+    batches of 4 yielding (x, y, index)."""
+    x, y = torch.randn(n, 3, dtype=torch.float64), torch.randint(0, 2, (n,))
+    data = TensorDataset(x, y, torch.arange(n))
     model = _model()
     kwargs = {"model": model} if hook else {}
     sampler = GraBSampler(data, balance_type="pair", batch_size=4, **kwargs)
     loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
-    with pytest.raises(ValueError, match=r"left out.*skip\(\)"):
-        for k, (xb, yb, _) in enumerate(loader):
-            if k == 2:
-                continue  # no backward, no skip()
-            loss = F.cross_entropy(model(xb), yb)
-            if hook:
-                loss.backward()
-                sampler.step()
-            else:
-                sampler.step(_per_example(model, xb, yb))
-    sampler.close()
+    return model, sampler, loader
+
+
+def _train_leaving_out(loader, sampler, model, hook: bool, left_out: int) -> None:
+    """One epoch of ``loader``, batch ``left_out`` left out (no backward, no ``skip()``)."""
+    for k, (xb, yb, _) in enumerate(loader):
+        if k == left_out:
+            continue
+        loss = F.cross_entropy(model(xb), yb)
+        if hook:
+            loss.backward()
+            sampler.step()
+        else:
+            sampler.step(_per_example(model, xb, yb))
 
 
 @pytest.mark.parametrize("hook", [False, True])
@@ -115,21 +127,8 @@ def test_the_first_batch_left_out_without_skip_is_named_at_the_epochs_end(worker
     ahead, so every later step's gradients went to the examples one batch before them, and the
     epoch ended stepped in part without a word. The epoch's end names it: a whole batch of the
     examples handed out was never stepped."""
-    x, y = torch.randn(16, 3, dtype=torch.float64), torch.randint(0, 2, (16,))
-    data = TensorDataset(x, y, torch.arange(16))
-    model = _model()
-    kwargs = {"model": model} if hook else {}
-    sampler = GraBSampler(data, balance_type="pair", batch_size=4, **kwargs)
-    loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
-    for k, (xb, yb, _) in enumerate(loader):
-        if k == 0:
-            continue  # no backward, no skip()
-        loss = F.cross_entropy(model(xb), yb)
-        if hook:
-            loss.backward()
-            sampler.step()
-        else:
-            sampler.step(_per_example(model, xb, yb))
+    model, sampler, loader = _pair_loop(16, hook, workers)
+    _train_leaving_out(loader, sampler, model, hook, left_out=0)
     with pytest.warns(UserWarning, match=r"4 of the 16 examples.*never stepped.*skip\(\)"):
         iter(sampler)
     sampler.close()
