@@ -43,24 +43,6 @@ def test_example_norms_of_every_backward_equal_per_example_autograd():
     assert not model[0]._forward_hooks
 
 
-def test_example_norms_leave_out_a_backward_whose_gradients_were_reset_unused():
-    """An FGSM ``loss.backward()`` taken for the input gradient, its gradients zeroed before the
-    adversarial batch's backward: it trained nothing, so its norms are not logged."""
-    model, x, y = _model_and_data()
-    norms = ExampleGradientNorms(model)
-    attacked = x[:4].clone().requires_grad_(True)
-    nn.functional.cross_entropy(model(attacked), y[:4]).backward()
-    adversarial = (attacked + 0.1 * attacked.grad.sign()).detach()
-    model.zero_grad()
-    nn.functional.cross_entropy(model(adversarial), y[:4]).backward()
-    got = norms.take()
-    assert got.shape == (4,)
-    torch.testing.assert_close(
-        got, _reference(model, adversarial, y, range(4)), rtol=1e-5, atol=1e-6
-    )
-    norms.close()
-
-
 def test_example_norms_from_a_sketching_sampler_estimate_the_norms():
     model, x, y = _model_and_data()
     sampler = GraBSampler(range(8), model=model, statistics="sketch", sketch_dim=4096, batch_size=4)

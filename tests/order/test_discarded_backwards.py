@@ -95,3 +95,22 @@ def test_a_backward_an_optimizer_step_used_stays_a_micro_batch_of_the_next_step(
     sampler.step()
     assert sampler.state_dict()["live"]["stepped"] == 2 * B
     sampler.close()
+
+
+def test_a_step_after_a_fused_optimizer_step_and_zero_grad_is_balanced():
+    """A fused optimizer updates the parameters without a version bump, so its step cannot be
+    told from none; a loop that steps the sampler after ``zero_grad`` still balances every
+    batch, since only a backward followed by another before ``step()`` is asked."""
+    x, y, model, _ = classifier()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=B)
+    for _ in range(2):
+        order = list(sampler)
+        for start in range(0, N, B):
+            idx = order[start : start + B]
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+            opt.zero_grad()
+            sampler.step()
+        assert sampler.state_dict()["live"]["stepped"] == N
+    sampler.close()

@@ -87,11 +87,9 @@ class ExampleGradientNorms:
 
     def capture(self) -> None:
         """Keep the norms of the backward that just ran (once; the next forward calls it).
-        A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased). A backward whose gradients were
-        reset before any optimizer step used them (an FGSM ``loss.backward()`` for the input
-        gradient) trained nothing and is left out."""
+        A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased)."""
         batch = self.subscription.take()
-        if batch is None or self.stats.gradients_discarded:
+        if batch is None:
             return
         squares = batch.norms_squared()
         norms = squares.detach().clamp(min=0).sqrt().cpu()

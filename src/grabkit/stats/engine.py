@@ -98,7 +98,7 @@ from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rows_in_doubt import RowsInDoubt, guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
-from grabkit.stats.source import StatisticsSource
+from grabkit.stats.source import BackwardMark, StatisticsSource
 from grabkit.stats.step import StepStatistics
 from grabkit.stats.structure import registrations
 from grabkit.taps import GradientTaps
@@ -1087,9 +1087,9 @@ class PerSampleStats(StatisticsSource):
         self._closed_a_backward = getattr(self, "_backward_seen", False)
         self._backward_seen = False  # a backward accumulated into .grad: statistics to read
         self._gradient_seen = False  # any hook received a gradient: the next forward is new
-        #: the first parameter a backward of this step reached and its version then (() for
-        #: a sharded one): ``gradients_discarded`` reads whether its ``.grad`` was reset since
-        self._first_reached: tuple[torch.Tensor, int] | tuple[()] | None = None
+        #: ``backward_mark``: the first parameter a backward of this step reached, its version
+        #: and whether its ``.grad`` was empty then (() for a sharded one)
+        self._first_reached: BackwardMark | tuple[()] | None = None
         self._backwards = Backwards()
         self._batch_terms: list[BatchTerm] = []
         #: (call, node, output number, output shape) of each hooked output of this step, for
@@ -1654,7 +1654,9 @@ class PerSampleStats(StatisticsSource):
         self.generation += 1
         if self._first_reached is None:
             param = self._param_by_name.get(name)
-            self._first_reached = () if param is None else (param, param._version)
+            self._first_reached = (
+                () if param is None else (id(param), param._version, param.grad is None)
+            )
         identity = self._identity
         if identity is not None and identity.active:
             identity.observe(name, grad)
@@ -1732,15 +1734,11 @@ class PerSampleStats(StatisticsSource):
         return bool(self._param_grads)
 
     @property
-    def gradients_discarded(self) -> bool:
-        """Whether the gradients this step's backwards added into ``.grad`` were reset since
-        (``zero_grad(set_to_none=True)``: the first parameter they reached has no ``.grad``)
-        with no optimizer step (that parameter unchanged): they trained nothing."""
-        reached = self._first_reached
-        if not reached:
-            return False
-        param, version = reached
-        return param.grad is None and param._version == version
+    def backward_mark(self) -> BackwardMark | None:
+        """The first trainable parameter this step's backwards reached (by id), its version
+        counter then, and whether its ``.grad`` was empty then (``grabkit.stats.source.
+        reset_unused``); None before any backward, or for a sharded parameter."""
+        return self._first_reached or None
 
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached), checked

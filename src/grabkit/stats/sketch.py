@@ -75,7 +75,7 @@ from grabkit.stats.gradient_batch import DenseGradientBatch
 from grabkit.stats.identity import CheckedReads
 from grabkit.stats.names import canonical_parameter_names
 from grabkit.stats.rows import ItemLayout, RowsFactor
-from grabkit.stats.source import StatisticsSource
+from grabkit.stats.source import BackwardMark, StatisticsSource
 from grabkit.stats.transfer import to_device
 
 __all__ = [
@@ -690,8 +690,8 @@ class SketchedStats(StatisticsSource):
         return self.engine.parameter_gradients_seen
 
     @property
-    def gradients_discarded(self) -> bool:
-        return self.engine.gradients_discarded
+    def backward_mark(self) -> BackwardMark | None:
+        return self.engine.backward_mark
 
     def batch_term(self, term: torch.Tensor) -> torch.Tensor:
         """Declare a loss term that is not a sum over examples (``PerSampleStats.batch_term``):

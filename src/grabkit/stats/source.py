@@ -25,7 +25,25 @@ import torch
 
 from grabkit.stats.gradient_batch import GradientBatch
 
-__all__ = ["StatisticsSource", "Subscription"]
+__all__ = ["BackwardMark", "StatisticsSource", "Subscription", "reset_unused"]
+
+
+#: (id of the first trainable parameter a step's backwards reached, that parameter's version
+#: counter then, whether its ``.grad`` was empty then)
+BackwardMark = tuple[int, int, bool]
+
+
+def reset_unused(earlier: BackwardMark | None, later: BackwardMark | None) -> bool:
+    """Whether the gradients of the backward marked ``earlier`` were reset before the backward
+    marked ``later`` with no optimizer step between: ``later`` found the same parameter's
+    ``.grad`` empty (``zero_grad``) and the parameter unchanged. Such a backward trained
+    nothing (a GAN generator's step through the model, an FGSM ``loss.backward()`` taken for
+    the input gradient before the adversarial one), so it is no micro-batch of an update.
+    (An optimizer that updates in place without a version bump, a fused one, looks unused
+    too: only a backward followed by another before its statistics were taken is asked.)"""
+    if earlier is None or later is None or not later[2]:
+        return False
+    return earlier[0] == later[0] and earlier[1] == later[1]
 
 
 class StatisticsSource(ABC):
@@ -55,13 +73,11 @@ class StatisticsSource(ABC):
         return True
 
     @property
-    def gradients_discarded(self) -> bool:
-        """Whether the gradients this step's backwards added into ``.grad`` were reset since
-        (``zero_grad``) before any optimizer step used them: such backwards trained nothing (a
-        GAN generator's step through the model, an FGSM ``loss.backward()`` taken for the
-        input gradient) and are no micro-batch of an update. Sources that cannot tell say
-        False."""
-        return False
+    def backward_mark(self) -> BackwardMark | None:
+        """What tells this step's backwards from those of a step whose gradients were reset
+        unused (``reset_unused``): the first trainable parameter they reached, its version
+        counter then, and whether its ``.grad`` was empty then. None where unknown."""
+        return None
 
     @property
     def step_inputs(self) -> tuple[torch.Tensor, ...]:

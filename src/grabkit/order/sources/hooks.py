@@ -33,7 +33,7 @@ from grabkit.order.transforms import Chain, Project
 from grabkit.stats.engine import PerSampleStats, unwrap_data_parallel
 from grabkit.stats.gradient_batch import GradientBatch, as_gradient_batch
 from grabkit.stats.names import parameter_layout
-from grabkit.stats.source import StatisticsSource, Subscription
+from grabkit.stats.source import BackwardMark, StatisticsSource, Subscription, reset_unused
 
 __all__ = ["HOOK_SAMPLER_NOT_PICKLABLE", "ExactHooks", "HookGradients"]
 
@@ -107,7 +107,9 @@ class HookGradients(GradientSource):
         #: the tensors themselves (kept alive, so no later tensor takes over their memory)
         self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
-        #: backwards since the last step whose gradients were reset before any optimizer step
+        #: each pending piece's ``backward_mark``, and how many pieces a later backward found
+        #: reset unused (``grabkit.stats.source.reset_unused``: refused at ``step()``)
+        self._marks: list[BackwardMark | None] = []
         self._discarded = 0
         #: the exact statistics' trainable parameters the ordering state sums (set at bind)
         self._shapes: Mapping[str, torch.Size] | None = None
@@ -134,15 +136,15 @@ class HookGradients(GradientSource):
         batch = self.subscription.take(settle=False)
         if batch is None:
             return
-        if self._stats.gradients_discarded:  # trained nothing: refused at step()
-            self._discarded += 1
-            return
+        mark = self._stats.backward_mark
+        self._discarded += sum(reset_unused(kept, mark) for kept in self._marks)
         inputs = tuple(self._stats.step_inputs)
         where = _input_key(inputs)
         if check and where and any(where == kept for kept, _ in self._pending_inputs):
             raise ValueError(_SAME_INPUT.format(shape=tuple(inputs[0].shape)))
         self.pending.append(batch)
         self._pending_inputs.append((where, inputs))
+        self._marks.append(mark)
 
     def config(self) -> dict[str, Any]:
         """``dim``, and for exact statistics (a ``PerSampleStats``) their ``layout``: the
@@ -197,7 +199,7 @@ class HookGradients(GradientSource):
         return list(self.pending)
 
     def clear(self) -> None:
-        self.pending, self._pending_inputs = [], []
+        self.pending, self._pending_inputs, self._marks = [], [], []
         self._discarded = 0
 
     def unstepped(self) -> int:
