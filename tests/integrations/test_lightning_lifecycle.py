@@ -362,3 +362,45 @@ def test_adaptive_accumulation_refuses_a_scheduled_accumulation(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
         trainer.fit(Adaptive(), DataLoader(data(), batch_size=B))
+
+
+class Evaluated(Classifier):
+    """The classifier with test and predict steps."""
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+def evaluation_trainer(root, callback, **options):
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=[callback], **options,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", ["sanity", "validation", "validate", "test", "predict"])
+@pytest.mark.parametrize("held", [False, True])  # GraBCallback(sampler), or the module's
+def test_an_evaluation_loader_drawing_from_the_grab_sampler_is_refused(tmp_path, stage, held):
+    """An evaluation loop over the train loader's GraBSampler calls its ``iter()``: inside a
+    training epoch (``val_check_interval``) that new pass ends the training epoch's pass, whose
+    untrained rest was silently left out (3 epochs of 12 batches trained 12 batches); between
+    fits it begins an epoch of the sampler that trains nothing. Refused, naming the loop."""
+    module, dataset = Evaluated(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0)
+    if held:
+        module.sampler = sampler
+    callback = GraBCallback() if held else GraBCallback(sampler)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    options = {"num_sanity_val_steps": 2 if stage == "sanity" else 0}
+    if stage == "validation":
+        options["val_check_interval"] = 4
+    trainer = evaluation_trainer(tmp_path, callback, **options)
+    with pytest.raises(ValueError, match=r"GraBCallback: the \w+ DataLoader .*GraBSampler"):
+        if stage in ("sanity", "validation"):
+            trainer.fit(module, loader, DataLoader(dataset, sampler=sampler, batch_size=B))
+        else:
+            getattr(trainer, stage)(module, loader)

@@ -128,6 +128,13 @@ def _held_samplers(*owners: Any) -> list[GraBSampler]:
     return found
 
 
+def _drawn_samplers(loader: Any) -> list[Any]:
+    """The samplers a DataLoader draws its indices from: its ``sampler`` and its batch
+    sampler's ``sampler`` (None where it has none)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return [getattr(loader, "sampler", None), getattr(batches, "sampler", None)]
+
+
 def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0) -> str | None:
     """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
     if isinstance(loader, (Mapping, list, tuple)):  # several loaders: a CombinedLoader
@@ -139,8 +146,7 @@ def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0)
             "loader that draws from the GraBSampler."
         )
     drawn = getattr(loader, "sampler", None)
-    candidates = [drawn, getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-    if any(s is sampler for s in candidates):
+    if any(s is sampler for s in _drawn_samplers(loader)):
         return None
     inner = getattr(getattr(drawn, "dataset", None), "_sampler", None)  # Lightning's wrapper
     if isinstance(drawn, DistributedSampler) and inner is sampler:
@@ -188,6 +194,36 @@ def _lightning_epoch_over(trainer: Any) -> bool:
     return total != float("inf") and trained >= total
 
 
+def _loaders_of(loaders: Any) -> list[Any]:
+    """The DataLoaders of a Trainer's loader attribute: one, a list / tuple, a mapping, or None."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def _evaluation_error(stage: str, loaders: Any, samplers: list[GraBSampler]) -> str | None:
+    """Why an evaluation loop (``stage``: validation, test, predict) must not run over
+    ``loaders``, or None: one of them draws from a GraB sampler that trains.
+
+    Its ``iter()`` would begin a new pass of the sampler: inside a training epoch (a
+    ``val_check_interval`` validation) that pass ends the epoch's own, and the epoch's untrained
+    rest is never trained; between epochs or fits it begins an epoch of the sampler that trains
+    nothing and yields GraB's training order, not the dataset's, to the evaluation.
+    """
+    for loader in _loaders_of(loaders):
+        if any(s is sampler for s in _drawn_samplers(loader) for sampler in samplers):
+            return (
+                f"GraBCallback: the {stage} DataLoader draws from the GraBSampler of training; "
+                f"each {stage} pass would call its iter(), which ends the training epoch's pass "
+                "under way (the rest of that epoch would never be trained) or begins an epoch "
+                "of the sampler that trains nothing. Evaluate over a DataLoader of its own: "
+                "DataLoader(dataset, batch_size=...), without the GraBSampler."
+            )
+    return None
+
+
 class GraBCallback(Callback):
     """Step a hook-mode ``GraBSampler`` after every backward; its state in the checkpoint.
 
@@ -204,7 +240,9 @@ class GraBCallback(Callback):
     Raised at fit start (on every rank): a sampler whose ``num_replicas`` / ``rank`` are not the
     Trainer's (exact hook statistics cannot be gathered, so an exact-mode sampler is a
     one-process sampler), no sampler or several, and at train start a loader that does not draw
-    from it (Lightning's ``DistributedSamplerWrapper`` included).
+    from it (Lightning's ``DistributedSamplerWrapper`` included); at the start of a validation
+    (sanity check included), test or predict loop, a loader of it that draws from the sampler
+    (its ``iter()`` would end the training epoch's pass, or begin an epoch that trains nothing).
 
     Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
     stepped), at an optimizer step; a state saved after an epoch's last step is marked as ended
@@ -315,6 +353,24 @@ class GraBCallback(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._open = 0
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("validation", trainer.val_dataloaders, trainer)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("test", trainer.test_dataloaders, trainer)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("predict", trainer.predict_dataloaders, trainer)
+
+    def _refuse_evaluation_over_the_sampler(self, stage: str, loaders: Any, trainer: Any) -> None:
+        """Raise if an evaluation loader draws from the sampler this callback steps (or, before
+        a fit found it, from one the LightningModule or DataModule holds)."""
+        samplers = [self.sampler] if self.sampler is not None else []
+        samplers = samplers or _held_samplers(trainer.lightning_module, trainer.datamodule)
+        message = _evaluation_error(stage, loaders, samplers)
+        if message is not None:
+            raise ValueError(message)
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
