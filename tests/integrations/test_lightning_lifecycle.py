@@ -404,3 +404,45 @@ def test_an_evaluation_loader_drawing_from_the_grab_sampler_is_refused(tmp_path,
             trainer.fit(module, loader, DataLoader(dataset, sampler=sampler, batch_size=B))
         else:
             getattr(trainer, stage)(module, loader)
+
+
+def steps_fit(root, max_steps: int, ckpt_path=None, every: int | None = None):
+    """GraB for ``max_steps`` updates (6 an epoch); ``ModelCheckpoint`` every ``every`` steps, or
+    (None) at the end of each epoch, which includes the end of the fit that ``max_steps`` ends."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    cadence = {"every_n_train_steps": every} if every else {}
+    saver = L.callbacks.ModelCheckpoint(
+        dirpath=str(root), filename="{step}", save_top_k=-1, **cadence
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root),
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def test_a_max_steps_fit_continued_from_a_step_checkpoint_is_the_uninterrupted_run(tmp_path):
+    """``max_steps=4`` ends the fit inside epoch 0; its checkpoint at step 4, saved after the
+    batch (``every_n_train_steps``), continued with ``max_steps=18``: the 18-step run."""
+    full, full_sampler = steps_fit(tmp_path / "full", 18)
+    first, _ = steps_fit(tmp_path / "first", 4, every=2)
+    resumed, sampler = steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")
+    assert first.rows + resumed.rows == full.rows
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def test_a_max_steps_fit_continued_from_its_epoch_end_checkpoint_is_refused(tmp_path):
+    """The checkpoint that ``ModelCheckpoint`` saves at the end of a fit that ``max_steps`` ended
+    inside an epoch counts that epoch as processed: continued with a larger ``max_steps``,
+    Lightning trains the epoch's rest but numbers it (``set_epoch``) one above, and the sampler
+    abandoned the rest and balanced those batches as a new epoch (rows 16 on differed from the
+    uninterrupted run's). Refused, naming the checkpoint's epoch and the fix."""
+    steps_fit(tmp_path / "first", 4)
+    with pytest.raises(ValueError, match=r"ended inside epoch 0 \(max_steps reached"):
+        steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")

@@ -224,6 +224,38 @@ def _evaluation_error(stage: str, loaders: Any, samplers: list[GraBSampler]) -> 
     return None
 
 
+def _renumbered_rest_error(trainer: Any, state: dict[str, Any]) -> str | None:
+    """Why Lightning cannot continue the epoch that ``state`` (a loaded, unfinished sampler
+    state) was saved inside, or None.
+
+    A checkpoint saved at the end of a fit that ``max_steps`` (or ``should_stop``) ended inside
+    an epoch counts that epoch as processed but not completed. Continued with ``max_steps``
+    (iteration-based training), Lightning trains the epoch's rest but calls ``set_epoch`` with
+    the processed count, one above the epoch's number, there and at every later epoch; the
+    sampler then abandons the saved epoch's rest (a loop numbering the next epoch), and
+    balances the batches Lightning trains as the epoch's rest as an epoch of their own.
+    """
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress.current
+    if state.get("ended") or not state.get("started") or not loop.restarting:
+        return None
+    if progress.processed <= progress.completed or _lightning_epoch_over(trainer):
+        return None
+    trained = loop.epoch_loop.batch_progress.current.ready
+    return (
+        f"GraBCallback: this run continues, with max_steps, from a checkpoint saved at the end "
+        f"of a fit that ended inside epoch {progress.completed} (max_steps reached, or "
+        f"trainer.should_stop, after {trained} of its {trainer.num_training_batches} "
+        "batches): Lightning trains the "
+        f"epoch's rest but numbers it, and every later epoch, one above the uninterrupted run "
+        f"(set_epoch({progress.processed})), and the GraBSampler would abandon the epoch's "
+        "rest and balance those batches as a new epoch. Continue from a checkpoint saved "
+        "after the batch (ModelCheckpoint(every_n_train_steps=...) at that step, which resumes "
+        "exactly), or with max_steps=-1 and max_epochs (Lightning then starts the next epoch, "
+        "and so does the sampler)."
+    )
+
+
 class GraBCallback(Callback):
     """Step a hook-mode ``GraBSampler`` after every backward; its state in the checkpoint.
 
@@ -253,7 +285,9 @@ class GraBCallback(Callback):
     saved at the end of an epoch that Lightning ended early (``should_stop`` from
     ``EarlyStopping`` or ``Timer(max_time)``, ``-1`` from ``on_train_batch_start``): Lightning
     resumes it with the next epoch whole, and so does the sampler (decided at train start from
-    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch).
+    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch: from
+    the checkpoint saved at the end of such a fit Lightning numbers the epoch's rest one above
+    its number, and the callback raises at train start).
     A checkpoint saved inside an accumulation window (``ModelCheckpoint`` at a validation
     whose ``val_check_interval`` is not a multiple of ``accumulate_grad_batches``, or
     ``trainer.save_checkpoint`` from a batch hook) holds no accumulated gradient: Lightning
@@ -309,6 +343,8 @@ class GraBCallback(Callback):
         loader = trainer.train_dataloader
         message = _loader_error(loader, self.sampler, trainer.overfit_batches)
         loaded, self._loaded = self._loaded, None
+        if message is None and loaded is not None:
+            message = _renumbered_rest_error(trainer, loaded)
         if message is None and loaded is not None and not trainer.fit_loop.restarting:
             self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
         elif message is None and loaded is not None and self._open:
