@@ -163,6 +163,14 @@ def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0)
             "of batches in a fixed order, which GraB does not choose); overfit without "
             "GraBCallback, or train with GraB without overfit_batches."
         )
+    if any(isinstance(s, (GraBSampler, GraBBatchSampler)) for s in _drawn_samplers(loader)):
+        return (
+            "GraBCallback: the train DataLoader draws from another GraBSampler than the one "
+            "this callback steps (a train_dataloader() that builds a new one, called again at "
+            "each reload_dataloaders_every_n_epochs?); the callback would credit gradients to "
+            "the other sampler's examples. Build the sampler once (in setup()) and return a "
+            "DataLoader over it from train_dataloader()."
+        )
     return (
         "GraBCallback: the train DataLoader does not draw from this callback's GraBSampler (it "
         f"uses {type(drawn).__name__}); pass the same sampler to DataLoader(sampler=...) and to "
@@ -272,7 +280,8 @@ class GraBCallback(Callback):
     Raised at fit start (on every rank): a sampler whose ``num_replicas`` / ``rank`` are not the
     Trainer's (exact hook statistics cannot be gathered, so an exact-mode sampler is a
     one-process sampler), no sampler or several, and at train start a loader that does not draw
-    from it (Lightning's ``DistributedSamplerWrapper`` included); at the start of a validation
+    from it (Lightning's ``DistributedSamplerWrapper`` included), and again at each epoch's
+    start (``reload_dataloaders_every_n_epochs`` builds a new loader); at the start of a validation
     (sanity check included), test or predict loop, a loader of it that draws from the sampler
     (its ``iter()`` would end the training epoch's pass, or begin an epoch that trains nothing).
 
@@ -364,6 +373,12 @@ class GraBCallback(Callback):
                 f"or train with a plain DataLoader (GraBCallback restores the GraBSampler's "
                 f"position itself, and Lightning resumes it exactly with the next epoch)."
             )
+        if message is not None:
+            raise ValueError(message)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # reload_dataloaders_every_n_epochs: Lightning built the epoch's loader again
+        message = _loader_error(trainer.train_dataloader, self.sampler, trainer.overfit_batches)
         if message is not None:
             raise ValueError(message)
 
