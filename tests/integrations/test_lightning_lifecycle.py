@@ -448,49 +448,24 @@ def test_a_max_steps_fit_continued_from_its_epoch_end_checkpoint_is_refused(tmp_
         steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")
 
 
-class Reloading(Classifier):
-    """Builds its GraBSampler in ``setup()``; ``train_dataloader()``, which
-    ``reload_dataloaders_every_n_epochs=1`` calls at every epoch, builds a new one from epoch
-    ``rebuild_from`` on (None: never, a new DataLoader over the same sampler)."""
-
-    def __init__(self, rebuild_from: int | None) -> None:
-        super().__init__()
-        self.dataset, self.rebuild_from = data(), rebuild_from
-
-    def setup(self, stage):
-        self.sampler = GraBSampler(self.dataset, model=self.net, seed=0, record_orders=True)
-
-    def train_dataloader(self):
-        if self.rebuild_from is not None and self.current_epoch >= self.rebuild_from:
-            self.sampler.close()
-            self.sampler = GraBSampler(self.dataset, model=self.net, seed=0)
-        return DataLoader(self.dataset, sampler=self.sampler, batch_size=B)
-
-
-def reloading_fit(root, rebuild_from: int | None):
-    module = Reloading(rebuild_from)
+def test_a_second_fit_after_max_steps_on_its_trainer_trains_as_lightning_does(tmp_path):
+    """The Trainer's second ``fit`` with a larger ``max_steps`` counts the epoch that
+    ``max_steps=4`` ended as over (its rest never trained) and trains whole epochs after it:
+    the loop of the cut epoch, then whole epochs."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
+        accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACCUMULATE,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=False, num_sanity_val_steps=0, default_root_dir=str(root),
-        reload_dataloaders_every_n_epochs=1, callbacks=[GraBCallback()],
+        enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[GraBCallback(sampler)],
     )  # fmt: skip
-    trainer.fit(module)
-    return module
-
-
-def test_reloaded_loaders_over_the_one_sampler_carry_its_state(tmp_path):
-    """A new DataLoader each epoch over the sampler built once: the run of one loader."""
-    plain, plain_sampler = fit(tmp_path / "plain")
-    reloaded = reloading_fit(tmp_path / "reloaded", None)
-    assert reloaded.rows == plain.rows
-    assert reloaded.sampler.orders_history == plain_sampler.orders_history
-    for name, value in plain.net.named_parameters():
-        assert torch.equal(dict(reloaded.net.named_parameters())[name], value), name
-
-
-def test_a_reloaded_loader_over_another_sampler_is_refused_at_its_epoch(tmp_path):
-    """A ``train_dataloader()`` that builds a new GraBSampler at a reload: the callback steps
-    the one it found at fit start. Refused at the epoch's start, naming the reload."""
-    with pytest.raises(ValueError, match=r"another GraBSampler.*reload_dataloaders_every_n_epochs"):
-        reloading_fit(tmp_path, rebuild_from=1)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    trainer.fit(module, loader)
+    trainer.fit_loop.epoch_loop.max_steps = 16  # 4 + 6 + 6: epochs 1 and 2 whole
+    trainer.fit(module, loader)
+    net, expected, rows = reference(8, 3)
+    assert module.rows == rows
+    assert sampler.orders_history == expected.orders_history
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(module.net.named_parameters())[name], value), name
