@@ -362,3 +362,110 @@ def test_adaptive_accumulation_refuses_a_scheduled_accumulation(tmp_path):
     )  # fmt: skip
     with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
         trainer.fit(Adaptive(), DataLoader(data(), batch_size=B))
+
+
+class Evaluated(Classifier):
+    """The classifier with test and predict steps."""
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+
+def evaluation_trainer(root, callback, **options):
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(root),
+        callbacks=[callback], **options,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", ["sanity", "validation", "validate", "test", "predict"])
+@pytest.mark.parametrize("held", [False, True])  # GraBCallback(sampler), or the module's
+def test_an_evaluation_loader_drawing_from_the_grab_sampler_is_refused(tmp_path, stage, held):
+    """An evaluation loop over the train loader's GraBSampler calls its ``iter()``: inside a
+    training epoch (``val_check_interval``) that new pass ends the training epoch's pass, whose
+    untrained rest was silently left out (3 epochs of 12 batches trained 12 batches); between
+    fits it begins an epoch of the sampler that trains nothing. Refused, naming the loop."""
+    module, dataset = Evaluated(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0)
+    if held:
+        module.sampler = sampler
+    callback = GraBCallback() if held else GraBCallback(sampler)
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    options = {"num_sanity_val_steps": 2 if stage == "sanity" else 0}
+    if stage == "validation":
+        options["val_check_interval"] = 4
+    trainer = evaluation_trainer(tmp_path, callback, **options)
+    with pytest.raises(ValueError, match=r"GraBCallback: the \w+ DataLoader .*GraBSampler"):
+        if stage in ("sanity", "validation"):
+            trainer.fit(module, loader, DataLoader(dataset, sampler=sampler, batch_size=B))
+        else:
+            getattr(trainer, stage)(module, loader)
+
+
+def steps_fit(root, max_steps: int, ckpt_path=None, every: int | None = None):
+    """GraB for ``max_steps`` updates (6 an epoch); ``ModelCheckpoint`` every ``every`` steps, or
+    (None) at the end of each epoch, which includes the end of the fit that ``max_steps`` ends."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    cadence = {"every_n_train_steps": every} if every else {}
+    saver = L.callbacks.ModelCheckpoint(
+        dirpath=str(root), filename="{step}", save_top_k=-1, **cadence
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=str(root),
+        callbacks=[GraBCallback(sampler), saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
+    return module, sampler
+
+
+def test_a_max_steps_fit_continued_from_a_step_checkpoint_is_the_uninterrupted_run(tmp_path):
+    """``max_steps=4`` ends the fit inside epoch 0; its checkpoint at step 4, saved after the
+    batch (``every_n_train_steps``), continued with ``max_steps=18``: the 18-step run."""
+    full, full_sampler = steps_fit(tmp_path / "full", 18)
+    first, _ = steps_fit(tmp_path / "first", 4, every=2)
+    resumed, sampler = steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")
+    assert first.rows + resumed.rows == full.rows
+    assert sampler.orders_history[-1] == full_sampler.orders_history[-1]
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+
+
+def test_a_max_steps_fit_continued_from_its_epoch_end_checkpoint_is_refused(tmp_path):
+    """The checkpoint that ``ModelCheckpoint`` saves at the end of a fit that ``max_steps`` ended
+    inside an epoch counts that epoch as processed: continued with a larger ``max_steps``,
+    Lightning trains the epoch's rest but numbers it (``set_epoch``) one above, and the sampler
+    abandoned the rest and balanced those batches as a new epoch (rows 16 on differed from the
+    uninterrupted run's). Refused, naming the checkpoint's epoch and the fix."""
+    steps_fit(tmp_path / "first", 4)
+    with pytest.raises(ValueError, match=r"ended inside epoch 0 \(max_steps reached"):
+        steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")
+
+
+def test_a_second_fit_after_max_steps_on_its_trainer_trains_as_lightning_does(tmp_path):
+    """The Trainer's second ``fit`` with a larger ``max_steps`` counts the epoch that
+    ``max_steps=4`` ended as over (its rest never trained) and trains whole epochs after it:
+    the loop of the cut epoch, then whole epochs."""
+    module, dataset = Classifier(), data()
+    sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, accumulate_grad_batches=ACCUMULATE,
+        logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=str(tmp_path),
+        callbacks=[GraBCallback(sampler)],
+    )  # fmt: skip
+    loader = DataLoader(dataset, sampler=sampler, batch_size=B)
+    trainer.fit(module, loader)
+    trainer.fit_loop.epoch_loop.max_steps = 16  # 4 + 6 + 6: epochs 1 and 2 whole
+    trainer.fit(module, loader)
+    net, expected, rows = reference(8, 3)
+    assert module.rows == rows
+    assert sampler.orders_history == expected.orders_history
+    for name, value in net.named_parameters():
+        assert torch.equal(dict(module.net.named_parameters())[name], value), name

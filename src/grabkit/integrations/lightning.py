@@ -128,6 +128,13 @@ def _held_samplers(*owners: Any) -> list[GraBSampler]:
     return found
 
 
+def _drawn_samplers(loader: Any) -> list[Any]:
+    """The samplers a DataLoader draws its indices from: its ``sampler`` and its batch
+    sampler's ``sampler`` (None where it has none)."""
+    batches = getattr(loader, "batch_sampler", None)
+    return [getattr(loader, "sampler", None), getattr(batches, "sampler", None)]
+
+
 def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0) -> str | None:
     """Why the train DataLoader does not draw from ``sampler`` (with the fix), or None."""
     if isinstance(loader, (Mapping, list, tuple)):  # several loaders: a CombinedLoader
@@ -139,8 +146,7 @@ def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0)
             "loader that draws from the GraBSampler."
         )
     drawn = getattr(loader, "sampler", None)
-    candidates = [drawn, getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-    if any(s is sampler for s in candidates):
+    if any(s is sampler for s in _drawn_samplers(loader)):
         return None
     inner = getattr(getattr(drawn, "dataset", None), "_sampler", None)  # Lightning's wrapper
     if isinstance(drawn, DistributedSampler) and inner is sampler:
@@ -156,6 +162,14 @@ def _loader_error(loader: Any, sampler: GraBSampler, overfit_batches: float = 0)
             f"of the train DataLoader with a {type(drawn).__name__} (it trains on a fixed set "
             "of batches in a fixed order, which GraB does not choose); overfit without "
             "GraBCallback, or train with GraB without overfit_batches."
+        )
+    if any(isinstance(s, (GraBSampler, GraBBatchSampler)) for s in _drawn_samplers(loader)):
+        return (
+            "GraBCallback: the train DataLoader draws from another GraBSampler than the one "
+            "this callback steps (a train_dataloader() that builds a new one, called again at "
+            "each reload_dataloaders_every_n_epochs?); the callback would credit gradients to "
+            "the other sampler's examples. Build the sampler once (in setup()) and return a "
+            "DataLoader over it from train_dataloader()."
         )
     return (
         "GraBCallback: the train DataLoader does not draw from this callback's GraBSampler (it "
@@ -188,6 +202,68 @@ def _lightning_epoch_over(trainer: Any) -> bool:
     return total != float("inf") and trained >= total
 
 
+def _loaders_of(loaders: Any) -> list[Any]:
+    """The DataLoaders of a Trainer's loader attribute: one, a list / tuple, a mapping, or None."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, Mapping):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
+def _evaluation_error(stage: str, loaders: Any, samplers: list[GraBSampler]) -> str | None:
+    """Why an evaluation loop (``stage``: validation, test, predict) must not run over
+    ``loaders``, or None: one of them draws from a GraB sampler that trains.
+
+    Its ``iter()`` would begin a new pass of the sampler: inside a training epoch (a
+    ``val_check_interval`` validation) that pass ends the epoch's own, and the epoch's untrained
+    rest is never trained; between epochs or fits it begins an epoch of the sampler that trains
+    nothing and yields GraB's training order, not the dataset's, to the evaluation.
+    """
+    for loader in _loaders_of(loaders):
+        if any(s is sampler for s in _drawn_samplers(loader) for sampler in samplers):
+            return (
+                f"GraBCallback: the {stage} DataLoader draws from the GraBSampler of training; "
+                f"each {stage} pass would call its iter(), which ends the training epoch's pass "
+                "under way (the rest of that epoch would never be trained) or begins an epoch "
+                "of the sampler that trains nothing. Evaluate over a DataLoader of its own: "
+                "DataLoader(dataset, batch_size=...), without the GraBSampler."
+            )
+    return None
+
+
+def _renumbered_rest_error(trainer: Any, state: dict[str, Any]) -> str | None:
+    """Why Lightning cannot continue the epoch that ``state`` (a loaded, unfinished sampler
+    state) was saved inside, or None.
+
+    A checkpoint saved at the end of a fit that ``max_steps`` (or ``should_stop``) ended inside
+    an epoch counts that epoch as processed but not completed. Continued with ``max_steps``
+    (iteration-based training), Lightning trains the epoch's rest but calls ``set_epoch`` with
+    the processed count, one above the epoch's number, there and at every later epoch; the
+    sampler then abandons the saved epoch's rest (a loop numbering the next epoch), and
+    balances the batches Lightning trains as the epoch's rest as an epoch of their own.
+    """
+    loop = trainer.fit_loop
+    progress = loop.epoch_progress.current
+    if state.get("ended") or not state.get("started") or not loop.restarting:
+        return None
+    if progress.processed <= progress.completed or _lightning_epoch_over(trainer):
+        return None
+    trained = loop.epoch_loop.batch_progress.current.ready
+    return (
+        f"GraBCallback: this run continues, with max_steps, from a checkpoint saved at the end "
+        f"of a fit that ended inside epoch {progress.completed} (max_steps reached, or "
+        f"trainer.should_stop, after {trained} of its {trainer.num_training_batches} "
+        "batches): Lightning trains the "
+        f"epoch's rest but numbers it, and every later epoch, one above the uninterrupted run "
+        f"(set_epoch({progress.processed})), and the GraBSampler would abandon the epoch's "
+        "rest and balance those batches as a new epoch. Continue from a checkpoint saved "
+        "after the batch (ModelCheckpoint(every_n_train_steps=...) at that step, which resumes "
+        "exactly), or with max_steps=-1 and max_epochs (Lightning then starts the next epoch, "
+        "and so does the sampler)."
+    )
+
+
 class GraBCallback(Callback):
     """Step a hook-mode ``GraBSampler`` after every backward; its state in the checkpoint.
 
@@ -204,7 +280,10 @@ class GraBCallback(Callback):
     Raised at fit start (on every rank): a sampler whose ``num_replicas`` / ``rank`` are not the
     Trainer's (exact hook statistics cannot be gathered, so an exact-mode sampler is a
     one-process sampler), no sampler or several, and at train start a loader that does not draw
-    from it (Lightning's ``DistributedSamplerWrapper`` included).
+    from it (Lightning's ``DistributedSamplerWrapper`` included), and again at each epoch's
+    start (``reload_dataloaders_every_n_epochs`` builds a new loader); at the start of a validation
+    (sanity check included), test or predict loop, a loader of it that draws from the sampler
+    (its ``iter()`` would end the training epoch's pass, or begin an epoch that trains nothing).
 
     Checkpoints. The state is taken with the prefetched batches handed back (yielded :=
     stepped), at an optimizer step; a state saved after an epoch's last step is marked as ended
@@ -215,7 +294,9 @@ class GraBCallback(Callback):
     saved at the end of an epoch that Lightning ended early (``should_stop`` from
     ``EarlyStopping`` or ``Timer(max_time)``, ``-1`` from ``on_train_batch_start``): Lightning
     resumes it with the next epoch whole, and so does the sampler (decided at train start from
-    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch).
+    ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch: from
+    the checkpoint saved at the end of such a fit Lightning numbers the epoch's rest one above
+    its number, and the callback raises at train start).
     A checkpoint saved inside an accumulation window (``ModelCheckpoint`` at a validation
     whose ``val_check_interval`` is not a multiple of ``accumulate_grad_batches``, or
     ``trainer.save_checkpoint`` from a batch hook) holds no accumulated gradient: Lightning
@@ -271,6 +352,8 @@ class GraBCallback(Callback):
         loader = trainer.train_dataloader
         message = _loader_error(loader, self.sampler, trainer.overfit_batches)
         loaded, self._loaded = self._loaded, None
+        if message is None and loaded is not None:
+            message = _renumbered_rest_error(trainer, loaded)
         if message is None and loaded is not None and not trainer.fit_loop.restarting:
             self._end_epoch_of(loaded)  # Lightning begins the next epoch, and so must the sampler
         elif message is None and loaded is not None and self._open:
@@ -290,6 +373,12 @@ class GraBCallback(Callback):
                 f"or train with a plain DataLoader (GraBCallback restores the GraBSampler's "
                 f"position itself, and Lightning resumes it exactly with the next epoch)."
             )
+        if message is not None:
+            raise ValueError(message)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        # reload_dataloaders_every_n_epochs: Lightning built the epoch's loader again
+        message = _loader_error(trainer.train_dataloader, self.sampler, trainer.overfit_batches)
         if message is not None:
             raise ValueError(message)
 
@@ -315,6 +404,24 @@ class GraBCallback(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._open = 0
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("validation", trainer.val_dataloaders, trainer)
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("test", trainer.test_dataloaders, trainer)
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._refuse_evaluation_over_the_sampler("predict", trainer.predict_dataloaders, trainer)
+
+    def _refuse_evaluation_over_the_sampler(self, stage: str, loaders: Any, trainer: Any) -> None:
+        """Raise if an evaluation loader draws from the sampler this callback steps (or, before
+        a fit found it, from one the LightningModule or DataModule holds)."""
+        samplers = [self.sampler] if self.sampler is not None else []
+        samplers = samplers or _held_samplers(trainer.lightning_module, trainer.datamodule)
+        message = _evaluation_error(stage, loaders, samplers)
+        if message is not None:
+            raise ValueError(message)
 
     def state_dict(self) -> dict[str, Any]:
         if self.sampler is None:
