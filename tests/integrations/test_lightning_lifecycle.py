@@ -82,14 +82,19 @@ def fit(root, ckpt_path=None, stop_at=None, how="stop"):
     module, dataset = Classifier(stop_at, how), data()
     sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
     saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=3, accumulate_grad_batches=ACCUMULATE,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(root),
-        callbacks=[GraBCallback(sampler), saver],
-    )  # fmt: skip
+    trainer = grab_trainer(root, sampler, saver, max_epochs=3)
     trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
     return module, sampler
+
+
+def grab_trainer(root, sampler: GraBSampler, saver, **limits) -> L.Trainer:
+    """A quiet CPU Trainer accumulating ``ACCUMULATE`` batches, with ``GraBCallback(sampler)``
+    and the checkpoint callback ``saver``; ``limits``: ``max_epochs`` or ``max_steps``."""
+    return L.Trainer(
+        accelerator="cpu", devices=1, accumulate_grad_batches=ACCUMULATE, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(root), callbacks=[GraBCallback(sampler), saver], **limits,
+    )  # fmt: skip
 
 
 def reference(first_epoch_batches: int, epochs: int):
@@ -415,12 +420,7 @@ def steps_fit(root, max_steps: int, ckpt_path=None, every: int | None = None):
     saver = L.callbacks.ModelCheckpoint(
         dirpath=str(root), filename="{step}", save_top_k=-1, **cadence
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, accumulate_grad_batches=ACCUMULATE,
-        logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=str(root),
-        callbacks=[GraBCallback(sampler), saver],
-    )  # fmt: skip
+    trainer = grab_trainer(root, sampler, saver, max_steps=max_steps)
     trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
     return module, sampler
 
