@@ -17,9 +17,10 @@ tensor.
 The first forward pass (with grad enabled) after a backward starts a new step and drops the
 previous step's references, so the statistics always describe the latest backward's batch
 (with gradient accumulation over micro-batches: the latest micro-batch). Forward passes under
-``torch.no_grad()`` or inside ``torch.func`` transforms are ignored. Callables in
-``step_listeners`` run just before that drop, so a consumer can keep each micro-batch's
-statistics (``grabkit.order`` does, to balance every micro-batch of an accumulated step).
+``torch.no_grad()`` or inside ``torch.func`` transforms (a reference over the whole model) are
+ignored. Callables in ``step_listeners`` run just before that drop, so a consumer can keep each
+micro-batch's statistics (``grabkit.order`` does, to balance every micro-batch of an
+accumulated step).
 
 Seams with other autograd work in the same step, each defined:
 
@@ -33,7 +34,9 @@ Seams with other autograd work in the same step, each defined:
   layer hooks do not see. A ``loss.backward(create_graph=True)`` is exact (its first-order
   gradient is what the hooks see).
 * **A weight used functionally** inside the model's forward (``F.linear(h, wte.weight)``) is
-  recorded as one more call (``grabkit.stats.functional``); an unsupported use is refused.
+  recorded as one more call (``grabkit.stats.functional``); an unsupported use is refused, as
+  is a tracked layer or weight used inside a ``torch.func`` transform within the forward
+  (``torch.vmap(self.layer)(h)``: its calls hold the transform's rows, not the batch's).
 * **The trainable set** is read at every forward: parameters unfrozen later are attached and
   frozen ones dropped, from norms, Gram matrices and totals alike (``param_shapes`` follows);
   layers and parameters replaced or added after attaching are followed the same way, at the
@@ -84,7 +87,8 @@ from grabkit.stats.batch_dim import Anchor, moved_batch_dim
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
-from grabkit.stats.functional import FunctionalUse, FunctionalUses
+from grabkit.stats.functional import TRANSFORMED, FunctionalUse, FunctionalUses
+from grabkit.stats.functional import functorch_transform_active as _functorch_transform_active
 from grabkit.stats.gradient_batch import FlatLayout
 from grabkit.stats.hook_batch import HookGradientBatch
 from grabkit.stats.identity import IdentityCheck, PendingIdentityCheck, unit_roundoff
@@ -191,17 +195,6 @@ def _inside_backward() -> bool:
     """True while autograd runs a backward: a forward now is activation checkpointing's
     recomputation, part of the current step, not a new one."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _no_transform() -> bool:
-    return False
-
-
-#: True inside torch.func transforms (vmap, grad): such calls are not this model's step (the
-#: C function itself, called in every hook)
-_functorch_transform_active: Callable[[], bool] = getattr(
-    torch._C, "_are_functorch_transforms_active", _no_transform
-)
 
 
 class _Call:
@@ -612,6 +605,17 @@ def _parametrized_hint(refused: list[tuple[str, str]]) -> str:
     )
 
 
+def _transform_hint(refused: list[tuple[str, str]]) -> str:
+    """For a use inside a torch.func transform: what to do instead."""
+    if not any(operation.endswith(TRANSFORMED) for _, operation in refused):
+        return ""
+    return (
+        " A transform's calls hold its own rows, not the batch's examples: apply the layer or "
+        "the product to the whole batch (a Linear or a matmul takes (B, ..., d) as it is), or "
+        "keep the transform away from tracked parameters."
+    )
+
+
 def _refuse_uninitialized(model: nn.Module) -> None:
     """Lazy modules' parameters have no shape until the first forward: nothing to attach to."""
     lazy = [
@@ -788,6 +792,10 @@ class PerSampleStats(StatisticsSource):
         self._functional: dict[tuple, _TrackedLayer] = {}
         self._watch: FunctionalUses | None = None
         self._watching = 0  # model forwards running with the watch on
+        #: one entry per model forward running: whether it is a step's (grad enabled, outside
+        #: any torch.func transform), so that a layer called inside a transform within it is
+        #: told from a reference that calls the whole model inside one
+        self._model_forwards: list[bool] = []
         #: called (no arguments) after a backward, before the next step's first forward drops
         #: that backward's statistics; ``statistics()`` still reads them inside the call
         self.step_listeners: list[Callable[[], None]] = []
@@ -1129,7 +1137,11 @@ class PerSampleStats(StatisticsSource):
         layers' rules report it. The trainable set is read here (parameters frozen or unfrozen
         since the last forward are followed), and the functional-use watch switched on.
         """
-        if self._inert or not torch.is_grad_enabled() or _functorch_transform_active():
+        if self._inert:
+            return
+        counted = torch.is_grad_enabled() and not _functorch_transform_active()
+        self._model_forwards.append(counted)
+        if not counted:
             return
         if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:
             tensors = [args[0]]  # the usual call, model(x): no containers to look into
@@ -1170,6 +1182,8 @@ class PerSampleStats(StatisticsSource):
         batch = self._batch
         if batch is not None:
             batch.version = batch.tensors[0]._version
+        if not self._inert and self._model_forwards:
+            self._model_forwards.pop()
         if not self._inert and self._watching:
             self._watching -= 1
             if self._watching == 0 and self._watch is not None:
@@ -1216,12 +1230,25 @@ class PerSampleStats(StatisticsSource):
             return None
         if self._watching:
             self._on_layer_exit(layer)
-        if not torch.is_grad_enabled() or _functorch_transform_active():
+        if not torch.is_grad_enabled():
+            return None
+        if _functorch_transform_active():
+            self._refuse_transformed_call(layer)
             return None
         # The engine's own tensor work is not the model's: no functional-use watch, and it may
         # read shapes of an expanded shared output that the model may not.
         with torch._C.DisableTorchFunction():
             return self._record_call(layer, module, args, kwargs, output)
+
+    def _refuse_transformed_call(self, layer: _TrackedLayer) -> None:
+        """A tracked layer called inside a torch.func transform within the model's forward
+        (``torch.vmap(self.layer)(h)``): its gradient reaches the parameters through calls whose
+        rows are the transform's, which no rule reads, so the read is refused (a layer with
+        other calls would otherwise pass without them). A forward of the whole model inside a
+        transform (a per-example reference computed while attached) is no step: ignored."""
+        if self._model_forwards and self._model_forwards[-1]:
+            use = f"a call of its layer {layer.name!r} {TRANSFORMED}"
+            self._refused.extend((name, use) for name in layer.params.values())
 
     def _record_call(
         self,
@@ -1906,6 +1933,7 @@ class PerSampleStats(StatisticsSource):
                 f"(grabkit.stats.register_rule), or freeze the parameter."
                 + _parametrized_hint(self._refused)
                 + _pruning_hint(self._refused)
+                + _transform_hint(self._refused)
             )
 
     def _check_gradients_came_through_layers(self, kept: list) -> None:

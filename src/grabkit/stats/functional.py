@@ -16,8 +16,10 @@ and records each as one more call with the rule of the equivalent layer:
 Any other operation that takes a tracked parameter outside its own layer and returns a tensor
 that requires grad (``W.sum()``, ``W * mask``, ``F.conv2d(x, other.weight)``, ...) is noted, and
 reading the step's statistics raises ``NotImplementedError`` naming the parameter and the
-operation (no per-example factor exists for it). Uses that carry no gradient pass: shape and
-dtype queries, ``W.detach()``, anything under ``torch.no_grad()``.
+operation (no per-example factor exists for it). So is any use inside a ``torch.func``
+transform (``torch.vmap(lambda row: W @ row)(h)``): a batched tensor there reports no
+``requires_grad``, yet the gradient reaches W, through rows no rule reads. Uses that carry no
+gradient pass: shape and dtype queries, ``W.detach()``, anything under ``torch.no_grad()``.
 
 "Its own layer" is the tracked layer whose forward is running (the engine keeps a stack of
 them): ``nn.Linear``'s own ``F.linear(input, self.weight)`` is the layer's call, not a
@@ -42,7 +44,20 @@ from torch.overrides import TorchFunctionMode
 
 from grabkit.stats.rules import EmbeddingRule, LayerRule, LinearRule, TransposedLinearRule
 
-__all__ = ["FunctionalUse", "FunctionalUses"]
+__all__ = ["TRANSFORMED", "FunctionalUse", "FunctionalUses", "functorch_transform_active"]
+
+
+def _no_transform() -> bool:
+    return False
+
+
+#: True inside torch.func transforms (vmap, grad) (the C function itself, called in every hook)
+functorch_transform_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", _no_transform
+)
+
+#: how a refused use inside a transform is named (``PerSampleStats`` adds the fix)
+TRANSFORMED = "inside a torch.func transform (torch.vmap, torch.func.grad)"
 
 _LINEAR = {F.linear, torch._C._nn.linear}
 _EMBEDDING = {F.embedding, torch.embedding}
@@ -155,6 +170,9 @@ class FunctionalUses(TorchFunctionMode):
 
     def _use(self, func, args: tuple, kwargs: dict, hit: _Hit) -> Any:
         if not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if functorch_transform_active():  # its rows are not the batch's: no rule reads them
+            self.refuse(hit.name, f"{getattr(func, '__name__', repr(func))} {TRANSFORMED}")
             return func(*args, **kwargs)
         if func in _LINEAR and hit.position == 1:
             return self._linear(args, kwargs, hit)
