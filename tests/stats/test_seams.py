@@ -178,6 +178,47 @@ def test_a_tracked_weight_used_inside_vmap_in_the_forward_is_refused_at_once(how
             stats.norms_squared()
 
 
+class CompiledHead(nn.Module):
+    """A compiled submodule that reads the embedding's weight (``how``: tied or refused)."""
+
+    def __init__(self, embedding: nn.Embedding, how: str) -> None:
+        super().__init__()
+        self.embedding, self.how = [embedding], how  # a list: not a submodule of the head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.embedding[0].weight
+        return F.linear(h, weight) if self.how == "linear" else h * weight.sum()
+
+
+class WithCompiledHead(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.wte, self.mix = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.head = torch.compile(CompiledHead(self.wte, how), backend="eager")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.wte(idx))))
+
+
+def test_a_weight_used_in_a_compiled_submodule_is_computed_or_refused(reference_tools):
+    """Dynamo traces the functional-use watch inside a compiled submodule: a tied use is
+    computed, and a refused one raises the engine's error (it failed inside Dynamo before)."""
+    torch.manual_seed(0)
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    model = WithCompiledHead("linear")
+    expected = per_example_rows(
+        model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum") as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        reference_tools.assert_matches(stats, expected)
+    model = WithCompiledHead("sum")
+    with PerSampleStats(model, "sum") as stats:
+        model(idx).square().sum().backward()
+        with pytest.raises(NotImplementedError, match=r"(?s)'wte\.weight'.*by sum"):
+            stats.norms_squared()
+
+
 def test_a_reference_computed_with_vmap_while_attached_is_not_the_step(reference_tools):
     """The model called inside a transform (a per-example reference) is ignored, as before."""
     torch.manual_seed(0)

@@ -110,6 +110,20 @@ class _Hit:
     transposed: bool
 
 
+def _is_transpose(func, args: tuple, kwargs: dict, hit: _Hit) -> bool:
+    """Whether ``func`` transposes the 2-D tracked parameter ``hit`` (a module-level function,
+    not a static method: Dynamo fails to guard a static method read through the mode when a
+    compiled submodule's forward is traced under the watch)."""
+    if hit.transposed or hit.param.dim() != 2 or hit.position != 0:
+        return False
+    if func in _TRANSPOSES:
+        return True
+    if func in _TRANSPOSE_DIMS:
+        dims = [*args[1:3], *kwargs.values()]
+        return len(dims) == 2 and {int(d) % 2 for d in dims} == {0, 1}
+    return False
+
+
 class FunctionalUses(TorchFunctionMode):
     """Sees every torch function of the model's forward; hands functional uses to ``record``.
 
@@ -184,22 +198,11 @@ class FunctionalUses(TorchFunctionMode):
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return out  # a shape or dtype query, a detached copy: no gradient flows
-        if self._is_transpose(func, args, kwargs, hit):
+        if _is_transpose(func, args, kwargs, hit):
             self._transposed[id(out)] = (hit.name, hit.param, out)
             return out
         self.refuse(hit.name, getattr(func, "__name__", repr(func)))
         return out
-
-    @staticmethod
-    def _is_transpose(func, args: tuple, kwargs: dict, hit: _Hit) -> bool:
-        if hit.transposed or hit.param.dim() != 2 or hit.position != 0:
-            return False
-        if func in _TRANSPOSES:
-            return True
-        if func in _TRANSPOSE_DIMS:
-            dims = [*args[1:3], *kwargs.values()]
-            return len(dims) == 2 and {int(d) % 2 for d in dims} == {0, 1}
-        return False
 
     def _linear(self, args: tuple, kwargs: dict, hit: _Hit) -> Any:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
