@@ -187,7 +187,11 @@ class CompiledHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.embedding[0].weight
-        return F.linear(h, weight) if self.how == "linear" else h * weight.sum()
+        if self.how == "linear":
+            return F.linear(h, weight)
+        if self.how == "matmul-T":
+            return h @ weight.T
+        return h * weight.sum()
 
 
 class WithCompiledHead(nn.Module):
@@ -200,12 +204,36 @@ class WithCompiledHead(nn.Module):
         return self.head(torch.tanh(self.mix(self.wte(idx))))
 
 
-def test_a_weight_used_in_a_compiled_submodule_is_computed_or_refused(reference_tools):
+class DetachedTranspose(FunctionalHead):
+    """The head multiplies by a transpose of ``wte.weight`` made under ``no_grad``: a view of
+    the weight through which no gradient flows."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            weight_t = self.wte.weight.T
+        return torch.tanh(self.mix(self.wte(idx))) @ weight_t
+
+
+def test_a_transpose_made_without_grad_is_no_use_of_the_weight(reference_tools):
+    torch.manual_seed(0)
+    model = DetachedTranspose()
+    idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
+    expected = per_example_rows(
+        model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
+    )
+    with PerSampleStats(model, "sum", functional_uses=True) as stats:
+        sequence_loss(model(idx), y).sum().backward()
+        reference_tools.assert_matches(stats, expected)
+
+
+@pytest.mark.parametrize("how", ["linear", "matmul-T"])
+def test_a_weight_used_in_a_compiled_submodule_is_computed_or_refused(reference_tools, how):
     """Dynamo traces the functional-use watch inside a compiled submodule: a tied use is
-    computed, and a refused one raises the engine's error (it failed inside Dynamo before)."""
+    computed, and a refused one raises the engine's error (both failed inside Dynamo before,
+    on a static method and on the id of ``weight.T``, made anew at every call)."""
     torch.manual_seed(0)
     idx, y = torch.randint(0, VOCAB, (B, T)), torch.randint(0, VOCAB, (B, T))
-    model = WithCompiledHead("linear")
+    model = WithCompiledHead(how)
     expected = per_example_rows(
         model, lambda i: sequence_loss(model(idx[i : i + 1]), y[i : i + 1]).sum(), B
     )

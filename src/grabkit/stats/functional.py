@@ -124,6 +124,16 @@ def _is_transpose(func, args: tuple, kwargs: dict, hit: _Hit) -> bool:
     return False
 
 
+def _transposes(view: torch.Tensor, param: nn.Parameter) -> bool:
+    """Whether ``view`` (a view of ``param``) is its transpose: W.T's shape and strides."""
+    return (
+        param.dim() == 2
+        and view.shape == param.shape[::-1]
+        and view.stride() == param.stride()[::-1]
+        and view.storage_offset() == param.storage_offset()
+    )
+
+
 class FunctionalUses(TorchFunctionMode):
     """Sees every torch function of the model's forward; hands functional uses to ``record``.
 
@@ -145,11 +155,9 @@ class FunctionalUses(TorchFunctionMode):
         self.owners = owners
         self.record, self.refuse = record, refuse
         self.running: list[int] = []  # ids of the tracked layer modules whose forward runs
-        self._transposed: dict[int, tuple[str, nn.Parameter, torch.Tensor]] = {}
 
     def reset(self) -> None:
         self.running.clear()
-        self._transposed.clear()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,10 +185,23 @@ class FunctionalUses(TorchFunctionMode):
             if self.running and self.running[-1] in layers:
                 return None  # the layer's own use
             return _Hit(name, param, position, False)
-        transposed = self._transposed.get(key)
-        if transposed is not None and transposed[2] is value:
-            return _Hit(transposed[0], transposed[1], position, True)
-        return None
+        return self._transposed_hit(value, position)
+
+    def _transposed_hit(self, value: Any, position: int) -> _Hit | None:
+        """``W.T`` / ``W.t()`` / ``W.transpose(0, 1)`` of a tracked 2-D parameter W, told by
+        its layout (a view of W, shape and strides reversed), not by the id of the view: the
+        view is made anew at every call, and Dynamo cannot guard an id inside a compiled
+        submodule."""
+        # a plain tensor only: a subclass's attributes are its own (an expanded shared output
+        # refuses them), and a view of a parameter is a plain tensor
+        base = value._base if type(value) is torch.Tensor else None
+        owner = None if base is None else self.owners.get(id(base))
+        if owner is None or value.grad_fn is None or not _transposes(value, owner[1]):
+            return None  # (a view made under no_grad has no grad_fn: no gradient reaches W)
+        name, param, layers = owner
+        if self.running and self.running[-1] in layers:
+            return None  # the layer's own use
+        return _Hit(name, param, position, True)
 
     def _use(self, func, args: tuple, kwargs: dict, hit: _Hit) -> Any:
         if not torch.is_grad_enabled():
@@ -199,8 +220,7 @@ class FunctionalUses(TorchFunctionMode):
         if not isinstance(out, torch.Tensor) or not out.requires_grad:
             return out  # a shape or dtype query, a detached copy: no gradient flows
         if _is_transpose(func, args, kwargs, hit):
-            self._transposed[id(out)] = (hit.name, hit.param, out)
-            return out
+            return out  # seen as W's transpose where it is used (``_transposed_hit``)
         self.refuse(hit.name, getattr(func, "__name__", repr(func)))
         return out
 
