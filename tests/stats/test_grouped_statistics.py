@@ -544,3 +544,54 @@ def test_transformers_body_grouped_inside_the_model_is_exact(reference_tools):
         token_losses(pad_right(rows)).sum().backward()
         assert grouped.groups_run > 1
         reference_tools.assert_matches(stats, reference)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_backward_by_group_with_the_statistics_reduction_is_exact(reduction, reference_tools):
+    model = make("masked_max")
+    tokens, targets = items(LENGTHS, "masked_max")
+    reference = per_item_gradients(model, "masked_max", tokens, targets)
+    lengths = torch.tensor(LENGTHS)
+    batch = group_batch(pad_sequence(tokens, batch_first=True), lengths, plan_groups(lengths))
+    with PerSampleStats(model, loss_reduction=reduction) as stats:
+        backward_by_group(
+            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]), pass_mask=True,
+            reduction=reduction,
+        )  # fmt: skip
+        reference_tools.assert_matches(stats, reference)
+
+
+@pytest.mark.parametrize("statistics", ["exact", "sketch", "grab"])
+@pytest.mark.parametrize(("ours", "theirs"), [("mean", "sum"), ("sum", "mean")])
+def test_backward_by_group_with_another_reduction_than_the_statistics_is_refused(
+    ours, theirs, statistics
+):
+    """backward_by_group's ``reduction`` and the statistics' ``loss_reduction`` disagreeing scale
+    every item's gradient by the batch size (its norms by n^2: 96% off for 5 items, silently on
+    the old code): refused at read, naming both."""
+    model = make("masked_max")
+    tokens, targets = items(LENGTHS[:5], "masked_max")
+    lengths = torch.tensor(LENGTHS[:5])
+    batch = group_batch(pad_sequence(tokens, batch_first=True), lengths, plan_groups(lengths))
+    if statistics == "grab":
+        data = list(zip(tokens, targets, strict=True))
+        hooked = GraBSampler(data, model=model, batch_size=5, loss_reduction=theirs)
+        read, close = hooked.step, hooked.close
+        iter(hooked)
+    else:
+        if statistics == "exact":
+            stats = PerSampleStats(model, loss_reduction=theirs)
+            read = stats.norms_squared
+        else:
+            stats = SketchedStats(model, dim=16, seed=4, loss_reduction=theirs)
+            read = stats.sketches
+        close = stats.close
+    try:
+        backward_by_group(
+            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]), pass_mask=True,
+            reduction=ours,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match=rf"reduction='{ours}'.*loss_reduction='{theirs}'"):
+            read()
+    finally:
+        close()

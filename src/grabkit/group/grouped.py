@@ -402,7 +402,7 @@ def backward_by_group(
     masks = batch.group_masks() if pass_mask else [None] * len(batch.plan)
     total: Tensor | None = None
     groups = zip(batch.group_inputs(), masks, batch.plan.groups, batch.plan.rows, strict=True)
-    with grouped_run(len(batch)) as run:
+    with grouped_run(len(batch), reduction) as run:
         for g, (x, mask, items, rows) in enumerate(groups):
             with run.group(items, rows, (x, mask)):
                 out = _call(module, x, mask, (), {})

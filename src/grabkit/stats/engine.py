@@ -1980,6 +1980,7 @@ class PerSampleStats(StatisticsSource):
         self._check_weights_unchanged(kept)
         low: dict[str, float] = {}
         if self._rows.grouped:  # a grouped batch: factors group by group, rows to items
+            self._rows.check_reduction(self.loss_reduction)
             calls = [
                 (
                     layer.name,

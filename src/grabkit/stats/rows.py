@@ -96,10 +96,13 @@ class GroupRows:
 
 
 class GroupedRun:
-    """A grouped batch of ``size`` items being run group by group (see ``grouped_run``)."""
+    """A grouped batch of ``size`` items being run group by group (see ``grouped_run``);
+    ``reduction``: how the runner combines the items' losses (``"mean"`` or ``"sum"``), where it
+    makes the loss itself (``backward_by_group``), else None."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, reduction: str | None = None) -> None:
         self.size = int(size)
+        self.reduction = reduction
         self.current: GroupRows | None = None
 
     @contextmanager
@@ -120,10 +123,11 @@ class GroupedRun:
 
 
 @contextmanager
-def grouped_run(size: int) -> Iterator[GroupedRun]:
+def grouped_run(size: int, reduction: str | None = None) -> Iterator[GroupedRun]:
     """Announce a grouped batch of ``size`` items to every ``PerSampleStats`` whose model is
-    called inside (in this thread); announce each group with ``run.group(items, rows)``."""
-    run = GroupedRun(size)
+    called inside (in this thread); announce each group with ``run.group(items, rows)``.
+    ``reduction``: the loss reduction the runner applies, where it makes the loss."""
+    run = GroupedRun(size, reduction)
     _active.runs.append(run)
     try:
         yield run
@@ -205,6 +209,19 @@ class StepRows:
                 "the statistics or step the sampler) after each grouped batch."
             )
         return self.groups.setdefault(rows.key, rows)
+
+    def check_reduction(self, loss_reduction: str) -> None:
+        """Raise when the grouped runner reduced the items' losses otherwise than the statistics
+        were told (``loss_reduction``): every item's gradient would be off by the batch size."""
+        reduction = None if self.run is None else self.run.reduction
+        if reduction is None or reduction == loss_reduction:
+            return
+        raise ValueError(
+            f"backward_by_group ran this grouped batch with reduction={reduction!r}, but the "
+            f"statistics were built with loss_reduction={loss_reduction!r} (PerSampleStats, "
+            "SketchedStats or GraBSampler(loss_reduction=...)): every item's gradient would be "
+            f"off by the batch size of {self.run.size}; pass the same reduction to both"
+        )
 
     def continues(self) -> bool:
         """Whether a forward now belongs to this step although a backward ran: the next group
