@@ -220,6 +220,9 @@ def group_batch(
 ) -> GroupedBatch:
     """Plan groups (unless ``plan`` is given) for a padded batch (batch dim 0) in item order.
 
+    Item i occupies the first ``lengths[i]`` positions of each length dim (right padding);
+    each group is narrowed to its longest item, so a left-padded batch would lose real values.
+
     Nothing moves yet: each group is later one gather of its rows from the narrowed batch.
     ``planning`` keywords go to :func:`plan_groups` (``cost``, ``alpha``, ``overhead``,
     ``max_group_cost``, ``length_buckets``, ``size_buckets``).
@@ -261,8 +264,10 @@ def run_grouped(
     Args:
         module: any callable taking a ``(n_g, ...)`` tensor (and a ``(n_g, *L)`` bool mask
             when ``pass_mask``) and returning one tensor with batch dim 0.
-        padded: ``(n, ...)`` padded batch; ``lengths``: ``(n,)`` or ``(n, k)`` per
-            ``length_dims``.
+        padded: ``(n, ...)`` padded batch, each item at the start of its row along every
+            length dim (right padding); ``lengths``: ``(n,)`` or ``(n, k)`` per
+            ``length_dims``. A left-padded batch is cut at the wrong end (its values beyond the
+            lengths cannot be told from padding): pad on the right.
         plan: a :class:`GroupPlan`; default: :func:`plan_groups` with ``planning`` options.
         return_lengths: also return ``{output_dim: (n,) lengths}`` for output dims that
             depend on the input length, inferred per distinct input length.
