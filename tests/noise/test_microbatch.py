@@ -10,6 +10,7 @@ import torch
 from tests.noise.helpers import Z_LIMIT, linear_losses, per_example_loss, problem, z_score
 from tests.support.device_sends import DeviceSends
 
+from grabkit.group import backward_by_group, group_batch, plan_from_partition
 from grabkit.noise import AccumulationNoiseScale, MicrobatchNoiseScale
 
 
@@ -122,6 +123,20 @@ def test_two_backward_passes_in_one_microbatch_are_rejected():
             model(torch.ones(2, 3)).sum().backward()
             gns.end_microbatch(2)
         assert gns.end_step() is not None
+
+
+def test_backward_by_group_in_one_microbatch_is_rejected_naming_it():
+    """backward_by_group runs a backward per length group: refused, naming the runner to use."""
+    model = torch.nn.Linear(3, 1)
+    lengths = torch.tensor([1, 3, 2, 3])
+    plan = plan_from_partition([[0, 2], [1, 3]], lengths)
+    batch = group_batch(torch.ones(4, 3, 3), lengths, plan)
+    with AccumulationNoiseScale(model) as gns:
+        backward_by_group(lambda x: model(x).sum((1, 2)), batch, lambda out, items: out)
+        with pytest.raises(RuntimeError, match=r"backward_by_group.*GroupedBatch\.run"):
+            gns.end_microbatch(4)
+        batch.run(lambda x: model(x).sum((1, 2))).mean().backward()  # one backward: measured
+        gns.end_microbatch(4)
 
 
 def test_a_block_without_gradient_in_a_microbatch_counts_as_zero():

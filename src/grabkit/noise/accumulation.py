@@ -39,6 +39,7 @@ from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.windows import combine, gather_terms, rank_terms
 from grabkit.sharding import gradient_layout_of, local, world_size
 from grabkit.state import Stateful
+from grabkit.stats.rows import in_grouped_run
 from grabkit.stats.structure import registrations
 from grabkit.stats.transfer import to_device
 from grabkit.taps import GradientTaps
@@ -51,6 +52,19 @@ __all__ = ["AccumulationNoiseScale"]
 
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+_REPEATED = (
+    "more than one backward() ran since the last end_microbatch(); the hooks measure each "
+    "backward's gradient on its own, so call end_microbatch(count) after every backward() with "
+    "the number of examples that backward covered"
+)
+_REPEATED_BY_GROUPS = (
+    "backward_by_group ran one backward per length group since the last end_microbatch(); the "
+    "hooks measure each backward's gradient on its own, and a group of similar lengths is no "
+    "random microbatch: run the grouped batch with GroupedBatch.run (or run_grouped) and one "
+    "backward() per microbatch"
+)
 
 
 def _square_norm(t: torch.Tensor) -> torch.Tensor:
@@ -118,10 +132,11 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             of them must close every step (``end_step`` is collective).
 
     One ``backward()`` per microbatch (``end_microbatch`` raises otherwise: call it after each
-    backward); ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The
-    hooks also see any other differentiation through these parameters (``torch.autograd.grad``
-    for a penalty, another estimator): keep those out of the measured steps. Call ``close()``
-    (or use ``with``) to detach the hooks. ``FullyShardedDataParallel`` (FSDP1) is refused.
+    backward; a grouped batch runs through ``GroupedBatch.run``, not ``backward_by_group``);
+    ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The hooks also
+    see any other differentiation through these parameters (``torch.autograd.grad`` for a
+    penalty, another estimator): keep those out of the measured steps. Call ``close()`` (or use
+    ``with``) to detach the hooks. ``FullyShardedDataParallel`` (FSDP1) is refused.
 
     Its state is the averages and the step in progress: a checkpoint between microbatches (or
     between a backward and its ``end_microbatch``) resumes to the same estimate. The step's
@@ -174,6 +189,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self.add_state("written", [False] * len(named), attribute="_written", load=_bools)
         # a block's hook ran twice in this microbatch (two backwards)
         self.add_state("repeated", False, attribute="_repeated", load=bool)
+        self._repeated_by_groups = False  # the repeat came from backward_by_group's backwards
         self.add_state("counts", [], attribute="_micro_counts", save=list, load=_floats)
         # the factor each closed microbatch's mean loss was multiplied by (``share=``), or
         # empty: every loss scaled by its count's share of the step (states saved before
@@ -222,6 +238,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         """
         if self._written[index]:
             self._repeated = True
+            self._repeated_by_groups = in_grouped_run()
         self._squares[self._row, index] = _square_norm(grad)
         self._written[index] = True
 
@@ -249,12 +266,9 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
     def _close_microbatch(self, count: float, share: float | None = None) -> None:
         self._check_parameters_unchanged()
         if self._repeated:
+            by_groups = self._repeated_by_groups
             self._forget_row()
-            raise RuntimeError(
-                "more than one backward() ran since the last end_microbatch(); the hooks measure "
-                "each backward's gradient on its own, so call end_microbatch(count) after every "
-                "backward() with the number of examples that backward covered"
-            )
+            raise RuntimeError(_REPEATED_BY_GROUPS if by_groups else _REPEATED)
         count = check_positive("count", count)
         if share is not None:
             share = check_positive("share", share)
@@ -276,7 +290,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             self._squares = torch.cat([self._squares, torch.zeros_like(self._squares)])
 
     def _forget_row(self) -> None:
-        self._repeated = False
+        self._repeated = self._repeated_by_groups = False
         self._written = [False] * len(self._params)
         self._squares[self._row].zero_()
 

@@ -52,6 +52,7 @@ __all__ = [
     "StepRows",
     "cross_gram",
     "grouped_run",
+    "in_grouped_run",
 ]
 
 # row chunks of the (N_u, N_v) blocks an embedding cross product builds stay below this many entries
@@ -133,6 +134,11 @@ def grouped_run(size: int, reduction: str | None = None) -> Iterator[GroupedRun]
         yield run
     finally:
         _active.runs.remove(run)
+
+
+def in_grouped_run() -> bool:
+    """Whether a grouped runner is running a batch in this thread now."""
+    return bool(_active.runs)
 
 
 def _active_group() -> tuple[GroupedRun, GroupRows] | None:
