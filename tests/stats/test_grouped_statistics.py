@@ -546,52 +546,50 @@ def test_transformers_body_grouped_inside_the_model_is_exact(reference_tools):
         reference_tools.assert_matches(stats, reference)
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_backward_by_group_with_the_statistics_reduction_is_exact(reduction, reference_tools):
+@pytest.mark.parametrize(("ours", "theirs"), [("mean", "mean"), ("sum", "sum"), ("sum", "mean")])
+def test_backward_by_group_under_the_statistics_reduction_is_exact(ours, theirs, reference_tools):
+    """A sum whose ``loss_fn`` divides by the count is the mean ``"mean"`` statistics expect."""
     model = make("masked_max")
     tokens, targets = items(LENGTHS, "masked_max")
     reference = per_item_gradients(model, "masked_max", tokens, targets)
     lengths = torch.tensor(LENGTHS)
     batch = group_batch(pad_sequence(tokens, batch_first=True), lengths, plan_groups(lengths))
-    with PerSampleStats(model, loss_reduction=reduction) as stats:
+    share = 1.0 / len(LENGTHS) if (ours, theirs) == ("sum", "mean") else 1.0
+    with PerSampleStats(model, loss_reduction=theirs) as stats:
         backward_by_group(
-            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]), pass_mask=True,
-            reduction=reduction,
+            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]) * share,
+            pass_mask=True, reduction=ours,
         )  # fmt: skip
         reference_tools.assert_matches(stats, reference)
 
 
 @pytest.mark.parametrize("statistics", ["exact", "sketch", "grab"])
-@pytest.mark.parametrize(("ours", "theirs"), [("mean", "sum"), ("sum", "mean")])
-def test_backward_by_group_with_another_reduction_than_the_statistics_is_refused(
-    ours, theirs, statistics
-):
-    """backward_by_group's ``reduction`` and the statistics' ``loss_reduction`` disagreeing scale
-    every item's gradient by the batch size (its norms by n^2: 96% off for 5 items, silently on
-    the old code): refused at read, naming both."""
+def test_backward_by_group_taking_the_mean_under_sum_statistics_is_refused(statistics):
+    """backward_by_group's mean under statistics told the loss is a sum would scale every
+    item's gradient by 1/n (its norms by 1/n^2: 96% off for 5 items, silently on the old
+    code): refused at read, naming both."""
     model = make("masked_max")
     tokens, targets = items(LENGTHS[:5], "masked_max")
     lengths = torch.tensor(LENGTHS[:5])
     batch = group_batch(pad_sequence(tokens, batch_first=True), lengths, plan_groups(lengths))
     if statistics == "grab":
         data = list(zip(tokens, targets, strict=True))
-        hooked = GraBSampler(data, model=model, batch_size=5, loss_reduction=theirs)
+        hooked = GraBSampler(data, model=model, batch_size=5, loss_reduction="sum")
         read, close = hooked.step, hooked.close
         iter(hooked)
     else:
         if statistics == "exact":
-            stats = PerSampleStats(model, loss_reduction=theirs)
+            stats = PerSampleStats(model, loss_reduction="sum")
             read = stats.norms_squared
         else:
-            stats = SketchedStats(model, dim=16, seed=4, loss_reduction=theirs)
+            stats = SketchedStats(model, dim=16, seed=4, loss_reduction="sum")
             read = stats.sketches
         close = stats.close
     try:
         backward_by_group(
-            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]), pass_mask=True,
-            reduction=ours,
-        )  # fmt: skip
-        with pytest.raises(ValueError, match=rf"reduction='{ours}'.*loss_reduction='{theirs}'"):
+            model, batch, lambda o, i: item_loss("masked_max", o, targets[i]), pass_mask=True
+        )
+        with pytest.raises(ValueError, match=r"reduction='mean'.*loss_reduction='sum'"):
             read()
     finally:
         close()

@@ -217,16 +217,19 @@ class StepRows:
         return self.groups.setdefault(rows.key, rows)
 
     def check_reduction(self, loss_reduction: str) -> None:
-        """Raise when the grouped runner reduced the items' losses otherwise than the statistics
-        were told (``loss_reduction``): every item's gradient would be off by the batch size."""
-        reduction = None if self.run is None else self.run.reduction
-        if reduction is None or reduction == loss_reduction:
+        """Raise when the grouped runner took the mean of the items' losses but the statistics
+        were told the loss is their sum: every item's gradient would be 1/n of its own. (A sum
+        under ``"mean"`` statistics is left alone: ``loss_fn`` may divide by the count itself.)
+        """
+        if self.run is None or self.run.reduction != "mean" or loss_reduction != "sum":
             return
         raise ValueError(
-            f"backward_by_group ran this grouped batch with reduction={reduction!r}, but the "
-            f"statistics were built with loss_reduction={loss_reduction!r} (PerSampleStats, "
-            "SketchedStats or GraBSampler(loss_reduction=...)): every item's gradient would be "
-            f"off by the batch size of {self.run.size}; pass the same reduction to both"
+            "backward_by_group ran this grouped batch with reduction='mean' (the mean of "
+            "loss_fn's per-item losses), but the statistics were built with "
+            "loss_reduction='sum' (PerSampleStats, SketchedStats or "
+            "GraBSampler(loss_reduction=...)): every item's gradient would be 1/"
+            f"{self.run.size} of its own; pass reduction='sum' to backward_by_group, or "
+            "loss_reduction='mean' to the statistics"
         )
 
     def continues(self) -> bool:
