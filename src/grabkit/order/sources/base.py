@@ -11,7 +11,7 @@ built and, once, how they combine with the sampler's ordering, transforms and ra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeAlias, runtime_checkable
 
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "StatisticsReader",
     "check_dim",
     "dense_batch",
+    "first_difference",
     "loss_scale",
 ]
 
@@ -142,15 +143,12 @@ class GradientSource(ABC):
         saved, ours = state.get("config", {}).get("layout"), config.get("layout")
         if saved is None or ours is None or saved == ours:
             return
-        at = next(
-            (i for i, (a, b) in enumerate(zip(saved, ours, strict=False)) if a != b),
-            min(len(saved), len(ours)),
-        )
+        at, was, here = first_difference(saved, ours)
         raise ValueError(
             f"{where}.load_state_dict: the state was saved over other parameters: its ordering "
             f"state sums the gradients of {len(saved)} parameters laid out differently from "
-            f"this sampler's {len(ours)} (at parameter {at}: saved {_entry(saved, at)}, here "
-            f"{_entry(ours, at)}), so its sums would be read against the wrong parameters. Load "
+            f"this sampler's {len(ours)} (at parameter {at}: saved {was}, here {here}), so its "
+            "sums would be read against the wrong parameters. Load "
             "it into a sampler over the model it was saved with: the same trainable parameters, "
             "registered in the same order (wrappers that only rename them, such as DDP, "
             "torch.compile or checkpoint wrappers, are looked through)."
@@ -202,9 +200,15 @@ def check_dim(
     return pieces
 
 
-def _entry(layout: list[list], at: int) -> str:
-    """Parameter ``at`` of a saved ``layout`` as ``'name' (sizes)``, or ``nothing`` past its
-    end."""
+def first_difference(a: Sequence[Sequence], b: Sequence[Sequence]) -> tuple[int, str, str]:
+    """Where two parameter layouts (``[name, shape]`` entries in flat order) first differ, and
+    the entry of each there as ``'name' (sizes)`` (``nothing`` past a layout's end)."""
+    differ = (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    at = next(differ, min(len(a), len(b)))
+    return at, _entry(a, at), _entry(b, at)
+
+
+def _entry(layout: Sequence[Sequence], at: int) -> str:
     if at >= len(layout):
         return "nothing"
     name, shape = layout[at]

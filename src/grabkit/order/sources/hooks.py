@@ -26,6 +26,7 @@ from grabkit.order.sources.base import (
     StatisticsReader,
     check_dim,
     dense_batch,
+    first_difference,
 )
 from grabkit.order.sources.dense import param_dim
 from grabkit.order.topology import Setting
@@ -294,9 +295,7 @@ def _changed_set(
     """The refusal of a trainable set other than the one the ordering state sums, naming the
     first parameter that differs."""
     old, new = list(then.items()), list(now.items())
-    at = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), len(old))
-    was = f"{old[at][0]!r} {tuple(old[at][1])}" if at < len(old) else "nothing"
-    is_now = f"{new[at][0]!r} {tuple(new[at][1])}" if at < len(new) else "nothing"
+    at, was, is_now = first_difference(old, new)
     return (
         f"the model's trainable parameters changed since this sampler was built: its ordering "
         f"state sums the gradients of {len(old)} parameters ({dim} numbers per example), and "
