@@ -546,6 +546,105 @@ def test_an_index_or_an_expand_of_a_table_s_output_is_refused_otherwise_too(use)
         model(torch.randint(0, VOCAB, (B, B + 1)))
 
 
+class RelativeWithMask(nn.Module):
+    """``FloatMadeInForward("relative")`` with the bias first added to a tensor of its own
+    shape that is not the examples either: a (T, T, 1) causal mask made in the forward, a slice
+    of a (T, T, H) buffer, or a view of the (T, T, 1) feature itself. The bias is then permuted
+    to (H, T, T) and added to the (B, H, T, T) scores, as before."""
+
+    def __init__(self, other: str) -> None:
+        super().__init__()
+        self.other = other
+        self.tokens, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, 2)
+        self.relative, self.query = nn.Linear(1, HEADS), nn.Linear(WIDTH, HEADS * WIDTH)
+        self.register_buffer("table", torch.randn(8, 8, HEADS))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.tokens(ids)
+        offsets = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).to(h.dtype)[..., None]
+        bias = self.relative(offsets)  # (T, T, H)
+        if self.other == "mask":
+            bias = bias + torch.triu(torch.full((t, t, 1), -1.0, dtype=h.dtype), diagonal=1)
+        elif self.other == "buffer":
+            bias = bias + self.table[:t, :t]
+        else:
+            bias = bias * offsets.tanh()
+        q = self.query(h).view(b, t, HEADS, WIDTH).transpose(1, 2)  # (B, H, T, d)
+        scores = q @ q.transpose(-1, -2) + bias.permute(2, 0, 1)
+        return self.head((scores.softmax(dim=-1) @ q).mean(dim=1)).mean(dim=1)
+
+
+@pytest.mark.parametrize("other", ["mask", "buffer", "feature"])
+def test_a_table_s_output_added_to_another_table_is_still_refused(other):
+    """Rows meet the examples only in an element-wise op with a tensor that holds them (an
+    activation of the step's layers, the model's input). A mask, a buffer or the feature
+    itself of the bias's own shape does not: the check goes on to the permute. On the old code
+    it ended at the first element-wise op, and the relative Linear's per-example norms were
+    silently 26x off (a mask) and more."""
+    torch.manual_seed(0)
+    model = RelativeWithMask(other)
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'relative'.*moves"):
+        model(torch.randint(0, VOCAB, (B, B)))
+
+
+@pytest.mark.parametrize("other", ["mask", "buffer", "feature"])
+def test_a_table_s_output_added_to_another_table_is_shared_otherwise(other, reference_tools):
+    torch.manual_seed(0)
+    model, ids = RelativeWithMask(other), torch.randint(0, VOCAB, (B, B + 1))
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+class TimestepUNet(nn.Module):
+    """A diffusion model's shape: images (B, C, H, W) through a convolution, plus a (B, 6)
+    sinusoidal embedding of the (B,) time steps, made in the forward without autograd, through
+    a Linear and added per channel (``[:, :, None, None]``). With H == B the embedding's dim 0
+    has the batch size while the images hold it elsewhere too. ``use="table"`` embeds the H
+    rows (positions) instead and contracts them with the features by ``einsum``: a table, not
+    the examples."""
+
+    def __init__(self, use: str = "steps") -> None:
+        super().__init__()
+        self.use = use
+        self.conv, self.time = nn.Conv2d(2, WIDTH, 3, padding=1), nn.Linear(6, WIDTH)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, image: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        h = self.conv(image)  # (B, d, H, W)
+        frequencies = 10.0 ** -torch.arange(3, dtype=image.dtype)
+        where = torch.arange(image.shape[2]) if self.use == "table" else steps
+        angles = where.to(image.dtype)[:, None] * frequencies  # (B, 3), or (H, 3)
+        embedding = self.time(torch.cat([angles.sin(), angles.cos()], dim=-1))
+        if self.use == "table":
+            h = h + torch.einsum("bdhw,hd->bdhw", h, embedding)
+        else:
+            h = h + embedding[:, :, None, None]
+        return self.head(torch.tanh(h).mean(dim=(2, 3)))
+
+
+def test_a_time_embedding_beside_images_with_h_equal_to_b_is_exact(reference_tools):
+    """The (B, 6) embedding has fewer dims than the images that hold B in dim 2: refused on the
+    old code by its shape alone. Its rows meet the convolution's (B, d, H, W) output in dim 0,
+    which shows they are the examples: exact."""
+    torch.manual_seed(0)
+    model = TimestepUNet()
+    image, steps = torch.randn(B, 2, B, 3), torch.randint(0, 1000, (B,))
+    assert_exact(
+        model, lambda rows: model(image[rows], steps[rows]).square().sum(), reference_tools
+    )
+
+
+def test_a_table_of_the_image_rows_beside_images_with_h_equal_to_b_is_refused():
+    """The same shapes, but the embedding is a table of the H rows that ``einsum`` contracts
+    with the features: nothing shows its rows are the examples, so it is refused (an op the
+    check cannot follow ends it in a refusal for such an input)."""
+    torch.manual_seed(0)
+    model = TimestepUNet("table")
+    image, steps = torch.randn(B, 2, B, 3), torch.randint(0, 1000, (B,))
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="'time'"):
+        model(image, steps)
+
+
 class FloatPositionsGiven(PositionsGiven):
     """(T,) position ids given beside the tokens, fed to a Linear as a (T, 1) float copy."""
 

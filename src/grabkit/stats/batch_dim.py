@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Anchor", "moved_batch_dim"]
+__all__ = ["Anchor", "made_from_layer_outputs", "moved_batch_dim"]
 
 _MAX_NODES = 64
+_MAX_NODES_TO_AN_OUTPUT = 256  # ``made_from_layer_outputs``: a wider walk, run rarely
 
 #: a layer output of the step: (the node that made it, the layer's name, its output number at
 #: that node, its shape)
@@ -393,3 +394,25 @@ def moved_batch_dim(x: torch.Tensor, anchors: dict[int, Anchor]) -> tuple[str, i
             continue
         stack.extend((*edge, reordered) for edge in _inputs(node, output_nr, dim, offset))
     return None
+
+
+def made_from_layer_outputs(
+    x: torch.Tensor, anchors: dict[int, Anchor], excluded: set[str] | frozenset[str]
+) -> bool:
+    """Whether the autograd graph that made ``x`` reaches the output of a layer called earlier
+    in the step (``anchors``) other than those of the layers named in ``excluded``: a tensor
+    computed from the step's activations, whose dim 0 holds the examples where it has their
+    number. A tensor made from parameters, buffers or tensors made without autograd alone
+    reaches none. At most ``_MAX_NODES_TO_AN_OUTPUT`` nodes: past them, False (no evidence)."""
+    stack = [x.grad_fn]
+    seen: set[int] = set()
+    while stack and len(seen) < _MAX_NODES_TO_AN_OUTPUT:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        anchor = anchors.get(id(node))
+        if anchor is not None and anchor[1] not in excluded:
+            return True
+        stack.extend(source for source, _ in node.next_functions)
+    return False

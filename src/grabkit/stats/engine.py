@@ -83,7 +83,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from grabkit.sharding import is_sharded, refuse_flat_parameters
 from grabkit.stats.backwards import Backwards, GradientsByTask
-from grabkit.stats.batch_dim import Anchor, moved_batch_dim
+from grabkit.stats.batch_dim import Anchor, made_from_layer_outputs, moved_batch_dim
 from grabkit.stats.batch_terms import BatchTerm, gate
 from grabkit.stats.factors import ParameterFactor, as_dtype, combine
 from grabkit.stats.fallback import TorchFuncFallbackRule
@@ -366,6 +366,19 @@ class _ModelBatch:
         by_chance = b in x.shape[1:] or self._holder is not None
         return by_chance and self._is_shared(x) and not self._is_model_state(x)
 
+    def narrower_than_holder(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` has fewer dims than a model input that holds the batch size in a dim
+        other than 0, and was made without autograd: its dim 0 may be that dim's positions (a
+        table of the H rows beside (B, C, H, W) images with H == B) as well as the examples (a
+        time-step embedding). Only the model's use of the layer's output can tell: guarded
+        strictly (``grabkit.stats.rows_in_doubt``), or refused where no guard applies."""
+        holder = self._holder
+        return holder is not None and x.dim() < len(holder) and self._is_shared(x)
+
+    def holds_input(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` shares storage with the model's input (a view of the examples)."""
+        return x.untyped_storage().data_ptr() in self._storages
+
     def _is_model_state(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd that is (a view of) one of the model's parameters or
         buffers (learned latent queries, a slice of a position table): shared by the batch
@@ -456,8 +469,8 @@ class _ModelBatch:
         batched = x.dim() > 0 and x.shape[0] == b
         model_state = batched and x.grad_fn is None and self._is_model_state(x)
         if batched and not model_state:
-            holder = self._holder
-            if holder is not None and x.dim() < len(holder) and self._is_shared(x):
+            if self.narrower_than_holder(x) and not self.rows_in_doubt(x):
+                holder = self._holder
                 raise ValueError(
                     f"layer {name!r} got an input of shape {tuple(x.shape)} that is not derived "
                     f"from the model's input {tuple(holder)}, whose batch size {b} also appears "
@@ -785,7 +798,7 @@ class PerSampleStats(StatisticsSource):
         self._enter_handles: list[Any] = []
         #: id of a replayed layer running on an output whose rows are in doubt -> (the layer
         #: in doubt, its input's shape), for its own output (``_on_replayed_layer_enter``)
-        self._doubt_carried: dict[int, tuple[str, torch.Size] | None] = {}
+        self._doubt_carried: dict[int, tuple[str, torch.Size, bool] | None] = {}
         self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
         self._layers: list[_TrackedLayer] = []
@@ -1109,6 +1122,7 @@ class PerSampleStats(StatisticsSource):
         # id of the node that made each layer output of the step -> (node, layer name, output
         # number, shape): dim 0 of those holds the examples (``grabkit.stats.batch_dim``)
         self._batch_first_nodes: dict[int, Anchor] = {}
+        self._doubted_layers: set[str] = set()  # layers whose outputs the model got guarded
         if self._identity is not None:
             self._identity.begin_step()
         self.generation += 1
@@ -1203,7 +1217,11 @@ class PerSampleStats(StatisticsSource):
         is; ``_record_call`` guards its output in turn (a recurrent layer's is left plain)."""
         guarded = [a for a in (*args, *kwargs.values()) if isinstance(a, RowsInDoubt)]
         first = guarded[0] if guarded else None
-        carried = None if first is None else (first.grabkit_layer, first.grabkit_input_shape)
+        carried = (
+            None
+            if first is None
+            else (first.grabkit_layer, first.grabkit_input_shape, first.grabkit_strict)
+        )
         self._doubt_carried[id(module)] = carried
         if first is None:
             return None
@@ -1291,23 +1309,36 @@ class PerSampleStats(StatisticsSource):
         in_doubt = self._input_in_doubt(args, kwargs, group)
         carried = self._doubt_carried.pop(id(module), None) if layer.rule.whole_call else None
         if in_doubt is not None:
-            carried = (layer.name, in_doubt)
+            carried = (layer.name, *in_doubt)
         if carried is None:
             return replaced
-        guarded = guard_rows(output, *carried)
+        self._doubted_layers.add(layer.name)  # its output is no evidence of the examples
+        doubted, shape, strict = carried
+        examples = _WeakHook(self._me, "_holds_examples")
+        guarded = guard_rows(output, doubted, shape, strict=strict, examples=examples)
         return guarded if outputs is output else (guarded, *outputs[1:])
 
     def _input_in_doubt(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], group: GroupRows | None
-    ) -> torch.Size | None:
-        """The shape of a call's first input (as the model passed it, not detached) whose rows
-        were taken for the examples by its shape alone (``_ModelBatch.rows_in_doubt``), so that
+    ) -> tuple[torch.Size, bool] | None:
+        """(the shape of a call's first input (as the model passed it, not detached) whose rows
+        were taken for the examples by its shape alone (``_ModelBatch.rows_in_doubt``), whether
+        only the model's use can clear it (``narrower_than_holder``: a strict guard)), so that
         the model gets the layer's output guarded (``grabkit.stats.rows_in_doubt``); else None."""
         given = args[0] if args else next(iter(kwargs.values()))
         batch = self._batch_for(group)
         if batch is not None and batch.rows_in_doubt(given):
-            return given.shape
+            return given.shape, batch.narrower_than_holder(given)
         return None
+
+    def _holds_examples(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` holds this step's examples in dim 0: a view of the model's input (or a
+        grouped batch's), or a tensor made from the outputs of layers called on the examples
+        (not of the layers whose rows were in doubt). What ends a guard on rows in doubt."""
+        batches = [self._batch, *self._group_batches.values()]
+        if any(batch is not None and batch.holds_input(t) for batch in batches):
+            return True
+        return made_from_layer_outputs(t, self._batch_first_nodes, self._doubted_layers)
 
     def _watch_unread_outputs(self, name: str, outputs: tuple[Any, ...]) -> None:
         """Outputs after the first of a whole-call rule's layer (MultiheadAttention's attention

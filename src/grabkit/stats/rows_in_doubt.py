@@ -11,9 +11,12 @@ model does with the layer's output can. So the engine hands the model that outpu
 ``RowsInDoubt`` view (no copy, the same values), which checks at run time that the model treats
 its dim 0 as the batch:
 
-* an elementwise op (``+``, ``-``, ``*``, ``/``, ``torch.where``) with operands of no more dims:
-  the rows meet the batch in dim 0, which ends the guard (BERT's ``inputs_embeds +
-  token_type_embeddings``);
+* an elementwise op (``+``, ``-``, ``*``, ``/``, ``torch.where``) with operands of no more dims,
+  one of which holds the examples (a view of the model's input, or a tensor made from the
+  outputs of layers called on the examples, as the engine answers): the rows meet the batch in
+  dim 0, which ends the guard (BERT's ``inputs_embeds + token_type_embeddings``); with none
+  such (a mask, a buffer, another table of the same shape) the question stays open and the
+  guard continues on the result;
 * an elementwise op with an operand of more dims: broadcasting would put dim 0 elsewhere, so the
   rows were not the examples (a (T, d) table's output added to (B, T, d) hidden states):
   ``ValueError``;
@@ -27,7 +30,9 @@ its dim 0 as the batch:
   the guard continues on the result;
 * anything else (a reduction over dim 0 or all dims, an op that changes dim 0's size, a
   ``torch.cat`` or ``einsum`` with it among others): the guard ends, the result plain (what the
-  model computes never changes).
+  model computes never changes); a strict guard refuses instead. Strict guards are for inputs
+  with fewer dims than a model input that holds the batch size elsewhere (a (B, f) time-step
+  embedding beside (B, C, H, W) images with H == B), which only the model's use can clear.
 
 A tracked layer whose rule takes its whole call (``MultiheadAttention``, a recurrent layer, the
 torch.func fallback) runs on the plain tensor, since what it does inside is the layer's (its
@@ -42,6 +47,7 @@ input scaled) whose layer output the model makes sequence-first (``transpose(0, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import torch
@@ -66,6 +72,11 @@ class RowsInDoubt(torch.Tensor):
 
     grabkit_layer: str
     grabkit_input_shape: torch.Size
+    #: an op the guard cannot follow refuses instead of ending the guard (see ``guard_rows``)
+    grabkit_strict: bool
+    #: ``examples(t)``: whether the tensor ``t`` holds the step's examples in dim 0 (the
+    #: engine's answer: a view of the model's input, or made from its layers' outputs)
+    grabkit_examples: Callable[[torch.Tensor], Any] | None
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -75,26 +86,57 @@ class RowsInDoubt(torch.Tensor):
             return _beside_expanded(name, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        guarded = next((a for a in args if isinstance(a, RowsInDoubt)), None)
+        guarded = _first_guarded(args)
         if guarded is None or not isinstance(out, torch.Tensor):
             return out
         if name in ELEMENTWISE_OPS:
             operands = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
             if any(a.dim() > guarded.dim() for a in operands):
                 guarded._refuse(f"{name!r} with a tensor of more dims, which broadcasts it")
-            return out.as_subclass(torch.Tensor)
-        if args[0] is not guarded or name.startswith("new_") or name.endswith("_like"):
+            if guarded._meets_examples(operands):
+                return out.as_subclass(torch.Tensor)
+            return guarded._carried(out)  # beside a mask, a buffer, another table: still rows
+        if name.startswith("new_") or name.endswith("_like"):
             return out.as_subclass(torch.Tensor)  # not on its values (``x.new_zeros(...)``)
+        if args[0] is not guarded:
+            return guarded._ended(name, out)
         if name in _MOVES and _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
             guarded._refuse(f"{name!r}, which moves its dim 0")
         if _puts_dims_before(guarded.shape, out) or _indexes_none_first(name, args):
             guarded._refuse(f"{name!r}, which moves its dim 0 behind new dims")
         if _keeps_rows(name, guarded.shape, args, kwargs, out):
             return guarded._carried(out)
-        return out.as_subclass(torch.Tensor)
+        return guarded._ended(name, out)
 
     def _carried(self, out: torch.Tensor) -> RowsInDoubt:
-        return guard_rows(out, self.grabkit_layer, self.grabkit_input_shape)
+        return guard_rows(
+            out, self.grabkit_layer, self.grabkit_input_shape,
+            strict=self.grabkit_strict, examples=self.grabkit_examples,
+        )  # fmt: skip
+
+    def _ended(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """The result of an op the guard does not follow (an ``einsum``, a ``torch.cat``, a
+        matrix product, a reduction over dim 0): plain, or refused where the guard is strict."""
+        if self.grabkit_strict:
+            self._refuse(f"{name!r}, which PerSampleStats does not follow to the examples")
+        return out.as_subclass(torch.Tensor)
+
+    def _meets_examples(self, operands: list[torch.Tensor]) -> bool:
+        """Whether an element-wise op pairs these rows with the examples': another operand of as
+        many dims, with as many rows, that holds them (not a mask, a buffer or another table of
+        the same shape, which would leave the question open)."""
+        examples = self.grabkit_examples
+        if examples is None:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            rank, rows = self.dim(), self.shape[0]
+            return any(
+                not isinstance(a, RowsInDoubt)
+                and a.dim() == rank
+                and a.shape[0] == rows
+                and bool(examples(a))
+                for a in operands
+            )
 
     def _refuse(self, what: str) -> NoReturn:
         shape = tuple(self.grabkit_input_shape)
@@ -190,10 +232,37 @@ def _moves_dim_0(name: str, rank: int, args: tuple, kwargs: dict) -> bool:
     return (int(first) % rank == 0) != (int(second) % rank == 0)
 
 
-def guard_rows(output: torch.Tensor, layer: str, input_shape: torch.Size) -> RowsInDoubt:
-    """What the model sees instead of ``output`` (the same tensor, guarded)."""
+def guard_rows(
+    output: torch.Tensor,
+    layer: str,
+    input_shape: torch.Size,
+    *,
+    strict: bool = False,
+    examples: Callable[[torch.Tensor], Any] | None = None,
+) -> RowsInDoubt:
+    """What the model sees instead of ``output`` (the same tensor, guarded).
+
+    ``strict``: an op the guard cannot follow refuses rather than ending the guard, for an input
+    that nothing but the model's use can clear (fewer dims than a model input that holds the
+    batch size elsewhere: a (B, f) time embedding beside (B, C, H, W) images with H == B).
+    ``examples(t)`` tells whether a tensor holds the step's examples; without it no element-wise
+    op ends the guard."""
     with torch._C.DisableTorchFunctionSubclass():
         view = output.as_subclass(RowsInDoubt)
     view.grabkit_layer = layer
     view.grabkit_input_shape = torch.Size(input_shape)
+    view.grabkit_strict = strict
+    view.grabkit_examples = examples
     return view
+
+
+def _first_guarded(args: tuple) -> RowsInDoubt | None:
+    """The first guarded tensor among ``args``, also inside a list or tuple (``torch.cat``)."""
+    for a in args:
+        if isinstance(a, RowsInDoubt):
+            return a
+        if isinstance(a, (list, tuple)):
+            inner = next((b for b in a if isinstance(b, RowsInDoubt)), None)
+            if inner is not None:
+                return inner
+    return None
