@@ -595,6 +595,46 @@ def test_a_table_s_output_added_to_another_table_is_shared_otherwise(other, refe
     assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
 
 
+class ShawAttention(nn.Module):
+    """Relative position representations (Shaw et al.): a (T, T, 1) offset feature made in the
+    forward through a Linear to (T, T, d) vectors, which the attention scores take by
+    ``einsum("bqd,qkd->bqk", q, rel)``, by ``matmul`` against the (B, T, 1, d) queries, or
+    concatenated with another table along the features first. With T == B the feature's dim 0
+    has the batch size by chance; the model contracts it with the queries' positions."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.tokens, self.head = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, 2)
+        self.relative = nn.Linear(1, WIDTH)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        q = self.tokens(ids)  # (B, T, d)
+        offsets = (torch.arange(t)[:, None] - torch.arange(t)[None, :]).to(q.dtype)[..., None]
+        rel = self.relative(offsets)  # (T, T, d)
+        if self.use == "einsum":
+            scores = torch.einsum("bqd,qkd->bqk", q, rel)
+        elif self.use == "cat":
+            rel = torch.cat([rel, offsets.expand(t, t, WIDTH)], dim=-1)  # (T, T, 2d)
+            scores = torch.einsum("bqd,qkd->bqk", torch.cat([q, q], dim=-1), rel)
+        else:
+            scores = (q[:, :, None, :] @ rel.transpose(-1, -2)).squeeze(2)  # (B, T, T)
+        return self.head((scores.softmax(dim=-1) @ q).mean(dim=1))
+
+
+@pytest.mark.parametrize("use", ["einsum", "matmul", "cat"])
+def test_relative_representations_taken_by_einsum_or_matmul_are_refused(use):
+    """An ``einsum`` that takes the table's dim 0 to another dim than the batch's, a ``matmul``
+    that broadcasts it against more dims, a ``torch.cat`` along later dims with another table:
+    the rows are not the examples, and the check follows them there. On the old code each op
+    ended the check, and the relative Linear's per-example norms were silently wrong."""
+    torch.manual_seed(0)
+    model = ShawAttention(use)
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match="'relative'"):
+        model(torch.randint(0, VOCAB, (B, B)))
+
+
 class TimestepUNet(nn.Module):
     """A diffusion model's shape: images (B, C, H, W) through a convolution, plus a (B, 6)
     sinusoidal embedding of the (B,) time steps, made in the forward without autograd, through

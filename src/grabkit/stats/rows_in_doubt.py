@@ -28,9 +28,14 @@ its dim 0 as the batch:
   ``unsqueeze``, ``squeeze``, ``view``, ``reshape`` or ``flatten`` that keep dim 0's size, an
   index that keeps dim 0 whole (``x[..., 0]``), a sum, mean or other reduction over later dims:
   the guard continues on the result;
-* anything else (a reduction over dim 0 or all dims, an op that changes dim 0's size, a
-  ``torch.cat`` or ``einsum`` with it among others): the guard ends, the result plain (what the
-  model computes never changes); a strict guard refuses instead. Strict guards are for inputs
+* an ``einsum`` (explicit output), a matrix product or a ``torch.cat`` with other tensors: read
+  like an elementwise op where dim 0 stays dim 0 of the result (ended beside the examples,
+  continued beside other tables); ``ValueError`` where it goes elsewhere (an ``einsum`` that
+  contracts it with the queries' positions, as relative position representations do; a
+  ``matmul`` that broadcasts it against more dims or contracts it; a ``cat`` along dim 0);
+* anything else (a reduction over dim 0 or all dims, an op that changes dim 0's size, an
+  ``einsum`` with an ellipsis): the guard ends, the result plain (what the model computes never
+  changes); a strict guard refuses instead. Strict guards are for inputs
   with fewer dims than a model input that holds the batch size elsewhere (a (B, f) time-step
   embedding beside (B, C, H, W) images with H == B), which only the model's use can clear.
 
@@ -62,6 +67,9 @@ _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "logsumexp", "no
 _MOVES = frozenset(
     {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "T", "mT", "H", "mH"}
 )
+#: ops that combine the rows with other tensors along dims they name (``_combined``)
+_MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm"})
+_COMBINING = _MATMULS | {"einsum", "cat", "concat", "concatenate"}
 
 
 class RowsInDoubt(torch.Tensor):
@@ -98,6 +106,8 @@ class RowsInDoubt(torch.Tensor):
             return guarded._carried(out)  # beside a mask, a buffer, another table: still rows
         if name.startswith("new_") or name.endswith("_like"):
             return out.as_subclass(torch.Tensor)  # not on its values (``x.new_zeros(...)``)
+        if name in _COMBINING:
+            return guarded._combined(name, args, kwargs, out)
         if args[0] is not guarded:
             return guarded._ended(name, out)
         if name in _MOVES and _moves_dim_0(name, guarded.dim(), args[1:], kwargs):
@@ -125,18 +135,36 @@ class RowsInDoubt(torch.Tensor):
         """Whether an element-wise op pairs these rows with the examples': another operand of as
         many dims, with as many rows, that holds them (not a mask, a buffer or another table of
         the same shape, which would leave the question open)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            rank = self.dim()
+            return self._any_holds_examples([a for a in operands if a.dim() == rank])
+
+    def _any_holds_examples(self, paired: list[torch.Tensor]) -> bool:
+        """Whether one of ``paired`` (tensors whose dim 0 meets these rows) holds the examples."""
         examples = self.grabkit_examples
         if examples is None:
             return False
         with torch._C.DisableTorchFunctionSubclass():
-            rank, rows = self.dim(), self.shape[0]
+            rows = self.shape[0]
             return any(
-                not isinstance(a, RowsInDoubt)
-                and a.dim() == rank
-                and a.shape[0] == rows
-                and bool(examples(a))
-                for a in operands
+                not isinstance(a, RowsInDoubt) and a.shape[0] == rows and bool(examples(a))
+                for a in paired
             )
+
+    def _combined(self, name: str, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        """An ``einsum``, a matrix product or a ``torch.cat`` with other tensors: refused where it
+        takes the rows' dim 0 elsewhere than dim 0 of the result (an ``einsum`` that contracts it
+        with the queries' positions, a ``matmul`` that broadcasts it against more dims); ended
+        where it pairs them with the examples in dim 0; else the guard continues."""
+        with torch._C.DisableTorchFunctionSubclass():
+            placed = _rows_placed(name, self, args, kwargs)
+        if isinstance(placed, str):
+            self._refuse(placed)
+        if placed is None:
+            return self._ended(name, out)
+        if self._any_holds_examples(placed):
+            return out.as_subclass(torch.Tensor)
+        return self._carried(out)
 
     def _refuse(self, what: str) -> NoReturn:
         shape = tuple(self.grabkit_input_shape)
@@ -254,6 +282,50 @@ def guard_rows(
     view.grabkit_strict = strict
     view.grabkit_examples = examples
     return view
+
+
+def _rows_placed(
+    name: str, guarded: RowsInDoubt, args: tuple, kwargs: dict
+) -> list[torch.Tensor] | str | None:
+    """Where an op combining ``guarded`` with other tensors puts its dim 0: the other operands
+    whose dim 0 meets it in dim 0 of the result (a list, maybe empty), the reason it is refused
+    (it goes elsewhere), or None where the op's arguments are not read here."""
+    if name == "einsum":
+        return _einsum_rows(guarded, args)
+    if name in _MATMULS:
+        first, second = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
+        others = [t for t in (first, second) if t is not guarded]
+        if any(t.dim() > guarded.dim() for t in others):
+            return f"{name!r} with a tensor of more dims, which broadcasts it"
+        if guarded.dim() > 2:  # a batch dim: paired with the other operand's dim 0
+            return [t for t in others if t.dim() == guarded.dim()]
+        return [] if first is guarded else f"{name!r}, which contracts its dim 0"
+    tensors = args[0] if args else kwargs.get("tensors", ())
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if not isinstance(dim, int) or any(t.dim() != guarded.dim() for t in tensors):
+        return None
+    if dim % guarded.dim() == 0:
+        return f"{name!r} along its dim 0, which puts other rows among its rows"
+    return [t for t in tensors if t is not guarded]
+
+
+def _einsum_rows(guarded: RowsInDoubt, args: tuple) -> list[torch.Tensor] | str | None:
+    """``_rows_placed`` for ``einsum(equation, *operands)`` with an explicit output."""
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    at = next((i for i, t in enumerate(operands) if t is guarded), None)
+    if at is None or len(terms) != len(operands) or not terms[at]:
+        return None
+    letter = terms[at][0]
+    if output[:1] != letter:
+        where = f"dim {output.index(letter)}" if letter in output else "a sum over it"
+        return f"'einsum', which takes its dim 0 to {where} of the result"
+    return [t for i, t in enumerate(operands) if i != at and terms[i][:1] == letter]
 
 
 def _first_guarded(args: tuple) -> RowsInDoubt | None:
