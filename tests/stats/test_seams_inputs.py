@@ -635,6 +635,28 @@ def test_relative_representations_taken_by_einsum_or_matmul_are_refused(use):
         model(torch.randint(0, VOCAB, (B, B)))
 
 
+@pytest.mark.parametrize("use", ["einsum", "matmul"])
+def test_relative_representations_are_shared_otherwise(use, reference_tools):
+    """With T != B the (T, T, d) table is shared by the batch and handed to the model expanded
+    to (B, T, T, d): the ``einsum`` gets the batch's letter on it, and the ``matmul``
+    (after a transpose of the table's own dims) broadcasts it against the queries' batch as the
+    model's own call would, so each example gets its own copy: exact (a torch error on the old
+    code: the einsum's equation, the transpose refused)."""
+    torch.manual_seed(0)
+    model, ids = ShawAttention(use), torch.randint(0, VOCAB, (B, B + 1))
+    assert_exact(model, lambda rows: model(ids[rows]).square().sum(), reference_tools)
+
+
+def test_a_table_shared_by_the_batch_that_fails_expanded_is_refused_clearly():
+    """An op that fails on the expanded table (a ``torch.cat`` with a tensor of the model's
+    shape) is refused with the layer named and the fix, the torch error chained, where the
+    torch error alone said nothing of the expansion."""
+    torch.manual_seed(0)
+    model = ShawAttention("cat")
+    with PerSampleStats(model, "sum"), pytest.raises(ValueError, match=r"'relative'.*'cat'"):
+        model(torch.randint(0, VOCAB, (B, B + 1)))
+
+
 class TimestepUNet(nn.Module):
     """A diffusion model's shape: images (B, C, H, W) through a convolution, plus a (B, 6)
     sinusoidal embedding of the (B,) time steps, made in the forward without autograd, through

@@ -20,10 +20,18 @@ no extra computation (shapes only):
 * ``unsqueeze(0)`` (the model adds the batch dim itself), conversions (``to``, ``float``,
   ``contiguous``), ``detach``, and reads of dtype, device or autograd state: allowed;
 * ``permute`` of the model's dims (T5's relative position bias, an Embedding of (T, S) buckets
-  permuted to (H, T, S)): the same permutation of the expanded dims, the batch kept in front;
-* anything else (a reduction, a reshape, indexing, a read of the shape, dropout, a matmul
-  against it): ``ValueError``, naming the layer and the operation; the model would compute
-  something else.
+  permuted to (H, T, S)), or ``transpose`` of two of them: the same permutation of the expanded
+  dims, the batch kept in front;
+* a matrix product whose result has the shape of the model's own (its leading dims broadcast
+  against the batch as the model's would: ``q[:, :, None] @ rel.transpose(-1, -2)``), read as
+  an elementwise op is;
+* ``einsum`` with an explicit result whose dim 0 is the batch, under a letter that an operand
+  holding B rows starts with: computed with that letter put in front of the expanded operands'
+  terms (``"bqd,qkd->bqk"`` as ``"bqd,bqkd->bqk"``: relative position representations), the
+  model's own result, each example contracting its own copy;
+* anything else (a reduction, a reshape, indexing, a read of the shape, dropout, a ``cat``):
+  ``ValueError``, naming the layer and the operation (and chaining torch's error where the op
+  fails on the expanded shape); the model would compute something else.
 
 Shape reads are refused too: the model would see the expanded shape.
 """
@@ -33,6 +41,7 @@ from __future__ import annotations
 from typing import Any, NoReturn
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "ELEMENTWISE_OPS",
@@ -62,6 +71,10 @@ _HARMLESS = frozenset(
         "is_floating_point", "data_ptr", "__repr__", "__format__", "_version",
     }
 )  # fmt: skip
+
+
+_SWAPS = frozenset({"transpose", "swapaxes", "swapdims"})
+_MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__"})
 
 
 def op_name(func: Any) -> str:
@@ -107,11 +120,20 @@ class BatchExpanded(torch.Tensor):
         name = op_name(func)
         if name == "permute" and args and isinstance(args[0], BatchExpanded):
             return args[0]._permuted(args[1:], kwargs)
+        if name in _SWAPS and args and isinstance(args[0], BatchExpanded):
+            return args[0]._swapped(args[1:], kwargs)
+        if name == "einsum":
+            return _batched_einsum(args)
+        guarded = _first_expanded((*args, *kwargs.values()))
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        if name in _HARMLESS:
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError as error:  # an op the expanded shape breaks (a cat, a view)
+                if guarded is None:
+                    raise
+                guarded._refuse(name, error)
+        if name in _HARMLESS or guarded is None:
             return out
-        guarded = next(a for a in (*args, *kwargs.values()) if isinstance(a, BatchExpanded))
         return guarded._checked(name, args, kwargs, out)
 
     def _permuted(self, dims: tuple, kwargs: dict) -> BatchExpanded:
@@ -137,6 +159,18 @@ class BatchExpanded(torch.Tensor):
         permuted = torch.Size(model_shape[d] for d in order)
         return _wrap(out, permuted, self.grabkit_layer, self.grabkit_batch)
 
+    def _swapped(self, dims: tuple, kwargs: dict) -> BatchExpanded:
+        """``transpose(d0, d1)`` (``swapaxes``, ``swapdims``) of the model's dims: the
+        permutation that swaps them, applied as ``_permuted`` does."""
+        given = [*dims, *kwargs.values()]
+        rank = len(self.grabkit_model_shape)
+        if len(given) != 2 or not rank:
+            self._refuse("transpose")
+        first, second = (int(d) % rank for d in given)
+        order = list(range(rank))
+        order[first], order[second] = order[second], order[first]
+        return self._permuted((order,), {})
+
     def _checked(self, name: str, args: tuple, kwargs: dict, out: Any) -> Any:
         batch = self.grabkit_batch
         if name in SAME_OPS and args and args[0] is self and isinstance(out, torch.Tensor):
@@ -152,7 +186,7 @@ class BatchExpanded(torch.Tensor):
                 return _wrap(out, model, self.grabkit_layer, batch)
         self._refuse(name)
 
-    def _refuse(self, name: str) -> NoReturn:
+    def _refuse(self, name: str, cause: BaseException | None = None) -> NoReturn:
         batch = self.grabkit_batch
         raise ValueError(
             f"layer {self.grabkit_layer!r} got an input shared by the batch, so PerSampleStats "
@@ -163,7 +197,7 @@ class BatchExpanded(torch.Tensor):
             f"passes it to {name!r}, where the expansion would change what it computes. Give "
             f"that layer's input an explicit batch dim (e.g. pos.unsqueeze(0).expand(B, -1)), or "
             f"combine its output with the batch first."
-        )
+        ) from cause
 
     def _model_result(self, name: str, args: tuple, kwargs: dict, out: torch.Tensor):
         """The shape the model's own result would have, for the ops whose result shape follows
@@ -176,11 +210,65 @@ class BatchExpanded(torch.Tensor):
                 return None
         if name == "scaled_dot_product_attention":
             return _attention_result(args, kwargs)
+        if name in _MATMULS and len(args) == 2:
+            return _matmul_result(name, args)
         if name in UNARY_OPS and args and args[0] is self:
             return self.grabkit_model_shape
         if name in ROW_WISE_OPS and args and args[0] is self:
             return torch.Size((*self.grabkit_model_shape[:-1], out.shape[-1]))
         return None
+
+
+def _first_expanded(values: tuple) -> BatchExpanded | None:
+    """The first expanded tensor among ``values``, also inside containers (``torch.cat``)."""
+    return next((v for v in tree_leaves(values) if isinstance(v, BatchExpanded)), None)
+
+
+def _matmul_result(name: str, args: tuple) -> torch.Size | None:
+    """The shape of the model's own matrix product of two operands of 2 dims or more (their
+    leading dims broadcast); None for a vector operand."""
+    first, second = (args[1], args[0]) if name == "__rmatmul__" else (args[0], args[1])
+    a, b = _model_shape(first), _model_shape(second)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    try:
+        batch = torch.broadcast_shapes(a[:-2], b[:-2])
+    except RuntimeError:
+        return None
+    return torch.Size((*batch, a[-2], b[-1]))
+
+
+def _batched_einsum(args: tuple) -> torch.Tensor:
+    """``einsum(equation, *operands)`` with expanded operands, computed with the batch's letter
+    put in front of their terms: the letter of the result's dim 0, where an operand that is
+    not expanded holds B rows under it (``"bqd,qkd->bqk"`` becomes ``"bqd,bqkd->bqk"``). Each
+    example then contracts its own copy of the table, which is the model's own result; any
+    other equation (no such letter, an ellipsis, an implicit result) is refused."""
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    guarded = _first_expanded(tuple(operands))
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        guarded._refuse("einsum")
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    letter, batch = output[:1], guarded.grabkit_batch
+    with torch._C.DisableTorchFunctionSubclass():
+        holds = any(
+            not isinstance(t, BatchExpanded) and term[:1] == letter and t.shape[0] == batch
+            for t, term in zip(operands, terms, strict=False)
+        )
+        if not letter or not holds or len(terms) != len(operands):
+            guarded._refuse("einsum")
+        for i, t in enumerate(operands):
+            if isinstance(t, BatchExpanded):
+                if t.dim() != len(t.grabkit_model_shape) + 1 or letter in terms[i]:
+                    guarded._refuse("einsum")
+                terms[i] = letter + terms[i]
+        try:
+            return torch.einsum(",".join(terms) + "->" + output, *operands)
+        except RuntimeError as error:
+            guarded._refuse("einsum", error)
 
 
 def _attention_result(args: tuple, kwargs: dict) -> torch.Size | None:
