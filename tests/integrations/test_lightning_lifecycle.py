@@ -469,3 +469,50 @@ def test_a_second_fit_after_max_steps_on_its_trainer_trains_as_lightning_does(tm
     assert sampler.orders_history == expected.orders_history
     for name, value in net.named_parameters():
         assert torch.equal(dict(module.net.named_parameters())[name], value), name
+
+
+class AdaptiveClassifier(Classifier):
+    """Windows of five microbatches (``max_batch_draws=5``, a threshold never met): two epochs
+    of 12 batches end with a window of four still open, which the fit's end applies."""
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.parameters(), lr=LR)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=5, norm_threshold=0.0)
+
+
+def adaptive_fit(root, max_epochs: int, ckpt_path=None, save_after: str | None = None):
+    """``AdaptiveAccumulationCallback`` with ``ModelCheckpoint`` at every epoch's end; with
+    ``save_after``, ``trainer.save_checkpoint(save_after)`` once the fit has ended."""
+    module = AdaptiveClassifier()
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    callback = AdaptiveAccumulationCallback()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(root), callbacks=[callback, saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B), ckpt_path=ckpt_path)
+    if save_after is not None:
+        trainer.save_checkpoint(save_after)
+    return module, callback.wrapper
+
+
+def test_adaptive_accumulation_continued_after_the_fit_ended(tmp_path):
+    """A 2-epoch fit continued to 3 epochs. ``ModelCheckpoint``'s last checkpoint is saved at
+    the epoch's end, before the fit's end applies the open window: continued from it, the run
+    is the 3-epoch run. The checkpoint saved after the fit holds that early update (the window's
+    four microbatches applied alone): continued from it, the run is not the uninterrupted one
+    (other windows, other parameters), and warns."""
+    full, full_wrapper = adaptive_fit(tmp_path / "full", 3)
+    adaptive_fit(tmp_path / "short", 2, save_after=str(tmp_path / "after_fit.ckpt"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="AdaptiveAccumulationCallback")
+        last_epoch = tmp_path / "short" / "epoch=1.ckpt"
+        resumed, wrapper = adaptive_fit(tmp_path / "resumed", 3, last_epoch)
+    assert wrapper.num_steps == full_wrapper.num_steps == 8
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+    with pytest.warns(UserWarning, match=r"AdaptiveAccumulationCallback: .*after_fit\.ckpt"):
+        continued, _ = adaptive_fit(tmp_path / "continued", 3, tmp_path / "after_fit.ckpt")
+    parameters = dict(continued.net.named_parameters())
+    assert not all(torch.equal(parameters[n], v) for n, v in full.net.named_parameters())

@@ -540,6 +540,13 @@ class AdaptiveAccumulationCallback(Callback):
     decay are counted in updates, a ``frequency`` of k in k real updates), and the window still
     open when training ends is applied (``flush``).
 
+    Continuing a finished fit. ``ModelCheckpoint`` saves at the last epoch's end, before the
+    fit's end applies the open window: a fit continued from that checkpoint (more epochs, or a
+    larger ``max_steps``) equals the uninterrupted longer run. A checkpoint saved after the fit
+    (``trainer.save_checkpoint``), or a second ``fit`` of the same module, holds that early
+    update, so the continued run has it too and is not the uninterrupted one: the callback warns
+    at train start (the wrapper's ``last_reason`` is ``"flushed"``).
+
     Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``) the wrapper all-reduces what it decides on,
     so every rank takes the same decisions, and the run is the one-process run over the global
     microbatches (clipping, the flush and a checkpoint inside a window included), provided every
@@ -585,6 +592,22 @@ class AdaptiveAccumulationCallback(Callback):
                 # every `frequency` real updates: Lightning calls it after every microbatch
                 frequency, config.frequency = config.frequency, 1
                 config.scheduler = RealUpdateSchedule(config.scheduler, wrapper, frequency)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Warn when the fit continues from a wrapper whose last act was the train-end flush
+        (its optimizer state is restored by now, after ``on_fit_start``)."""
+        counters = self.wrapper.counters
+        if counters.last_reason != "flushed":
+            return
+        source = f"the checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the last fit"
+        rank_zero_warn(
+            f"AdaptiveAccumulationCallback: {source} ended a fit whose end applied the open "
+            f"accumulation window early (its last {counters.last_step_num_draws} microbatches, "
+            "as that fit's final model needs); continuing from it is not the uninterrupted run, "
+            "which would have accumulated on, but has that update in it. For an exact "
+            "continuation, resume from the checkpoint ModelCheckpoint saved at the last epoch's "
+            "end (before the fit's end applied the window) or from an earlier one."
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         count = self.count_fn(batch)
