@@ -286,6 +286,16 @@ def test_save_state_before_the_sampler_stepped_its_backwards_is_refused(tmp_path
         _accumulating_run(tmp_path, save_at=3)
 
 
+def test_save_state_inside_an_accumulation_window_is_refused(tmp_path):
+    """The sampler stepped after every microbatch, the state saved after the first microbatch
+    of a window (a loop stopped there, or a save counted in microbatches): accelerate's
+    save_state holds no accumulated gradient, so the resumed run stepped on the window's second
+    microbatch alone; its data and order resumed exactly and its parameters differed, without a
+    word. Refused, naming sync_gradients."""
+    with pytest.raises(ValueError, match=r"inside an accumulation window.*sync_gradients"):
+        _accumulating_run(tmp_path, save_at=3, step_every=True)
+
+
 def test_accelerate_accumulate_window_resumes_bitwise(tmp_path):
     """The same loop saved after a window's last microbatch (its optimizer step)."""
     full = _accumulating_run(tmp_path, save_at=4)
@@ -307,9 +317,10 @@ def _mlp_and_rows() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset]:
     return model, torch.utils.data.TensorDataset(x, y, torch.arange(14))
 
 
-def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
+def _accumulating_run(root, *, save_at=None, resume=None, step_every=False) -> dict:
     """``_mlp_and_rows`` in batches of 2 under accumulate() with 2 microbatches a window, 3
-    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end)."""
+    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end), or
+    after every microbatch (``step_every``)."""
     folder = None if root is None else str(root)
     accelerator = Accelerator(cpu=True, project_dir=folder, gradient_accumulation_steps=2)
     model, data = _mlp_and_rows()
@@ -327,7 +338,7 @@ def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
         for x, y, index in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients or step_every:
                     sampler.step()  # the window's microbatches, each to its own examples
                 optimizer.step()
                 optimizer.zero_grad()
