@@ -387,7 +387,7 @@ def test_a_loop_continued_after_its_end_equals_the_longer_run_or_warns(tmp_path)
     applies. A state saved before that flush holds the open window: continued to three epochs,
     the run is the three-epoch run (orders, parameters, updates, noise scale). A state saved
     after it holds the early update: continued, it had one update more (5 against 4) and other
-    parameters and noise scale, without a word; it warns at the first adaptive_step."""
+    parameters and noise scale, without a word; the wrapper warns at its first step."""
     full = _adaptive_run(tmp_path / "full", 3)
     for save in ("before", "after"):
         _reset()
@@ -395,14 +395,14 @@ def test_a_loop_continued_after_its_end_equals_the_longer_run_or_warns(tmp_path)
         _reset()
         if save == "before":
             with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="adaptive_step")
+                warnings.filterwarnings("error", message="OptimizerWrapperGNTS")
                 continued = _adaptive_run(tmp_path / save, 3, resume=True)
             assert continued["orders"][-1] == full["orders"][-1]
             assert continued["noise"] == full["noise"] and continued["updates"] == 4
             for name, value in continued["params"].items():
                 assert torch.equal(value, full["params"][name]), name
         else:
-            with pytest.warns(UserWarning, match=r"adaptive_step: .*flush\(\)"):
+            with pytest.warns(UserWarning, match=r"OptimizerWrapperGNTS: .*after flush\(\)"):
                 continued = _adaptive_run(tmp_path / save, 3, resume=True)
             assert continued["updates"] == full["updates"] + 1
 

@@ -26,8 +26,8 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   unflushed, its microbatches are never applied (a ``save_state`` holds them for a resume).
   ``save_state`` before that flush: the state holds the open window, and a run continued
   from it (more epochs) is the uninterrupted longer run; a state saved after it holds the
-  window's early update, so a continuation has that update too, and its first
-  ``adaptive_step`` warns.
+  window's early update, so a continuation has that update too, and the wrapper warns at its
+  first step.
 * :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
@@ -54,7 +54,6 @@ Nothing here imports accelerate; it works with any object that has ``.optimizer`
 from __future__ import annotations
 
 import sys
-import warnings
 from typing import Any
 
 import torch
@@ -92,7 +91,6 @@ def adaptive_step(
     optimizer stepped (the wrapper's answer; False also for an overflowed fp16 microbatch).
     """
     wrapper = _unwrap(optimizer)
-    _warn_if_continuing_a_flush(wrapper)
     state = getattr(optimizer, "gradient_state", None)
     steps = getattr(state, "num_steps", 1)
     if steps != 1:
@@ -108,34 +106,6 @@ def adaptive_step(
         scaler.update()
         return bool(stepped)
     return wrapper.step(count=count, metric=metric)
-
-
-def _warn_if_continuing_a_flush(wrapper: AdaptiveAccumulationWrapper) -> None:
-    """Warn at the first ``adaptive_step`` of a wrapper whose last act was a ``flush()``: one
-    loaded (``load_state``) from a state saved after the flush at a loop's end.
-
-    That flush applied a partial window early; a run that ended there and is continued from its
-    state keeps the early update, which the uninterrupted longer run never made (it accumulated
-    on). The state cannot tell a train-end flush from one the loop makes at the same place in
-    every run (which would continue exactly), so this warns rather than refuses.
-    """
-    if wrapper.__dict__.get("_adaptive_stepped"):
-        return
-    wrapper._adaptive_stepped = True
-    counters = wrapper.counters
-    if counters.last_reason != "flushed":
-        return
-    warnings.warn(
-        "adaptive_step: this AdaptiveAccumulationWrapper was loaded with a state saved right "
-        f"after flush() applied a partial window ({counters.last_step_num_draws} microbatches) "
-        "early. If the run that saved it flushed because it ended there, this continuation "
-        "keeps that early update and is not the uninterrupted longer run, which would have "
-        "accumulated on. For an exact continuation, call accelerator.save_state before "
-        "optimizer.optimizer.flush() at the end of the loop: the state then holds the open "
-        "window.",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 class SamplerCheckpoint:

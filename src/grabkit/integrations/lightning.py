@@ -599,6 +599,7 @@ class AdaptiveAccumulationCallback(Callback):
         counters = self.wrapper.counters
         if counters.last_reason != "flushed":
             return
+        self.wrapper.continues_a_flush = False  # said here, in Lightning's terms
         source = f"the checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the last fit"
         rank_zero_warn(
             f"AdaptiveAccumulationCallback: {source} ended a fit whose end applied the open "
