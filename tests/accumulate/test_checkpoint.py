@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import warnings
 
 import pytest
 import torch
@@ -86,6 +87,39 @@ def test_resume_at_every_microbatch_is_bitwise_identical(kind):
         for got, want in zip(resumed.parameters(), final, strict=True):
             assert torch.equal(got, want), f"resumed at microbatch {cut}"
         assert w2.statistics() == final_stats
+
+
+def _windows_of_four(model) -> OptimizerWrapperGNTS:
+    inner = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return OptimizerWrapperGNTS(inner, max_batch_draws=4, norm_threshold=0.0)
+
+
+def test_a_run_continued_from_its_end_is_the_longer_run_when_saved_before_the_flush():
+    """A run of 6 microbatches (windows of four) ends with two open, which ``flush()`` applies.
+    Its state saved before that flush, continued over the next 4 microbatches, is the
+    10-microbatch run; saved after it (the early update in it), the continuation differs, and
+    its first step warns (it continued without a word)."""
+    batches = make_microbatches(SIZES, seed=5)
+    model = make_model(0)
+    train("gnts", model, _windows_of_four(model), None, batches)
+    first = make_model(0)
+    ending = _windows_of_four(first)
+    train("gnts", first, ending, None, batches[:6])
+    states = {"before": checkpoint(first, ending, None)}
+    assert ending.flush()
+    states["after"] = checkpoint(first, ending, None)
+    for when, saved in states.items():
+        resumed = make_model(123)
+        wrapper = _windows_of_four(resumed)
+        resumed.load_state_dict(saved["model"])
+        wrapper.load_state_dict(saved["wrapper"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train("gnts", resumed, wrapper, None, batches[6:])
+        warned = [w for w in caught if "after flush()" in str(w.message)]
+        pairs = zip(resumed.parameters(), model.parameters(), strict=True)
+        same = all(torch.equal(p, q) for p, q in pairs)
+        assert (same, len(warned)) == ((True, 0) if when == "before" else (False, 1)), when
 
 
 def test_state_dict_holds_only_plain_types():

@@ -3,6 +3,8 @@ accelerate, tiny BERT, CPU, one process."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from grabkit.integrations.accelerate import (  # noqa: E402
     adaptive_step,
     shard_by_sampler,
 )
+from grabkit.noise import AccumulationNoiseScale  # noqa: E402
 from grabkit.order import GraBSampler  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -283,6 +286,16 @@ def test_save_state_before_the_sampler_stepped_its_backwards_is_refused(tmp_path
         _accumulating_run(tmp_path, save_at=3)
 
 
+def test_save_state_inside_an_accumulation_window_is_refused(tmp_path):
+    """The sampler stepped after every microbatch, the state saved after the first microbatch
+    of a window (a loop stopped there, or a save counted in microbatches): accelerate's
+    save_state holds no accumulated gradient, so the resumed run stepped on the window's second
+    microbatch alone; its data and order resumed exactly and its parameters differed, without a
+    word. Refused, naming sync_gradients."""
+    with pytest.raises(ValueError, match=r"inside an accumulation window.*sync_gradients"):
+        _accumulating_run(tmp_path, save_at=3, step_every=True)
+
+
 def test_accelerate_accumulate_window_resumes_bitwise(tmp_path):
     """The same loop saved after a window's last microbatch (its optimizer step)."""
     full = _accumulating_run(tmp_path, save_at=4)
@@ -304,9 +317,10 @@ def _mlp_and_rows() -> tuple[torch.nn.Module, torch.utils.data.TensorDataset]:
     return model, torch.utils.data.TensorDataset(x, y, torch.arange(14))
 
 
-def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
+def _accumulating_run(root, *, save_at=None, resume=None, step_every=False) -> dict:
     """``_mlp_and_rows`` in batches of 2 under accumulate() with 2 microbatches a window, 3
-    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end)."""
+    epochs; the hook-mode sampler stepped when accelerate synchronises (a window's end), or
+    after every microbatch (``step_every``)."""
     folder = None if root is None else str(root)
     accelerator = Accelerator(cpu=True, project_dir=folder, gradient_accumulation_steps=2)
     model, data = _mlp_and_rows()
@@ -324,7 +338,7 @@ def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
         for x, y, index in loader:
             with accelerator.accumulate(model):
                 accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients or step_every:
                     sampler.step()  # the window's microbatches, each to its own examples
                 optimizer.step()
                 optimizer.zero_grad()
@@ -333,3 +347,66 @@ def _accumulating_run(root, *, save_at=None, resume=None) -> dict:
             if microbatches == save_at:
                 accelerator.save_state(str(root / "state"))
     return {"seen": seen, "orders": sampler.orders_history, "params": params(model)}
+
+
+def _adaptive_run(root, epochs: int, *, resume=False, save=None) -> dict:
+    """``_mlp_and_rows`` in batches of 3 (5 an epoch), GraB, windows of four microbatches
+    (``adaptive_step``) across epochs, and the noise scale of the windows applied; after the
+    loop the wrapper's flush, with ``save_state`` before it (``save="before"``) or after it."""
+    accelerator = Accelerator(cpu=True, project_dir=str(root))
+    model, data = _mlp_and_rows()
+    sampler = GraBSampler(data, model=model, batch_size=3, record_orders=True)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = OptimizerWrapperGNTS(sgd, max_batch_draws=4, norm_threshold=0.0)
+    noise = AccumulationNoiseScale(model, optimizer=wrapper, update_rate=0.5)
+    loader = DataLoader(data, sampler=sampler, batch_size=3)
+    model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+    accelerator.register_for_checkpointing(SamplerCheckpoint(sampler), noise)
+    if resume:
+        accelerator.load_state(str(root / "state"))
+    for epoch in range(sampler.epoch + resume, epochs):
+        loader.set_epoch(epoch)
+        for x, y, _ in loader:
+            accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+            sampler.step()
+            adaptive_step(optimizer, count=len(y))
+    if save == "before":
+        accelerator.save_state(str(root / "state"))
+    optimizer.optimizer.flush()
+    if save == "after":
+        accelerator.save_state(str(root / "state"))
+    result = noise.estimate
+    return {
+        "orders": sampler.orders_history, "params": params(model), "updates": wrapper.num_steps,
+        "noise": (result.grad_norm_sq, result.trace_sigma, result.observations),
+    }  # fmt: skip
+
+
+def test_a_loop_continued_after_its_end_equals_the_longer_run_or_warns(tmp_path):
+    """Two epochs end with a window of two microbatches open, which the flush after the loop
+    applies. A state saved before that flush holds the open window: continued to three epochs,
+    the run is the three-epoch run (orders, parameters, updates, noise scale). A state saved
+    after it holds the early update: continued, it had one update more (5 against 4) and other
+    parameters and noise scale, without a word; the wrapper warns at its first step."""
+    full = _adaptive_run(tmp_path / "full", 3)
+    for save in ("before", "after"):
+        _reset()
+        _adaptive_run(tmp_path / save, 2, save=save)
+        _reset()
+        if save == "before":
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="OptimizerWrapperGNTS")
+                continued = _adaptive_run(tmp_path / save, 3, resume=True)
+            assert continued["orders"][-1] == full["orders"][-1]
+            assert continued["noise"] == full["noise"] and continued["updates"] == 4
+            for name, value in continued["params"].items():
+                assert torch.equal(value, full["params"][name]), name
+        else:
+            with pytest.warns(UserWarning, match=r"OptimizerWrapperGNTS: .*after flush\(\)"):
+                continued = _adaptive_run(tmp_path / save, 3, resume=True)
+            assert continued["updates"] == full["updates"] + 1
+
+
+def _reset() -> None:
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

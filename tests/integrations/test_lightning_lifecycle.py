@@ -411,17 +411,20 @@ def test_an_evaluation_loader_drawing_from_the_grab_sampler_is_refused(tmp_path,
             getattr(trainer, stage)(module, loader)
 
 
-def steps_fit(root, max_steps: int, ckpt_path=None, every: int | None = None):
+def steps_fit(root, max_steps: int, ckpt_path=None, every: int | None = None, **limits):
     """GraB for ``max_steps`` updates (6 an epoch); ``ModelCheckpoint`` every ``every`` steps, or
-    (None) at the end of each epoch, which includes the end of the fit that ``max_steps`` ends."""
+    (None) at the end of each epoch, which includes the end of the fit that ``max_steps`` ends;
+    ``trainer.save_checkpoint`` to ``root / "after_fit.ckpt"`` once the fit has ended.
+    ``limits``: other Trainer limits (``max_epochs`` with ``max_steps=-1``)."""
     module, dataset = Classifier(), data()
     sampler = GraBSampler(dataset, model=module.net, seed=0, record_orders=True)
     cadence = {"every_n_train_steps": every} if every else {}
     saver = L.callbacks.ModelCheckpoint(
         dirpath=str(root), filename="{step}", save_top_k=-1, **cadence
     )
-    trainer = grab_trainer(root, sampler, saver, max_steps=max_steps)
+    trainer = grab_trainer(root, sampler, saver, max_steps=max_steps, **limits)
     trainer.fit(module, DataLoader(dataset, sampler=sampler, batch_size=B), ckpt_path=ckpt_path)
+    trainer.save_checkpoint(root / "after_fit.ckpt")
     return module, sampler
 
 
@@ -437,15 +440,42 @@ def test_a_max_steps_fit_continued_from_a_step_checkpoint_is_the_uninterrupted_r
         assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
 
 
-def test_a_max_steps_fit_continued_from_its_epoch_end_checkpoint_is_refused(tmp_path):
-    """The checkpoint that ``ModelCheckpoint`` saves at the end of a fit that ``max_steps`` ended
-    inside an epoch counts that epoch as processed: continued with a larger ``max_steps``,
-    Lightning trains the epoch's rest but numbers it (``set_epoch``) one above, and the sampler
-    abandoned the rest and balanced those batches as a new epoch (rows 16 on differed from the
-    uninterrupted run's). Refused, naming the checkpoint's epoch and the fix."""
+@pytest.mark.parametrize("saved", ["step=4.ckpt", "after_fit.ckpt"])
+def test_a_max_steps_fit_continued_from_its_end_inside_an_epoch_is_refused(tmp_path, saved):
+    """The checkpoint saved at the end of a fit that ``max_steps`` ended inside an epoch (by
+    ``ModelCheckpoint`` at the epoch's end, or ``trainer.save_checkpoint`` after the fit) counts
+    that epoch as processed: continued with a larger ``max_steps``, Lightning trains the epoch's
+    rest but numbers it (``set_epoch``) one above, and the sampler abandoned the rest and
+    balanced those batches as a new epoch (rows 16 on differed from the uninterrupted run's;
+    from the checkpoint after the fit, without a word). Refused, naming the checkpoint's epoch
+    and the fix."""
     steps_fit(tmp_path / "first", 4)
     with pytest.raises(ValueError, match=r"ended inside epoch 0 \(max_steps reached"):
-        steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / "step=4.ckpt")
+        steps_fit(tmp_path / "resumed", 18, tmp_path / "first" / saved)
+
+
+@pytest.mark.parametrize("saved", ["step=6.ckpt", "after_fit.ckpt"])
+def test_a_max_steps_fit_ended_at_an_epochs_end_continues_by_epochs_or_is_refused(tmp_path, saved):
+    """``max_steps=6`` ends the fit at epoch 0's last batch. Continued from its end with a
+    larger ``max_steps``, Lightning trains one batch past that epoch (batch 12 of 12, from a
+    restarted loader, a plain one too), which the uninterrupted run never trains, and the GraB
+    run differed from it without a word: refused at that batch, before it trains. Continued
+    with ``max_epochs`` instead, or from the checkpoint saved after the batch
+    (``every_n_train_steps``), the run is the 18-step run."""
+    full, full_sampler = steps_fit(tmp_path / "full", 18)
+    steps_fit(tmp_path / "first", 6)
+    with pytest.raises(ValueError, match=r"batch 12 of an epoch of 12 batches"):
+        steps_fit(tmp_path / "refused", 18, tmp_path / "first" / saved)
+    steps_fit(tmp_path / "stepped", 6, every=3)
+    for root, checkpoint, max_steps, limits in (
+        ("epochs", tmp_path / "first" / saved, -1, {"max_epochs": 3}),
+        ("after_batch", tmp_path / "stepped" / "step=6.ckpt", 18, {}),
+    ):
+        resumed, sampler = steps_fit(tmp_path / root, max_steps, checkpoint, **limits)
+        assert resumed.rows == full.rows[6 * ACCUMULATE * B :], root
+        assert sampler.orders_history[-1] == full_sampler.orders_history[-1], root
+        for name, value in full.net.named_parameters():
+            assert torch.equal(dict(resumed.net.named_parameters())[name], value), (root, name)
 
 
 def test_a_second_fit_after_max_steps_on_its_trainer_trains_as_lightning_does(tmp_path):
@@ -469,3 +499,53 @@ def test_a_second_fit_after_max_steps_on_its_trainer_trains_as_lightning_does(tm
     assert sampler.orders_history == expected.orders_history
     for name, value in net.named_parameters():
         assert torch.equal(dict(module.net.named_parameters())[name], value), name
+
+
+class AdaptiveClassifier(Classifier):
+    """Windows of five microbatches (``max_batch_draws=5``, a threshold never met): two epochs
+    of 12 batches end with a window of four still open, which the fit's end applies."""
+
+    def configure_optimizers(self):
+        sgd = torch.optim.SGD(self.parameters(), lr=LR)
+        return OptimizerWrapperGNTS(sgd, max_batch_draws=5, norm_threshold=0.0)
+
+
+def adaptive_fit(root, max_epochs: int, ckpt_path=None, save_after: str | None = None):
+    """``AdaptiveAccumulationCallback`` with ``ModelCheckpoint`` at every epoch's end; with
+    ``save_after``, ``trainer.save_checkpoint(save_after)`` once the fit has ended."""
+    module = AdaptiveClassifier()
+    saver = L.callbacks.ModelCheckpoint(dirpath=str(root), filename="{epoch}", save_top_k=-1)
+    callback = AdaptiveAccumulationCallback()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(root), callbacks=[callback, saver],
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(data(), batch_size=B), ckpt_path=ckpt_path)
+    if save_after is not None:
+        trainer.save_checkpoint(save_after)
+    return module, callback.wrapper
+
+
+def test_adaptive_accumulation_continued_after_the_fit_ended(tmp_path):
+    """A 2-epoch fit continued to 3 epochs. ``ModelCheckpoint``'s last checkpoint is saved at
+    the epoch's end, before the fit's end applies the open window: continued from it, the run
+    is the 3-epoch run. The checkpoint saved after the fit holds that early update (the window's
+    four microbatches applied alone): continued from it, the run is not the uninterrupted one
+    (other windows, other parameters), and warns."""
+    full, full_wrapper = adaptive_fit(tmp_path / "full", 3)
+    adaptive_fit(tmp_path / "short", 2, save_after=str(tmp_path / "after_fit.ckpt"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="AdaptiveAccumulationCallback")
+        last_epoch = tmp_path / "short" / "epoch=1.ckpt"
+        resumed, wrapper = adaptive_fit(tmp_path / "resumed", 3, last_epoch)
+    assert wrapper.num_steps == full_wrapper.num_steps == 8
+    for name, value in full.net.named_parameters():
+        assert torch.equal(dict(resumed.net.named_parameters())[name], value), name
+    with pytest.warns(
+        UserWarning, match=r"AdaptiveAccumulationCallback: .*after_fit\.ckpt"
+    ) as said:
+        continued, _ = adaptive_fit(tmp_path / "continued", 3, tmp_path / "after_fit.ckpt")
+    assert not [w for w in said if "after flush()" in str(w.message)]  # said once, here
+    parameters = dict(continued.net.named_parameters())
+    assert not all(torch.equal(parameters[n], v) for n, v in full.net.named_parameters())

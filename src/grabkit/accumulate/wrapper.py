@@ -220,6 +220,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self.counters = AccumulationCounters()
         self.last_closure_loss: Any = None
         self.last_optimizer_result: Any = None  # what the inner optimizer's step returned
+        # the state loaded last was saved right after flush(): the next step() warns
+        self.continues_a_flush = False
         self._observers: OrderedDict[int, WindowObserver] = OrderedDict()  # weak-referenceable
 
     def register_window_observer(self, observer: WindowObserver) -> RemovableHandle:
@@ -334,6 +336,28 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         """
         return self._accumulate_step(closure, count, metric)
 
+    def _warn_continued_flush(self) -> None:
+        """Warn once that this run continues a state saved right after :meth:`flush`.
+
+        The flush applied a partial window early; a run that ended there (the flush at the end
+        of training) and is continued from that state keeps the early update, which the
+        uninterrupted longer run never made: it accumulated on. The state cannot tell that
+        flush from one the loop makes at the same place in every run (which continues
+        exactly), so this warns rather than refuses; an integration that says so in its own
+        terms clears ``continues_a_flush`` first.
+        """
+        self.continues_a_flush = False
+        warnings.warn(
+            f"{type(self).__name__}: this run continues from a state saved right after flush() "
+            f"applied a partial window ({self.counters.last_step_num_draws} microbatches) "
+            "early. If the run that saved it flushed because it ended there, this continuation "
+            "keeps that early update and is not the uninterrupted longer run, which would have "
+            "accumulated on. For an exact continuation, save the state before flush() at the "
+            "end of training (it then holds the open window).",
+            UserWarning,
+            stacklevel=5,  # the loop's step(): through Optimizer's hook wrapper and step
+        )
+
     def _accumulate_step(
         self,
         closure: Callable[[], Any] | None,
@@ -342,6 +366,8 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
     ) -> bool:
         # Subclasses with another step signature call this, not super().step(): Optimizer wraps
         # every class's own ``step`` with the hook runner, so hooks would fire twice.
+        if self.continues_a_flush:
+            self._warn_continued_flush()
         if not getattr(self, "_wiring_checked", False):  # a framework clipping every microbatch
             self._wiring_checked = True
             check_wiring(self, "adaptive")
@@ -683,7 +709,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         steps the inner optimizer on their exact weighted mean (clipping and the controller's
         transform apply as usual) and returns True, or returns False when the window is empty.
         Collective under torch.distributed: call it on every rank. ``last_reason`` becomes
-        ``"flushed"``.
+        ``"flushed"``. To continue the run later exactly, save ``state_dict()`` before the flush
+        (it holds the open window); a state saved after it holds the early update, and the
+        continued run's first ``step`` warns.
         """
         counters = self.counters
         if counters.num_draws == 0:
@@ -790,7 +818,9 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
 
         Refuses (ValueError, nothing changed) a checkpoint of another controller or another
         configuration (``max_batch_draws``, ``clip_grad_norm``, gradient
-        layout, the controller's fixed options); the scheduled value is restored.
+        layout, the controller's fixed options); the scheduled value is restored. A state saved
+        right after :meth:`flush` sets ``continues_a_flush``: the next ``step`` warns that a run
+        that ended with that flush is not continued exactly (save before the flush instead).
         """
         expected = {"version", "config", "optimizer", "accumulated_sums", "controller", "counters"}
         if not isinstance(state_dict, dict) or set(state_dict) != expected:
@@ -811,6 +841,7 @@ class AdaptiveAccumulationWrapper(torch.optim.Optimizer):
         self.controller.load_state_dict(state_dict["controller"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.counters = counters
+        self.continues_a_flush = counters.last_reason == "flushed"
 
     def _check_config(self, saved: dict[str, Any]) -> None:
         mine = self._config()

@@ -24,6 +24,10 @@ Accelerate needs no callback machinery; a loop stays a loop (``pip install accel
   the end of training the window still accumulating is applied by the wrapper's own
   ``flush()`` (``optimizer.optimizer.flush()``: ``AcceleratedOptimizer`` has none); left
   unflushed, its microbatches are never applied (a ``save_state`` holds them for a resume).
+  ``save_state`` before that flush: the state holds the open window, and a run continued
+  from it (more epochs) is the uninterrupted longer run; a state saved after it holds the
+  window's early update, so a continuation has that update too, and the wrapper warns at its
+  first step.
 * :class:`SamplerCheckpoint`: register it (not the sampler) for ``save_state`` /
   ``load_state``. accelerate's loader looks one batch ahead, so the sampler's own snapshot
   counts a batch that was never trained; this one hands the in-flight examples back, and after
@@ -111,7 +115,9 @@ class SamplerCheckpoint:
     the examples the loader fetched ahead back to the sampler. Under ``accumulate()`` that is
     where ``accelerator.sync_gradients`` is True: a state taken after backwards the sampler has
     not stepped yet (stepped at the window's end) is refused (their statistics are in no state,
-    and the resumed loader would yield their examples again). A state saved after the prepared
+    and the resumed loader would yield their examples again), and so is any state taken inside
+    a window (``save_state`` holds no accumulated gradient: the resumed run would step on the
+    window's remaining microbatches alone). A state saved after the prepared
     loader's last batch of an epoch (accelerate's ``end_of_dataloader``) is marked as ended, so
     the resume starts the next epoch even when the loader dropped a partial last batch whose
     examples were never stepped (``drop_last=True``).
@@ -143,6 +149,7 @@ class SamplerCheckpoint:
 
     def state_dict(self) -> dict[str, Any]:
         self._check_all_stepped()
+        _check_at_a_window_end()
         state, ended = self.sampler.state_dict(), self._epoch_over()
         return rewound_state(state, self.sampler.num_samples, ended=ended)
 
@@ -168,6 +175,30 @@ class SamplerCheckpoint:
         sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
         # its next iter() refuses accelerate's skip_first_batches (wiring.check_not_skipped)
         sampler.resumes_untrained_rest = True
+
+
+def _check_at_a_window_end() -> None:
+    """Refuse a state taken inside an ``accumulate()`` window (``sync_gradients`` False): the
+    sampler may have stepped every microbatch, but ``save_state`` holds no accumulated gradient,
+    so the resumed run would step on the window's remaining microbatches alone (its data and
+    order resumed exactly, its parameters not the uninterrupted run's). Read only when
+    accelerate was imported."""
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    gradient_state = state.GradientState()
+    steps = gradient_state.num_steps
+    if steps <= 1 or gradient_state.sync_gradients:
+        return
+    raise ValueError(
+        f"SamplerCheckpoint: save_state inside an accumulation window (accumulate() with "
+        f"gradient_accumulation_steps={steps}, accelerator.sync_gradients is False): the state "
+        "holds no accumulated gradient, so the resumed run would step on the window's "
+        "remaining microbatches alone and differ from the uninterrupted run (the GraB order "
+        "would resume exactly). Call save_state where accelerator.sync_gradients is True, "
+        "after the window's optimizer step (a loop that stops after a number of microbatches: "
+        f"make it a multiple of {steps}, or count optimizer steps)."
+    )
 
 
 def _active_loaders() -> list[Any]:

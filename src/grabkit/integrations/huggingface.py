@@ -482,11 +482,8 @@ class GrabkitTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         wrapper = self._adaptive_wrapper()
-        if (
-            checkpoint is not None
-            and wrapper is not None
-            and wrapper.counters.last_reason == "flushed"
-        ):
+        if checkpoint is not None and wrapper is not None and wrapper.continues_a_flush:
+            wrapper.continues_a_flush = False  # said here, in Trainer's terms
             warnings.warn(
                 f"GrabkitTrainer: the run that saved {checkpoint} ended there and applied its "
                 "open accumulation window early (its last microbatches, as its final model "

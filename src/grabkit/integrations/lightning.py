@@ -237,22 +237,25 @@ def _renumbered_rest_error(trainer: Any, state: dict[str, Any]) -> str | None:
     state) was saved inside, or None.
 
     A checkpoint saved at the end of a fit that ``max_steps`` (or ``should_stop``) ended inside
-    an epoch counts that epoch as processed but not completed. Continued with ``max_steps``
-    (iteration-based training), Lightning trains the epoch's rest but calls ``set_epoch`` with
-    the processed count, one above the epoch's number, there and at every later epoch; the
-    sampler then abandons the saved epoch's rest (a loop numbering the next epoch), and
-    balances the batches Lightning trains as the epoch's rest as an epoch of their own.
+    an epoch (``ModelCheckpoint`` at the epoch's end, ``trainer.save_checkpoint`` after the fit)
+    counts that epoch as processed. Continued with ``max_steps`` (iteration-based training),
+    Lightning trains the epoch's rest but calls ``set_epoch`` with the processed count, one
+    above the epoch's number, there and at every later epoch; the sampler then abandons the
+    saved epoch's rest (a loop numbering the next epoch), and balances the batches Lightning
+    trains as the epoch's rest as an epoch of their own. Told by the numbers themselves: the
+    epoch Lightning continues (its processed count) is not the state's.
     """
     loop = trainer.fit_loop
     progress = loop.epoch_progress.current
     if state.get("ended") or not state.get("started") or not loop.restarting:
         return None
-    if progress.processed <= progress.completed or _lightning_epoch_over(trainer):
+    epoch = int(state.get("epoch", progress.processed))
+    if progress.processed == epoch or _lightning_epoch_over(trainer):
         return None
     trained = loop.epoch_loop.batch_progress.current.ready
     return (
         f"GraBCallback: this run continues, with max_steps, from a checkpoint saved at the end "
-        f"of a fit that ended inside epoch {progress.completed} (max_steps reached, or "
+        f"of a fit that ended inside epoch {epoch} (max_steps reached, or "
         f"trainer.should_stop, after {trained} of its {trainer.num_training_batches} "
         "batches): Lightning trains the "
         f"epoch's rest but numbers it, and every later epoch, one above the uninterrupted run "
@@ -261,6 +264,32 @@ def _renumbered_rest_error(trainer: Any, state: dict[str, Any]) -> str | None:
         "after the batch (ModelCheckpoint(every_n_train_steps=...) at that step, which resumes "
         "exactly), or with max_steps=-1 and max_epochs (Lightning then starts the next epoch, "
         "and so does the sampler)."
+    )
+
+
+def _batch_past_the_epoch_error(trainer: Any, batch_idx: int) -> str | None:
+    """Why Lightning must not train batch ``batch_idx``, or None: it lies past the epoch's end.
+
+    A fit continued with ``max_steps`` from a checkpoint saved after an epoch's last batch (at
+    the end of a fit that ``max_steps`` ended there: ``ModelCheckpoint`` at the epoch's end,
+    ``trainer.save_checkpoint`` after the fit) makes Lightning continue that finished epoch: it
+    restarts the loader and trains one batch more (checked with Lightning 2.6, a plain
+    ``DataLoader`` too), which the uninterrupted run never trains. The GraBSampler, whose state
+    says the epoch is over, would hand it the next epoch's first examples.
+    """
+    total = trainer.num_training_batches
+    if total == float("inf") or batch_idx < total:
+        return None
+    return (
+        f"GraBCallback: Lightning is training batch {batch_idx} of an epoch of {int(total)} "
+        "batches, past the epoch's end: this run continues, with max_steps, from a checkpoint "
+        "saved after an epoch's last batch at the end of a fit (max_steps reached there; "
+        "ModelCheckpoint at the epoch's end, or trainer.save_checkpoint after the fit), and "
+        "Lightning trains one batch more of that finished epoch, which the uninterrupted run "
+        "never trains (a plain DataLoader would repeat its first batch; the GraBSampler would "
+        "give the next epoch's first examples). Continue with max_steps=-1 and max_epochs "
+        "(Lightning then starts the next epoch, and so does the sampler), or from a checkpoint "
+        "saved after the batch (ModelCheckpoint(every_n_train_steps=...)), which resumes exactly."
     )
 
 
@@ -296,7 +325,8 @@ class GraBCallback(Callback):
     resumes it with the next epoch whole, and so does the sampler (decided at train start from
     ``fit_loop.restarting``; iteration-based training, ``max_steps``, continues the epoch: from
     the checkpoint saved at the end of such a fit Lightning numbers the epoch's rest one above
-    its number, and the callback raises at train start).
+    its number, and the callback raises at train start; when that fit ended at the epoch's last
+    batch, Lightning trains one batch past the epoch, and the callback raises at that batch).
     A checkpoint saved inside an accumulation window (``ModelCheckpoint`` at a validation
     whose ``val_check_interval`` is not a multiple of ``accumulate_grad_batches``, or
     ``trainer.save_checkpoint`` from a batch hook) holds no accumulated gradient: Lightning
@@ -383,6 +413,9 @@ class GraBCallback(Callback):
             raise ValueError(message)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        message = _batch_past_the_epoch_error(trainer, batch_idx)
+        if message is not None:
+            raise ValueError(message)
         self._batch_backwards = 0
 
     def on_after_backward(self, trainer, pl_module) -> None:
@@ -540,6 +573,13 @@ class AdaptiveAccumulationCallback(Callback):
     decay are counted in updates, a ``frequency`` of k in k real updates), and the window still
     open when training ends is applied (``flush``).
 
+    Continuing a finished fit. ``ModelCheckpoint`` saves at the last epoch's end, before the
+    fit's end applies the open window: a fit continued from that checkpoint (more epochs, or a
+    larger ``max_steps``) equals the uninterrupted longer run. A checkpoint saved after the fit
+    (``trainer.save_checkpoint``), or a second ``fit`` of the same module, holds that early
+    update, so the continued run has it too and is not the uninterrupted one: the callback warns
+    at train start (the wrapper's ``last_reason`` is ``"flushed"``).
+
     Under DDP (``strategy="ddp"`` / ``"ddp_spawn"``) the wrapper all-reduces what it decides on,
     so every rank takes the same decisions, and the run is the one-process run over the global
     microbatches (clipping, the flush and a checkpoint inside a window included), provided every
@@ -585,6 +625,23 @@ class AdaptiveAccumulationCallback(Callback):
                 # every `frequency` real updates: Lightning calls it after every microbatch
                 frequency, config.frequency = config.frequency, 1
                 config.scheduler = RealUpdateSchedule(config.scheduler, wrapper, frequency)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """Warn when the fit continues from a wrapper whose last act was the train-end flush
+        (its optimizer state is restored by now, after ``on_fit_start``)."""
+        counters = self.wrapper.counters
+        if counters.last_reason != "flushed":
+            return
+        self.wrapper.continues_a_flush = False  # said here, in Lightning's terms
+        source = f"the checkpoint {trainer.ckpt_path}" if trainer.ckpt_path else "the last fit"
+        rank_zero_warn(
+            f"AdaptiveAccumulationCallback: {source} ended a fit whose end applied the open "
+            f"accumulation window early (its last {counters.last_step_num_draws} microbatches, "
+            "as that fit's final model needs); continuing from it is not the uninterrupted run, "
+            "which would have accumulated on, but has that update in it. For an exact "
+            "continuation, resume from the checkpoint ModelCheckpoint saved at the last epoch's "
+            "end (before the fit's end applied the window) or from an earlier one."
+        )
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         count = self.count_fn(batch)
