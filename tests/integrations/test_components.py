@@ -55,6 +55,26 @@ def test_example_norms_from_a_sketching_sampler_estimate_the_norms():
     assert ratio.sub(1).abs().max() < 0.1  # unbiased squares, error ~ sqrt(2 / k) relative
 
 
+def test_example_norms_over_shared_statistics_read_them_as_they_are_defined():
+    """Shared statistics have their own loss reduction and model: a reduction or a model of
+    the norms' own that differs would give other numbers than asked for (the statistics of
+    'mean' read for a summed loss: B times the norms; those of a submodule: its part alone),
+    so it is refused; left out, the reduction is the statistics'."""
+    model, x, y = _model_and_data()
+    head = GraBSampler(range(8), model=model[2], balance_type="pair", batch_size=8)
+    with pytest.raises(ValueError, match=r"\['0\.weight', '0\.bias'\].*not measured.*stats\.model"):
+        ExampleGradientNorms(model, stats=head.stats)
+    head.close()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=8,
+                          loss_reduction="sum")  # fmt: skip
+    with pytest.raises(ValueError, match=r"loss_reduction='mean'.*'sum'"):
+        ExampleGradientNorms(model, stats=sampler.stats, loss_reduction="mean")
+    norms = ExampleGradientNorms(model, stats=sampler.stats)  # the statistics' own: "sum"
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    torch.testing.assert_close(norms.take(), _reference(model, x, y, range(8)))
+    sampler.close()
+
+
 @pytest.mark.parametrize("quantiles", [(), (0.5, 1.5), ("median",)])
 def test_example_norms_refuse_bad_quantiles(quantiles):
     with pytest.raises(ValueError, match=r"quantiles should be numbers in \[0, 1\]"):

@@ -14,7 +14,10 @@ gradient of the example's own loss. transformers' Trainer divides by the accumul
 by the window's label tokens when the model takes ``num_items_in_batch`` (whether a model honours
 it is not visible from outside): its callback logs the norms as backpropagated, every norm of a
 run scaled alike. On a model that already carries hook statistics (a hook-mode ``GraBSampler``'s
-``sampler.stats``), pass them as ``stats``: one set of hooks serves both. A sketching sampler's
+``sampler.stats``), pass them as ``stats``: one set of hooks serves both, read in the statistics'
+own loss reduction, and over the model's trainable parameters only where the statistics hook
+them all (statistics of a submodule, or a ``loss_reduction`` other than theirs, are refused:
+``grabkit.stats.source.check_shared``). A sketching sampler's
 ``SketchedStats`` give the norms of the (B, k) sketches, unbiased estimates of |g_i|^2 with a
 relative error of about sqrt(2 / k) (0.044 at k = 1024), not exact norms.
 
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from grabkit.stats import PerSampleStats, StatisticsSource
+from grabkit.stats.source import check_shared
 
 __all__ = ["DEFAULT_QUANTILES", "ExampleGradientNorms"]
 
@@ -50,7 +54,8 @@ class ExampleGradientNorms:
         stats: the hook statistics already on ``model`` (``sampler.stats`` of a hook-mode
             ``GraBSampler``: exact, or sketched); None: a ``PerSampleStats`` is attached
             (``close()`` removes it).
-        loss_reduction: ``"mean"`` or ``"sum"``, how each microbatch's loss reduces its examples.
+        loss_reduction: ``"mean"`` or ``"sum"``, how each microbatch's loss reduces its examples;
+            None: that of ``stats``, or ``"mean"`` when none are given.
         quantiles: the quantiles :meth:`summary` reports, in [0, 1].
     """
 
@@ -58,7 +63,7 @@ class ExampleGradientNorms:
         self,
         model: nn.Module,
         stats: StatisticsSource | None = None,
-        loss_reduction: str = "mean",
+        loss_reduction: str | None = None,
         quantiles: Sequence[float] = DEFAULT_QUANTILES,
     ) -> None:
         self.quantiles = self.check_quantiles(quantiles)
@@ -68,7 +73,11 @@ class ExampleGradientNorms:
                 f"(PerSampleStats, SketchedStats), but got {type(stats).__name__}"
             )
         self._owns = stats is None
-        self.stats = stats if stats is not None else PerSampleStats(model, loss_reduction)
+        if stats is None:
+            stats = PerSampleStats(model, "mean" if loss_reduction is None else loss_reduction)
+        else:
+            check_shared(stats, model, loss_reduction, "ExampleGradientNorms")
+        self.stats = stats
         self.scale = 1.0  # undoes a framework's factor on every loss (Lightning's 1 / accumulation)
         self.grad_scaler: torch.amp.GradScaler | None = None  # fp16: its scale divided out
         self._kept: list[torch.Tensor] = []
