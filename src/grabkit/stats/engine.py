@@ -102,7 +102,7 @@ from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rows_in_doubt import RowsInDoubt, guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
-from grabkit.stats.source import BackwardMark, StatisticsSource
+from grabkit.stats.source import BackwardMark, StatisticsSource, gradients_taken
 from grabkit.stats.step import StepStatistics
 from grabkit.stats.structure import registrations
 from grabkit.taps import GradientTaps
@@ -1682,7 +1682,9 @@ class PerSampleStats(StatisticsSource):
         if self._first_reached is None:
             param = self._param_by_name.get(name)
             self._first_reached = (
-                () if param is None else (id(param), param._version, param.grad is None)
+                ()
+                if param is None
+                else (id(param), param._version, param.grad is None, gradients_taken(param))
             )
         identity = self._identity
         if identity is not None and identity.active:

@@ -25,32 +25,59 @@ silently not get.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from grabkit.stats.gradient_batch import GradientBatch
 
-__all__ = ["BackwardMark", "StatisticsSource", "Subscription", "check_shared", "reset_unused"]
+__all__ = [
+    "BackwardMark",
+    "StatisticsSource",
+    "Subscription",
+    "check_shared",
+    "gradients_taken",
+    "note_gradients_taken",
+    "reset_unused",
+]
 
 
 #: (id of the first trainable parameter a step's backwards reached, that parameter's version
-#: counter then, whether its ``.grad`` was empty then)
-BackwardMark = tuple[int, int, bool]
+#: counter then, whether its ``.grad`` was empty then, how many times its ``.grad`` had been
+#: taken away for use then: ``gradients_taken``)
+BackwardMark = tuple[int, int, bool, int]
+
+#: parameter -> how many times a consumer took its ``.grad`` away for use (weakly held)
+_TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_gradients_taken(params: Iterable[torch.Tensor]) -> None:
+    """Record that the ``.grad`` of ``params`` was taken away to be used (an
+    ``AdaptiveAccumulationWrapper`` folds each microbatch's gradient into its window and
+    clears ``.grad``), so that an empty ``.grad`` afterwards is not read as a reset."""
+    for p in params:
+        _TAKEN[p] = _TAKEN.get(p, 0) + 1
+
+
+def gradients_taken(p: torch.Tensor) -> int:
+    """How many times ``p``'s ``.grad`` was taken away for use (``note_gradients_taken``)."""
+    return _TAKEN.get(p, 0)
 
 
 def reset_unused(earlier: BackwardMark | None, later: BackwardMark | None) -> bool:
     """Whether the gradients of the backward marked ``earlier`` were reset before the backward
     marked ``later`` with no optimizer step between: ``later`` found the same parameter's
-    ``.grad`` empty (``zero_grad``) and the parameter unchanged. Such a backward trained
-    nothing (a GAN generator's step through the model, an FGSM ``loss.backward()`` taken for
-    the input gradient before the adversarial one), so it is no micro-batch of an update.
-    (An optimizer that updates in place without a version bump, a fused one, looks unused
-    too: only a backward followed by another before its statistics were taken is asked.)"""
+    ``.grad`` empty (``zero_grad``), the parameter unchanged and nothing having taken its
+    gradient for use (an accumulation wrapper's fold). Such a backward trained nothing (a GAN
+    generator's step through the model, an FGSM ``loss.backward()`` taken for the input
+    gradient before the adversarial one), so it is no micro-batch of an update. (An optimizer
+    that updates in place without a version bump, a fused one, looks unused too: only a
+    backward followed by another before its statistics were taken is asked.)"""
     if earlier is None or later is None or not later[2]:
         return False
-    return earlier[0] == later[0] and earlier[1] == later[1]
+    return earlier[0] == later[0] and earlier[1] == later[1] and earlier[3] == later[3]
 
 
 class StatisticsSource(ABC):

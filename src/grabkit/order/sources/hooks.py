@@ -108,10 +108,10 @@ class HookGradients(GradientSource):
         #: the tensors themselves (kept alive, so no later tensor takes over their memory)
         self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
-        #: each pending piece's ``backward_mark``, and how many pieces a later backward found
-        #: reset unused (``grabkit.stats.source.reset_unused``: refused at ``step()``)
+        #: each pending piece's ``backward_mark``, and the pieces a later backward found reset
+        #: unused (``grabkit.stats.source.reset_unused``: refused at ``step()``), by position
         self._marks: list[BackwardMark | None] = []
-        self._discarded = 0
+        self._discarded: set[int] = set()
         #: the exact statistics' trainable parameters the ordering state sums (set at bind)
         self._shapes: Mapping[str, torch.Size] | None = None
 
@@ -138,7 +138,7 @@ class HookGradients(GradientSource):
         if batch is None:
             return
         mark = self._stats.backward_mark
-        self._discarded += sum(reset_unused(kept, mark) for kept in self._marks)
+        self._discarded.update(i for i, kept in enumerate(self._marks) if reset_unused(kept, mark))
         inputs = tuple(self._stats.step_inputs)
         where = _input_key(inputs)
         if check and where and any(where == kept for kept, _ in self._pending_inputs):
@@ -190,7 +190,7 @@ class HookGradients(GradientSource):
             return [as_gradient_batch(self._stats.gradient_batch())]
         self.capture()
         if self._discarded:
-            raise ValueError(_DISCARDED.format(count=self._discarded))
+            raise ValueError(_DISCARDED.format(count=len(self._discarded)))
         if not self.pending:
             raise ValueError(
                 "step() found no loss.backward() since the last step(): hook mode balances the "
@@ -201,7 +201,7 @@ class HookGradients(GradientSource):
 
     def clear(self) -> None:
         self.pending, self._pending_inputs, self._marks = [], [], []
-        self._discarded = 0
+        self._discarded = set()
 
     def unstepped(self) -> int:
         if self.subscription is not None:
