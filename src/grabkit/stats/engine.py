@@ -144,11 +144,23 @@ class _WeakHook:
     def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
         """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model
         measured: its copies of the hooks do nothing."""
-        return _WeakHook(_no_engine, self._method)
+        return type(self)(_no_engine, self._method)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with the model (``torch.save(model)``): unpickled, it does nothing."""
-        return (_WeakHook, (_no_engine, self._method))
+        return (type(self), (_no_engine, self._method))
+
+
+class _WeakModuleHook(_WeakHook):
+    """A ``_WeakHook`` on a module's forward, run eagerly where Dynamo traces the module (a
+    model compiled after the engine attached: its hooks sit on the module ``torch.compile``
+    traces). Traced, the engine's bookkeeping would be replayed from the trace, not run on
+    the step's tensors (the first step of such a model read its input as changed in place).
+    Gradient hooks run in autograd, outside any trace, and stay plain ``_WeakHook`` s."""
+
+    __slots__ = ()
+
+    __call__ = torch.compiler.disable(_WeakHook.__call__)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -913,24 +925,25 @@ class PerSampleStats(StatisticsSource):
     def _attach_layers(self) -> None:
         me = self._me
         for layer in self._layers:
-            hook = _WeakHook(me, "_on_forward", layer)
+            hook = _WeakModuleHook(me, "_on_forward", layer)
             # first: the engine reads the layer's own output, before a forward hook of the
             # user's replaces it (its change is then part of the model, after the layer)
             handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
             self._handles.append(handle)
             if layer.rule.whole_call or layer.rule.multiple_outputs:
-                enter = _WeakHook(me, "_on_replayed_layer_enter")
+                enter = _WeakModuleHook(me, "_on_replayed_layer_enter")
                 handle = layer.module.register_forward_pre_hook(enter, with_kwargs=True)
                 self._handles.append(handle)
             if self._watching_forwards:
-                handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
+                enter = _WeakModuleHook(me, "_on_layer_enter")
+                handle = layer.module.register_forward_pre_hook(enter)
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
             _ATTACHED[layer.module] = me
         tracked = {id(layer.module) for layer in self._layers}
         for name, module in self.model.named_modules():
             if isinstance(module, _BatchNorm) and id(module) not in tracked:
-                hook = _WeakHook(me, "_on_untracked_norm", name or "<root>")
+                hook = _WeakModuleHook(me, "_on_untracked_norm", name or "<root>")
                 self._handles.append(module.register_forward_hook(hook))
         sharded = []
         self._hooked_nodes: dict[str, Any] = {}  # name -> the AccumulateGrad node hooked
@@ -981,11 +994,11 @@ class PerSampleStats(StatisticsSource):
 
     def _attach_model(self) -> None:
         model, me = self.model, self._me
-        enter = _WeakHook(me, "_on_model_input")
+        enter = _WeakModuleHook(me, "_on_model_input")
         self._model_handles.append(  # first: the model's own layer hooks may follow
             model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
         )
-        leave = _WeakHook(me, "_on_model_output")
+        leave = _WeakModuleHook(me, "_on_model_output")
         self._model_handles.append(model.register_forward_hook(leave, always_call=True))
         _ATTACHED[model] = me
         # run by close(), or when the engine is collected unclosed: the hooks go either way
