@@ -75,6 +75,30 @@ def test_example_norms_over_shared_statistics_read_them_as_they_are_defined():
     sampler.close()
 
 
+def test_example_norms_divide_out_the_loss_scale_of_their_own_backward():
+    """Norms taken at log time, after GradScaler updates grew the scale (a sampler stepped
+    with grad_scale=scaler beside them): each backward's norms are divided by the scale its
+    loss was multiplied by, not by the scale at the time they are read."""
+    model, x, y = _model_and_data()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=2)
+    norms = ExampleGradientNorms(model, stats=sampler.stats)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    norms.grad_scaler = scaler
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    order = list(sampler)
+    for start in range(0, 8, 2):
+        idx = order[start : start + 2]
+        scaler.scale(nn.functional.cross_entropy(model(x[idx]), y[idx])).backward()
+        sampler.step(grad_scale=scaler)
+        scaler.step(optimizer)
+        scaler.update()  # the scale doubles: 4, 8, 16, 32
+        optimizer.zero_grad()
+    assert scaler.get_scale() == 64.0
+    torch.testing.assert_close(norms.take(), _reference(model, x, y, order), rtol=1e-5, atol=1e-6)
+    norms.close()
+    sampler.close()
+
+
 @pytest.mark.parametrize("quantiles", [(), (0.5, 1.5), ("median",)])
 def test_example_norms_refuse_bad_quantiles(quantiles):
     with pytest.raises(ValueError, match=r"quantiles should be numbers in \[0, 1\]"):

@@ -23,8 +23,10 @@ relative error of about sqrt(2 / k) (0.044 at k = 1024), not exact norms.
 
 Under fp16 mixed precision each loss is multiplied by a ``GradScaler``'s scale before its
 backward, and the scale changes during training; ``grad_scaler`` (set by the callbacks to the
-framework's scaler) has it divided out of each backward's norms, read before the scaler's next
-``update()`` (the norms of a whole accumulation window share one scale).
+framework's scaler) has it divided out of each backward's norms: the scale noted when the
+model's forward began (a forward pre-hook, no host read), the one the step's loss is scaled by,
+so norms kept lazily (at the next forward, or at ``take()`` when logging) after the scaler's
+``update()`` are still divided by their own backward's scale.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from grabkit.stats import PerSampleStats, StatisticsSource
 from grabkit.stats.source import check_shared
@@ -79,7 +82,10 @@ class ExampleGradientNorms:
             check_shared(stats, model, loss_reduction, "ExampleGradientNorms")
         self.stats = stats
         self.scale = 1.0  # undoes a framework's factor on every loss (Lightning's 1 / accumulation)
-        self.grad_scaler: torch.amp.GradScaler | None = None  # fp16: its scale divided out
+        self._grad_scaler: torch.amp.GradScaler | None = None
+        self._scale_hook: RemovableHandle | None = None
+        #: the GradScaler's scale when the model's latest forward began (None: not noted)
+        self._scale_at_forward: torch.Tensor | float | None = None
         self._kept: list[torch.Tensor] = []
         self.subscription = self.stats.subscribe(self.capture)
 
@@ -94,6 +100,45 @@ class ExampleGradientNorms:
             raise ValueError(f"quantiles should be numbers in [0, 1], but got {quantiles!r}")
         return values
 
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """fp16: the ``GradScaler`` whose scale multiplies every loss, divided out of the norms
+        (None: no scaler)."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        if scaler is self._grad_scaler:
+            return
+        self._grad_scaler, self._scale_at_forward = scaler, None
+        if self._scale_hook is not None:
+            self._scale_hook.remove()
+            self._scale_hook = None
+        model = self.stats.model
+        if scaler is not None and model is not None:
+            # after the statistics' own pre-hook, which keeps the previous backward first
+            self._scale_hook = model.register_forward_pre_hook(self._note_scale)
+
+    def _note_scale(self, module: nn.Module, args: object) -> None:
+        """At a forward with gradients: note the scale the step's loss will be multiplied by
+        (a copy of the scaler's scale tensor, read on the host only when a norm is kept)."""
+        scaler = self._grad_scaler
+        if scaler is None or not torch.is_grad_enabled():
+            return
+        current = getattr(scaler, "_scale", None)
+        self._scale_at_forward = (
+            current.detach().clone()
+            if isinstance(current, torch.Tensor)
+            else float(scaler.get_scale())  # before its first scale(): the initial scale
+        )
+
+    def _loss_scale(self) -> float:
+        """The scale of the backward being kept: noted at its forward, else the current one."""
+        noted = self._scale_at_forward
+        if noted is None:
+            return float(self._grad_scaler.get_scale())
+        return float(noted)
+
     def capture(self) -> None:
         """Keep the norms of the backward that just ran (once; the next forward calls it).
         A sketch's |S g_i|^2 estimates |g_i|^2 (unbiased)."""
@@ -102,9 +147,9 @@ class ExampleGradientNorms:
             return
         squares = batch.norms_squared()
         norms = squares.detach().clamp(min=0).sqrt().cpu()
-        scaler = self.grad_scaler
+        scaler = self._grad_scaler
         if scaler is not None and scaler.is_enabled():
-            norms = norms / float(scaler.get_scale())  # the scale of this backward's loss
+            norms = norms / self._loss_scale()  # the scale of this backward's loss
         self._kept.append(norms * self.scale)
 
     def take(self) -> torch.Tensor:
@@ -134,5 +179,6 @@ class ExampleGradientNorms:
     def close(self) -> None:
         """Stop collecting; remove the hooks this object attached."""
         self.subscription.close()
+        self.grad_scaler = None  # its forward pre-hook removed
         if self._owns:
             self.stats.close()
