@@ -75,6 +75,22 @@ _DISCARDED = (
 )
 
 
+_ONE_SCALE = (
+    "hook mode: step(grad_scale={factor}) divides the {count} backwards since the last step() "
+    "by one loss scale, but an accumulation wrapper (AdaptiveAccumulationWrapper) folded "
+    "their gradients one by one, and a GradScaler driving it updates after every microbatch "
+    "(as does a per-microbatch normalisation), so their scales may differ. Call "
+    "sampler.step(grad_scale=...) after each microbatch's backward, before scaler.update(), "
+    "or step at the window without grad_scale where the loss is not scaled."
+)
+
+
+def _taken_counts(marks: list[BackwardMark | None]) -> int:
+    """How many different counts of gradients taken (``gradients_taken``) the backwards
+    marked ``marks`` found: more than one, and a wrapper folded some of them in between."""
+    return len({mark[3] for mark in marks if mark})
+
+
 def _input_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
     """Where the model's input tensors lie: the same key means the same memory, read while
     the tensors live (views of one tensor with other rows, micro-batches, differ)."""
@@ -198,6 +214,13 @@ class HookGradients(GradientSource):
                 "one batch twice. Call step() once per optimiser step, after the backward(s)."
             )
         return list(self.pending)
+
+    def check_scale(self, factor: float) -> None:
+        """Refuse one loss scale for pieces an accumulation wrapper folded one by one (their
+        marks count different gradients taken): the wrapper is driven with a
+        ``scaler.update()`` after every microbatch, so their scales may differ."""
+        if _taken_counts(self._marks) > 1:
+            raise ValueError(_ONE_SCALE.format(count=len(self.pending), factor=factor))
 
     def clear(self) -> None:
         self.pending, self._pending_inputs, self._marks = [], [], []
