@@ -31,7 +31,8 @@ so norms kept lazily (at the next forward, or at ``take()`` when logging) after 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +44,18 @@ from grabkit.stats.source import check_shared
 __all__ = ["DEFAULT_QUANTILES", "ExampleGradientNorms"]
 
 DEFAULT_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+
+
+def _scale_noter(norms: weakref.ref[ExampleGradientNorms]) -> Callable[..., None]:
+    """A forward pre-hook noting the loss scale for ``norms`` (held weakly), run outside
+    Dynamo's trace where the model is compiled (torch's lazy ``torch.compiler.disable``)."""
+
+    def note(module: nn.Module, args: object) -> None:
+        owner = norms()
+        if owner is not None:
+            owner._note_scale()
+
+    return getattr(torch, "_disable_dynamo", torch.compiler.disable)(note)
 
 
 def _quantile_name(q: float) -> str:
@@ -117,9 +130,10 @@ class ExampleGradientNorms:
         model = self.stats.model
         if scaler is not None and model is not None:
             # after the statistics' own pre-hook, which keeps the previous backward first
-            self._scale_hook = model.register_forward_pre_hook(self._note_scale)
+            self._scale_hook = model.register_forward_pre_hook(_scale_noter(weakref.ref(self)))
+            weakref.finalize(self, self._scale_hook.remove)  # dropped unclosed: the hook goes
 
-    def _note_scale(self, module: nn.Module, args: object) -> None:
+    def _note_scale(self) -> None:
         """At a forward with gradients: note the scale the step's loss will be multiplied by
         (a copy of the scaler's scale tensor, read on the host only when a norm is kept)."""
         scaler = self._grad_scaler
