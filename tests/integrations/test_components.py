@@ -142,3 +142,16 @@ def test_adopt_rank_takes_rank_0s_state_for_this_rank_only_at_the_same_world_siz
     state = {"config": {"num_replicas": 2, "rank": 0}, "live": {}}
     assert adopt_rank(state, 2, 1)["config"]["rank"] == 1
     assert adopt_rank(state, 4, 1)["config"]["rank"] == 0  # refused later, naming both
+
+
+def test_example_norms_over_statistics_their_owner_closed_say_so():
+    """A sampler closed while ExampleGradientNorms still reads its statistics: the backwards
+    after it are measured by nothing, which the norms say instead of logging fewer norms."""
+    model, x, y = _model_and_data()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=4)
+    norms = ExampleGradientNorms(model, stats=sampler.stats)
+    nn.functional.cross_entropy(model(x[:4]), y[:4]).backward()
+    sampler.close()  # its statistics keep the backward that ran, and measure nothing more
+    nn.functional.cross_entropy(model(x[4:]), y[4:]).backward()
+    with pytest.warns(RuntimeWarning, match=r"closed by their owner.*not measured"):
+        assert norms.take().shape == (4,)

@@ -31,6 +31,7 @@ so norms kept lazily (at the next forward, or at ``take()`` when logging) after 
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -44,6 +45,14 @@ from grabkit.stats.source import check_shared
 __all__ = ["DEFAULT_QUANTILES", "ExampleGradientNorms"]
 
 DEFAULT_QUANTILES = (0.0, 0.1, 0.5, 0.9, 1.0)
+
+
+_OWNER_CLOSED = (
+    "ExampleGradientNorms: the statistics it reads (stats=, shared) were closed by their owner "
+    "(sampler.close(), or the end of its with block): backwards since are not measured, and "
+    "their norms are not among those returned. Build the norms over statistics that stay open, "
+    "or ExampleGradientNorms(model) (its own hooks) once the owner is closed."
+)
 
 
 def _scale_noter(norms: weakref.ref[ExampleGradientNorms]) -> Callable[..., None]:
@@ -100,6 +109,7 @@ class ExampleGradientNorms:
         #: the GradScaler's scale when the model's latest forward began (None: not noted)
         self._scale_at_forward: torch.Tensor | float | None = None
         self._kept: list[torch.Tensor] = []
+        self._closed_said = False  # the owner's close() of shared statistics, warned
         self.subscription = self.stats.subscribe(self.capture)
 
     @staticmethod
@@ -167,8 +177,13 @@ class ExampleGradientNorms:
         self._kept.append(norms * self.scale)
 
     def take(self) -> torch.Tensor:
-        """The (m,) norms kept since the last ``take()``, in backward order; forgets them."""
+        """The (m,) norms kept since the last ``take()``, in backward order; forgets them.
+        Shared statistics their owner closed (``sampler.close()``) measure nothing more: said
+        once, with a ``RuntimeWarning``, instead of returning fewer norms without a word."""
         self.capture()
+        if not self._owns and not self._closed_said and self.stats.closed:
+            self._closed_said = True
+            warnings.warn(_OWNER_CLOSED, RuntimeWarning, stacklevel=2)
         kept, self._kept = self._kept, []
         return torch.cat(kept) if kept else torch.zeros(0)
 

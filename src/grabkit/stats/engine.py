@@ -1767,6 +1767,12 @@ class PerSampleStats(StatisticsSource):
         return self._backward_seen
 
     @property
+    def closed(self) -> bool:
+        """Whether the hooks were removed (``close()``): nothing more is recorded."""
+        detach = getattr(self, "_detach", None)  # none on an inert copy's engine
+        return detach is None or not detach.alive
+
+    @property
     def step_inputs(self) -> tuple[torch.Tensor, ...]:
         """The tensors the model's forward took in this step (() before it ran)."""
         return () if self._batch is None else tuple(self._batch.tensors)

@@ -687,6 +687,10 @@ class SketchedStats(StatisticsSource):
         return self.engine.loss_reduction
 
     @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    @property
     def backward_seen(self) -> bool:
         return self.engine.backward_seen
 

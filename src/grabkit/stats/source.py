@@ -104,6 +104,12 @@ class StatisticsSource(ABC):
         """Whether a backward ran since this step's first forward (statistics can be read)."""
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` removed the hooks (nothing more is recorded). Sources that
+        cannot tell say False."""
+        return False
+
+    @property
     def parameter_gradients_seen(self) -> bool:
         """Whether a backward since this step's first forward reached the trainable parameters,
         not only the inputs (an input gradient by ``torch.autograd.grad``, as FGSM takes one).
