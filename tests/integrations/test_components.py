@@ -55,6 +55,50 @@ def test_example_norms_from_a_sketching_sampler_estimate_the_norms():
     assert ratio.sub(1).abs().max() < 0.1  # unbiased squares, error ~ sqrt(2 / k) relative
 
 
+def test_example_norms_over_shared_statistics_read_them_as_they_are_defined():
+    """Shared statistics have their own loss reduction and model: a reduction or a model of
+    the norms' own that differs would give other numbers than asked for (the statistics of
+    'mean' read for a summed loss: B times the norms; those of a submodule: its part alone),
+    so it is refused; left out, the reduction is the statistics'."""
+    model, x, y = _model_and_data()
+    head = GraBSampler(range(8), model=model[2], balance_type="pair", batch_size=8)
+    with pytest.raises(ValueError, match=r"\['0\.weight', '0\.bias'\].*not measured.*stats\.model"):
+        ExampleGradientNorms(model, stats=head.stats)
+    head.close()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=8,
+                          loss_reduction="sum")  # fmt: skip
+    with pytest.raises(ValueError, match=r"loss_reduction='mean'.*'sum'"):
+        ExampleGradientNorms(model, stats=sampler.stats, loss_reduction="mean")
+    norms = ExampleGradientNorms(model, stats=sampler.stats)  # the statistics' own: "sum"
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    torch.testing.assert_close(norms.take(), _reference(model, x, y, range(8)))
+    sampler.close()
+
+
+def test_example_norms_divide_out_the_loss_scale_of_their_own_backward():
+    """Norms taken at log time, after GradScaler updates grew the scale (a sampler stepped
+    with grad_scale=scaler beside them): each backward's norms are divided by the scale its
+    loss was multiplied by, not by the scale at the time they are read."""
+    model, x, y = _model_and_data()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=2)
+    norms = ExampleGradientNorms(model, stats=sampler.stats)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    norms.grad_scaler = scaler
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    order = list(sampler)
+    for start in range(0, 8, 2):
+        idx = order[start : start + 2]
+        scaler.scale(nn.functional.cross_entropy(model(x[idx]), y[idx])).backward()
+        sampler.step(grad_scale=scaler)
+        scaler.step(optimizer)
+        scaler.update()  # the scale doubles: 4, 8, 16, 32
+        optimizer.zero_grad()
+    assert scaler.get_scale() == 64.0
+    torch.testing.assert_close(norms.take(), _reference(model, x, y, order), rtol=1e-5, atol=1e-6)
+    norms.close()
+    sampler.close()
+
+
 @pytest.mark.parametrize("quantiles", [(), (0.5, 1.5), ("median",)])
 def test_example_norms_refuse_bad_quantiles(quantiles):
     with pytest.raises(ValueError, match=r"quantiles should be numbers in \[0, 1\]"):
@@ -98,3 +142,16 @@ def test_adopt_rank_takes_rank_0s_state_for_this_rank_only_at_the_same_world_siz
     state = {"config": {"num_replicas": 2, "rank": 0}, "live": {}}
     assert adopt_rank(state, 2, 1)["config"]["rank"] == 1
     assert adopt_rank(state, 4, 1)["config"]["rank"] == 0  # refused later, naming both
+
+
+def test_example_norms_over_statistics_their_owner_closed_say_so():
+    """A sampler closed while ExampleGradientNorms still reads its statistics: the backwards
+    after it are measured by nothing, which the norms say instead of logging fewer norms."""
+    model, x, y = _model_and_data()
+    sampler = GraBSampler(range(8), model=model, balance_type="pair", batch_size=4)
+    norms = ExampleGradientNorms(model, stats=sampler.stats)
+    nn.functional.cross_entropy(model(x[:4]), y[:4]).backward()
+    sampler.close()  # its statistics keep the backward that ran, and measure nothing more
+    nn.functional.cross_entropy(model(x[4:]), y[4:]).backward()
+    with pytest.warns(RuntimeWarning, match=r"closed by their owner.*not measured"):
+        assert norms.take().shape == (4,)

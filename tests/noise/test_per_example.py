@@ -105,3 +105,29 @@ def test_bad_input_is_rejected_with_a_clear_message():
         est.observe(torch.ones(4, 3), 1.0)
     with pytest.raises(ValueError, match="grad_scale"):
         est.observe(torch.ones(4), 1.0, grad_scale=0.0)
+
+
+def test_observe_stats_folds_each_backward_once_from_exact_statistics_only():
+    """A second observe_stats of one backward (a per-microbatch call and a window's end after
+    the same last backward) would fold its batch twice; sketched statistics hold estimated
+    norms and no batch gradient: both refused, naming what to do."""
+    from grabkit.stats import PerSampleStats
+    from grabkit.stats.sketch import SketchedStats
+
+    prob = problem(10)
+    model = prob.model
+    estimator = PerExampleNoiseScale(update_rate=1.0)
+    with PerSampleStats(model) as stats:
+        model.zero_grad()
+        per_example_loss(model, prob.x[:16], prob.y[:16]).mean().backward()
+        estimator.observe_stats(stats)
+        with pytest.raises(ValueError, match="already folded"):
+            estimator.observe_stats(stats)
+        model.zero_grad()
+        per_example_loss(model, prob.x[16:32], prob.y[16:32]).mean().backward()
+        assert estimator.observe_stats(stats).observations == 2
+    with SketchedStats(model, dim=64) as sketched:
+        per_example_loss(model, prob.x[:16], prob.y[:16]).mean().backward()
+        with pytest.raises(TypeError, match=r"SketchedStats.*observe\("):
+            PerExampleNoiseScale().observe_stats(sketched)
+    model.zero_grad()

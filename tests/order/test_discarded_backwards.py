@@ -114,3 +114,50 @@ def test_a_step_after_a_fused_optimizer_step_and_zero_grad_is_balanced():
             sampler.step()
         assert sampler.state_dict()["live"]["stepped"] == N
     sampler.close()
+
+
+def test_each_backward_reset_unused_is_counted_once():
+    x, y, model, opt = classifier()
+    sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=B)
+    idx = list(sampler)[:B]
+    for _ in range(3):  # three backwards whose gradients nothing used
+        F.cross_entropy(model(x[idx].clone()), y[idx]).backward()
+        opt.zero_grad()
+    F.cross_entropy(model(x[idx]), y[idx]).backward()
+    with pytest.raises(ValueError, match=r"^hook mode: 3 backward\(s\)"):
+        sampler.step()
+    sampler.close()
+
+
+def test_microbatches_an_accumulation_wrapper_folded_are_balanced_at_its_step():
+    """AdaptiveAccumulationWrapper folds each microbatch's .grad away (the parameters unchanged
+    until its window's step), which is no reset: a sampler stepped once per window balances
+    every microbatch of it, as one stepped after each; a microbatch the wrapper drops unused
+    (zero_grad after its backward) is still refused."""
+    from grabkit import AdaptiveAccumulationWrapper, NormTest
+
+    orders = {}
+    for per_window in (False, True):
+        x, y, model, _ = classifier()
+        opt = AdaptiveAccumulationWrapper(
+            torch.optim.SGD(model.parameters(), lr=0.1), NormTest(1e-6), max_batch_draws=2
+        )
+        sampler = GraBSampler(
+            range(N), model=model, balance_type="pair", batch_size=B // 2, record_orders=True
+        )
+        for _ in range(3):
+            order = list(sampler)
+            for start in range(0, N, B // 2):
+                idx = order[start : start + B // 2]
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                stepped = opt.step(count=len(idx))
+                if stepped or not per_window:
+                    sampler.step()
+        orders[per_window] = [*sampler.orders_history, list(sampler)]
+        F.cross_entropy(model(x[:2]), y[:2]).backward()
+        opt.zero_grad()  # the wrapper drops this microbatch: its gradient trained nothing
+        F.cross_entropy(model(x[2:4]), y[2:4]).backward()
+        with pytest.raises(ValueError, match=r"1 backward\(s\).*reset"):
+            sampler.step()
+        sampler.close()
+    assert orders[True] == orders[False]

@@ -74,3 +74,28 @@ def test_a_loss_scale_that_is_not_a_positive_number_is_refused(bad: float) -> No
     with pytest.raises(ValueError, match="grad_scale"):
         sampler.step(grad_scale=bad)
     sampler.close()
+
+
+def test_one_scale_for_microbatches_an_accumulation_wrapper_folded_is_refused() -> None:
+    """Under an AdaptiveAccumulationWrapper the GradScaler updates after every microbatch, so
+    one scale at a window's step() cannot be that of every microbatch in it: refused, naming
+    the fix (a step() after each microbatch's backward, which reads that microbatch's scale)."""
+    from grabkit import AdaptiveAccumulationWrapper, NormTest
+
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    wrapper = AdaptiveAccumulationWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.05), NormTest(1e-6), max_batch_draws=2
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
+    sampler = GraBSampler(range(N), model=model, balance_type="pair", batch_size=BATCH)
+    order = list(sampler)
+    for start in (0, BATCH):
+        rows = order[start : start + BATCH]
+        scaler.scale(F.cross_entropy(model(x[rows]), y[rows])).backward()
+        scaler.step(wrapper)
+        scaler.update()  # 8, then 16: the window's microbatches have different scales
+    with pytest.raises(ValueError, match=r"grad_scale.*after each microbatch"):
+        sampler.step(grad_scale=scaler)
+    sampler.close()

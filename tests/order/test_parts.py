@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from grabkit import GraBSampler
+from grabkit import GraBSampler, PerSampleStats
 from grabkit.order import (
     BALANCE_TYPES,
     DenseGradients,
@@ -95,6 +95,21 @@ def test_a_part_and_the_keywords_for_it_together_are_refused():
         GraBSampler(range(6), MeanBalance(6), "hooks")
     with pytest.raises(TypeError, match="Transform instances"):
         GraBSampler(range(6), MeanBalance(6), transforms=["normalize"])
+
+
+def test_keywords_next_to_statistics_of_another_definition_are_refused():
+    """stats= brings statistics defined by their owner: a model with other parameters (a copy
+    of the same width) or a loss reduction other than theirs would be silently ignored, and
+    stats_options are the options of statistics the sampler builds."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with PerSampleStats(model, loss_reduction="sum") as stats:
+        with pytest.raises(ValueError, match=r"not measured.*stats\.model"):
+            GraBSampler(range(6), stats=stats, model=deepcopy(model))
+        with pytest.raises(ValueError, match=r"loss_reduction='mean'.*'sum'"):
+            GraBSampler(range(6), stats=stats, loss_reduction="mean")
+        with pytest.raises(ValueError, match=r"stats_options.*stats="):
+            GraBSampler(range(6), stats=stats, stats_options={"check_identity": False})
+        GraBSampler(range(6), stats=stats, model=model, loss_reduction="sum").close()
 
 
 def test_exact_hooks_check_their_combination_before_attaching():

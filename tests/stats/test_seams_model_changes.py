@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.utils import prune
 from torch.nn.utils.parametrizations import orthogonal
 
+from grabkit.integrations.example_norms import ExampleGradientNorms
 from grabkit.order import GraBSampler
 from grabkit.stats import IdentityCheckError, PerSampleStats
 from grabkit.stats.sketch import GradientSketch, SketchedStats
@@ -498,3 +499,27 @@ def test_the_constant_statistics_definition_covers_norms_without_trainable_param
         total = stats.total()
         for name, p in model.named_parameters():
             torch.testing.assert_close(total[name], p.grad)
+
+
+def test_a_model_compiled_after_attaching_is_measured_from_its_first_step():
+    """Dynamo traces the hooks of the module it compiles: statistics attached before
+    ``torch.compile`` (a sampler over the model, another consumer over the compiled one) have
+    their module hooks run eagerly, so the first step is read as the later ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    sampler = GraBSampler(range(12), model=model, balance_type="pair", batch_size=4)
+    compiled = torch.compile(model, backend="eager")
+    norms = ExampleGradientNorms(compiled, stats=sampler.stats)
+    reference = copy.deepcopy(model)  # not measured
+    order = list(sampler)
+    for start in range(0, 12, 4):
+        idx = order[start : start + 4]
+        F.cross_entropy(compiled(x[idx]), y[idx]).backward()
+        sampler.step()
+        xb, yb = x[idx], y[idx]
+        rows = per_example_rows(
+            reference, lambda i, xb=xb, yb=yb: F.cross_entropy(reference(xb[[i]]), yb[[i]]), 4
+        )
+        torch.testing.assert_close(norms.take(), rows.norm(dim=1))
+    sampler.close()

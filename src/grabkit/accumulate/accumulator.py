@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from grabkit.sharding import dtensor_like, local
+from grabkit.stats.source import note_gradients_taken
 
 __all__ = ["GradientAccumulator", "parameter_squares", "squared_norm"]
 
@@ -92,7 +93,8 @@ class GradientAccumulator:
     def fold(
         self, pending: list[tuple[torch.Tensor, torch.Tensor]], weight: float | torch.Tensor
     ) -> None:
-        """Add ``weight * grad`` to each running sum, then clear the folded ``.grad``.
+        """Add ``weight * grad`` to each running sum, then clear the folded ``.grad`` (noted as
+        taken for use: ``grabkit.stats.source.note_gradients_taken``).
 
         ``weight`` is the microbatch's count (times the inverse loss scale under a GradScaler);
         a Python number costs one fused pass, a 0-dim tensor keeps it on the device.
@@ -113,6 +115,7 @@ class GradientAccumulator:
                 torch._foreach_add_(sums, grads, alpha=weight)
         for p, _ in pending:
             p.grad = None
+        note_gradients_taken([p for p, _ in pending])  # used, not reset (a sampler asks)
 
     def sum_squared_norm(self) -> torch.Tensor:
         """``|S|^2`` over the sums this rank holds (float64, 0-dim, on the sums' device)."""

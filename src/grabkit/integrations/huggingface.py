@@ -172,11 +172,12 @@ class ExampleGradientNormsCallback(TrainerCallback):
     exposes no scaler to callbacks, so there it raises rather than log scaled norms).
 
     Args:
-        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
+        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples
+            (None: a shared sampler's statistics' own, else "mean").
     """
 
     def __init__(
-        self, quantiles: Sequence[float] = DEFAULT_QUANTILES, loss_reduction: str = "mean"
+        self, quantiles: Sequence[float] = DEFAULT_QUANTILES, loss_reduction: str | None = None
     ) -> None:
         self.quantiles, self.loss_reduction = tuple(quantiles), loss_reduction
         self.norms: ExampleGradientNorms | None = None

@@ -968,14 +968,15 @@ class ExampleGradientNormsCallback(Callback):
 
     Args:
         module: the network to measure (default: the LightningModule).
-        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples.
+        quantiles: in [0, 1]; loss_reduction: how each microbatch's loss reduces its examples
+            (None: a shared sampler's statistics' own, else "mean").
     """
 
     def __init__(
         self,
         module: nn.Module | None = None,
         quantiles: Sequence[float] = DEFAULT_QUANTILES,
-        loss_reduction: str = "mean",
+        loss_reduction: str | None = None,
     ) -> None:
         self.module, self.loss_reduction = module, loss_reduction
         self.quantiles = ExampleGradientNorms.check_quantiles(quantiles)

@@ -24,6 +24,7 @@ combines them exactly, one small all-gather per step), and every rank reports th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from grabkit.noise.identities import loss_scale_squared
 from grabkit.noise.microbatch import MicrobatchNoiseScale
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.windows import combine, gather_terms, rank_terms
-from grabkit.sharding import gradient_layout_of, local, world_size
+from grabkit.sharding import gradient_layout_of, is_sharded, local, world_size
 from grabkit.state import Stateful
 from grabkit.stats.rows import in_grouped_run
 from grabkit.stats.structure import registrations
@@ -64,6 +65,22 @@ _REPEATED_BY_GROUPS = (
     "hooks measure each backward's gradient on its own, and a group of similar lengths is no "
     "random microbatch: run the grouped batch with GroupedBatch.run (or run_grouped) and one "
     "backward() per microbatch"
+)
+
+
+_MID_STEP = (
+    "AccumulationNoiseScale: .grad held a gradient at this step's first measured backward "
+    "(the estimator was built, or its state loaded, in the middle of a step, so microbatches "
+    "before the estimator existed are in the step gradient; or .grad was not zeroed after the "
+    "last step), so the step gradient is not the sum of the microbatches measured: the step "
+    "is left out of the estimate. Build the estimator between steps, after zero_grad() (and "
+    "zero the gradients between steps)."
+)
+_MID_WINDOW = (
+    "AccumulationNoiseScale: the window the wrapper applied holds {window} microbatch(es), "
+    "of which the estimator measured {measured} (it began to follow the wrapper, or its state "
+    "was loaded, in the middle of a window): the window is left out of the estimate. Build "
+    "the estimator between windows, or load its state with the wrapper's."
 )
 
 
@@ -133,7 +150,11 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
 
     One ``backward()`` per microbatch (``end_microbatch`` raises otherwise: call it after each
     backward; a grouped batch runs through ``GroupedBatch.run``, not ``backward_by_group``);
-    ``.grad`` must start each step at zero or None (the usual ``zero_grad()``). The hooks also
+    ``.grad`` must start each step at zero or None (the usual ``zero_grad()``): a step whose
+    ``.grad`` held a gradient at its first backward (the estimator built, or its state loaded,
+    in the middle of a step; ``zero_grad()`` left out), and a wrapper's window folded partly
+    before the estimator followed it, are left out of the estimate with a ``RuntimeWarning``
+    (their step gradient holds microbatches the hooks never saw). The hooks also
     see any other differentiation through these parameters (``torch.autograd.grad`` for a
     penalty, another estimator): keep those out of the measured steps. Call ``close()`` (or use
     ``with``) to detach the hooks. ``FullyShardedDataParallel`` (FSDP1) is refused.
@@ -171,6 +192,8 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self._registrations = registrations()
         self._device = local(self._params[0]).device
         self._row = 0  # the microbatch the hooks are measuring (the closed ones come before)
+        #: |.grad|^2 found at the step's first backward (None: .grad was None, as it should be)
+        self._held: torch.Tensor | None = None
         estimator = MicrobatchNoiseScale(
             update_rate, window, confidence, self.block_names, population_size
         )
@@ -239,8 +262,28 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         if self._written[index]:
             self._repeated = True
             self._repeated_by_groups = in_grouped_run()
+        elif self._row == 0:
+            self._note_held_gradient(index)
         self._squares[self._row, index] = _square_norm(grad)
         self._written[index] = True
+
+    def _note_held_gradient(self, index: int) -> None:
+        """At a step's first backward, add |.grad|^2 of the parameter to ``_held`` (before this
+        backward accumulates into it): a step gradient that starts non-zero holds microbatches
+        the hooks never saw. Free where ``.grad`` is None (``zero_grad()``'s default); a
+        sharded parameter's ``.grad`` is the reduced shard, not an accumulation, and is left."""
+        p = self._params[index]
+        held = p.grad
+        if held is None or is_sharded(p):
+            return
+        square = _square_norm(held).to(torch.float64)
+        self._held = square if self._held is None else self._held + square
+
+    def _started_before(self) -> bool:
+        """Whether this step's gradient held something before its first measured backward
+        (one host read, only where ``.grad`` was not None then)."""
+        held, self._held = self._held, None
+        return held is not None and bool(held > 0)
 
     def _check_parameters_unchanged(self) -> None:
         """Refuse a model whose parameters were replaced or added since the estimator was built
@@ -295,6 +338,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self._squares[self._row].zero_()
 
     def _clear_step(self) -> None:
+        self._held = None
         self._row, self._micro_scales_sq, self._micro_counts = 0, [], []
         self._micro_shares = []
         self._window_counts = []
@@ -349,6 +393,10 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
                 "before end_step(), or an AdaptiveAccumulationWrapper, which folds .grad away "
                 "after every microbatch: build the estimator with optimizer=wrapper instead)"
             )
+        if self._started_before():
+            self._clear_step()
+            warnings.warn(_MID_STEP, RuntimeWarning, stacklevel=2)
+            return self.estimator.estimate
         step = torch.stack(
             [
                 torch.zeros((), dtype=torch.float64, device=self._device)
@@ -435,7 +483,14 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self._written = [False] * len(self._params)
 
     def window_applied(self, means: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Called by the wrapper with each parameter's window mean before its clipping."""
+        """Called by the wrapper with each parameter's window mean before its clipping; a
+        window with microbatches folded before the estimator measured any is left out."""
+        window = self._wrapper.counters.num_draws
+        if window != self._row:
+            warning = _MID_WINDOW.format(window=window, measured=self._row)
+            self._clear_step()
+            warnings.warn(warning, RuntimeWarning, stacklevel=3)
+            return
         step = torch.zeros(len(self._params), dtype=torch.float64, device=self._device)
         for p, mean in means:
             index = self._block_of.get(p)

@@ -58,6 +58,8 @@ class PerExampleNoiseScale(TrackedEstimator):
     ) -> None:
         super().__init__(update_rate, window, confidence, block_names, population_size)
         self.process_group = process_group
+        #: (id of the statistics, their generation) of the backward ``observe_stats`` folded last
+        self._observed: tuple[int, int] | None = None
 
     def _average_over_ranks(
         self, grad_norm: torch.Tensor, trace: torch.Tensor, batch: float
@@ -124,15 +126,35 @@ class PerExampleNoiseScale(TrackedEstimator):
         """An estimator with one block per trainable parameter of ``stats``' model."""
         return cls(block_names=tuple(stats.param_shapes), **kwargs)
 
+    def _check_observable(self, stats: PerSampleStats) -> None:
+        """Refuse statistics without exact norms and batch gradient, and a backward already
+        folded."""
+        if not callable(getattr(stats, "statistics", None)):
+            raise TypeError(
+                f"observe_stats reads exact per-example norms and the batch gradient from a "
+                f"PerSampleStats (an exact sampler's sampler.stats), but got "
+                f"{type(stats).__name__}, which holds neither (a sketch's norms are estimates); "
+                f"pass the norms you hold to observe(norms_sq, batch_grad_norm_sq)."
+            )
+        if self._observed == (id(stats), stats.generation):
+            raise ValueError(
+                "observe_stats: this backward was already folded into the estimate (no "
+                "backward ran since the last observe_stats of these statistics), and folding "
+                "it again would count its batch twice. Call it once after each backward."
+            )
+
     def observe_stats(
         self, stats: PerSampleStats, grad_scale: float = 1.0
     ) -> NoiseScaleResult | None:
         """Fold in the batch that ``stats`` (a ``grabkit.stats.PerSampleStats``) just measured.
 
         Call after ``loss.backward()``. Blocks are the model's trainable parameters when this
-        estimator was made with ``for_stats``, else one total block.
+        estimator was made with ``for_stats``, else one total block. Each backward is folded
+        once: a second call before the next backward raises (it would count its batch twice).
         """
+        self._check_observable(stats)
         step = stats.statistics()
+        self._observed = (id(stats), stats.generation)
         batch = step.batch_size
         names = tuple(step.param_shapes)
         # ||mean gradient||^2 per parameter: one dot product each, no model-sized temporaries

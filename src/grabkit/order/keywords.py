@@ -50,6 +50,7 @@ from grabkit.order.sources import (
     param_dim,
 )
 from grabkit.order.transforms import Cast, GatherAcrossRanks, Normalize, Project, Transform
+from grabkit.stats.source import StatisticsSource, check_shared
 from grabkit.validation import check_bool, check_int
 
 __all__ = ["STATISTICS", "SamplerParts", "sampler_parts"]
@@ -70,7 +71,7 @@ _TRANSFORM_KEYWORDS = (
 _DEFAULTS: dict[str, Any] = {
     "balance_type": "mean", "seed": 0, "probabilistic": None, "prob_balance_c": None,
     "random_first_epoch": True, "block_policy": None, "params": None, "model": None,
-    "stats": None, "loss_reduction": "mean", "stats_options": None, "statistics": "exact",
+    "stats": None, "loss_reduction": None, "stats_options": None, "statistics": "exact",
     "sketch_dim": None, "dtype": None, "device": None, "projection": None,
     "projection_dim": None, "pi_eps": 0.1, "kron_order": 2, "normalize": None,
 }  # fmt: skip
@@ -259,6 +260,7 @@ def _source(values: Mapping[str, Any], ordering: Ordering) -> GradientSource:
             f"`statistics` should be one of {list(STATISTICS)}, but got statistics={statistics!r}"
         )
     options = dict(values["stats_options"] or {})
+    reduction = "mean" if values["loss_reduction"] is None else values["loss_reduction"]
     if statistics == "sketch":
         if model is None or stats is not None:
             raise ValueError(
@@ -266,18 +268,34 @@ def _source(values: Mapping[str, Any], ordering: Ordering) -> GradientSource:
                 "gradients passed to step(), use projection= for a random projection instead."
             )
         dim = DEFAULT_SKETCH_DIM if sketch_dim is None else sketch_dim
-        return SketchHooks(model, dim, values["loss_reduction"], params=params, **options)
+        return SketchHooks(model, dim, reduction, params=params, **options)
     if sketch_dim is not None:
         raise ValueError(
             f'sketch_dim={sketch_dim!r} is for statistics="sketch", but this sampler reads '
             'exact statistics; pass statistics="sketch" or drop sketch_dim.'
         )
     if stats is not None:
-        dim = param_dim(params if params is not None else _trainable(model))
-        return HookGradients(stats, dim)
+        return _shared_source(stats, model, params, values)
     if model is not None:
-        return ExactHooks(model, values["loss_reduction"], params=params, **options)
+        return ExactHooks(model, reduction, params=params, **options)
     return DenseGradients(params)
+
+
+def _shared_source(
+    stats: Any, model: torch.nn.Module | None, params: Any, values: Mapping[str, Any]
+) -> HookGradients:
+    """``HookGradients(stats)``: statistics defined by their owner, so ``stats_options`` (for
+    statistics the sampler builds) are refused, and so are a ``model`` and ``loss_reduction``
+    other than the statistics' own (``grabkit.stats.source.check_shared``)."""
+    if values["stats_options"] is not None:
+        raise ValueError(
+            "stats_options are the options of the statistics a sampler attaches with model=, "
+            "but stats= brings statistics built already; set the options where they are built "
+            "(PerSampleStats(model, ...)), or pass model= instead of stats=."
+        )
+    if isinstance(stats, StatisticsSource):
+        check_shared(stats, model, values["loss_reduction"], "GraBSampler")
+    return HookGradients(stats, param_dim(params if params is not None else _trainable(model)))
 
 
 def _trainable(model: torch.nn.Module | None) -> list[torch.Tensor] | None:

@@ -479,7 +479,10 @@ class GraBSampler(Sampler[int], Stateful):
                 changes then.
         """
         factor = loss_scale(grad_scale)  # checked before anything is taken from the source
-        pieces = [piece.divided(factor) for piece in self.source.batches(grads)]
+        pieces = self.source.batches(grads)
+        if factor != 1.0:
+            self.source.check_scale(factor)
+        pieces = [piece.divided(factor) for piece in pieces]
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(
             B, self._stepped, self._yielded, self.num_samples, self.batch_size, self._epoch,

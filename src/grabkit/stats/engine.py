@@ -102,7 +102,7 @@ from grabkit.stats.rows import UNANNOUNCED_GROUPS_HELP, GroupRows, StepRows
 from grabkit.stats.rows_in_doubt import RowsInDoubt, guard_rows
 from grabkit.stats.rules import BatchNormRule, LayerRule, find_rule, uses_batch_statistics
 from grabkit.stats.shared_inputs import expand_for_batch
-from grabkit.stats.source import BackwardMark, StatisticsSource
+from grabkit.stats.source import BackwardMark, StatisticsSource, gradients_taken
 from grabkit.stats.step import StepStatistics
 from grabkit.stats.structure import registrations
 from grabkit.taps import GradientTaps
@@ -144,11 +144,25 @@ class _WeakHook:
     def __deepcopy__(self, memo: dict[int, Any]) -> _WeakHook:
         """A copy of the model (``copy.deepcopy``: an EMA or teacher copy) is not the model
         measured: its copies of the hooks do nothing."""
-        return _WeakHook(_no_engine, self._method)
+        return type(self)(_no_engine, self._method)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled with the model (``torch.save(model)``): unpickled, it does nothing."""
-        return (_WeakHook, (_no_engine, self._method))
+        return (type(self), (_no_engine, self._method))
+
+
+class _WeakModuleHook(_WeakHook):
+    """A ``_WeakHook`` on a module's forward, run eagerly where Dynamo traces the module (a
+    model compiled after the engine attached: its hooks sit on the module ``torch.compile``
+    traces). Traced, the engine's bookkeeping would be replayed from the trace, not run on
+    the step's tensors (the first step of such a model read its input as changed in place).
+    Gradient hooks run in autograd, outside any trace, and stay plain ``_WeakHook`` s."""
+
+    __slots__ = ()
+
+    # torch's lazy form of ``torch.compiler.disable`` (Dynamo imported at the first call, not
+    # with grabkit); about 0.7 us a call on the CPU
+    __call__ = getattr(torch, "_disable_dynamo", torch.compiler.disable)(_WeakHook.__call__)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -926,24 +940,25 @@ class PerSampleStats(StatisticsSource):
     def _attach_layers(self) -> None:
         me = self._me
         for layer in self._layers:
-            hook = _WeakHook(me, "_on_forward", layer)
+            hook = _WeakModuleHook(me, "_on_forward", layer)
             # first: the engine reads the layer's own output, before a forward hook of the
             # user's replaces it (its change is then part of the model, after the layer)
             handle = layer.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
             self._handles.append(handle)
             if layer.rule.whole_call or layer.rule.multiple_outputs:
-                enter = _WeakHook(me, "_on_replayed_layer_enter")
+                enter = _WeakModuleHook(me, "_on_replayed_layer_enter")
                 handle = layer.module.register_forward_pre_hook(enter, with_kwargs=True)
                 self._handles.append(handle)
             if self._watching_forwards:
-                handle = layer.module.register_forward_pre_hook(_WeakHook(me, "_on_layer_enter"))
+                enter = _WeakModuleHook(me, "_on_layer_enter")
+                handle = layer.module.register_forward_pre_hook(enter)
                 self._handles.append(handle)
                 self._enter_handles.append(handle)
             _ATTACHED[layer.module] = me
         tracked = {id(layer.module) for layer in self._layers}
         for name, module in self.model.named_modules():
             if isinstance(module, _BatchNorm) and id(module) not in tracked:
-                hook = _WeakHook(me, "_on_untracked_norm", name or "<root>")
+                hook = _WeakModuleHook(me, "_on_untracked_norm", name or "<root>")
                 self._handles.append(module.register_forward_hook(hook))
         sharded = []
         self._hooked_nodes: dict[str, Any] = {}  # name -> the AccumulateGrad node hooked
@@ -994,11 +1009,11 @@ class PerSampleStats(StatisticsSource):
 
     def _attach_model(self) -> None:
         model, me = self.model, self._me
-        enter = _WeakHook(me, "_on_model_input")
+        enter = _WeakModuleHook(me, "_on_model_input")
         self._model_handles.append(  # first: the model's own layer hooks may follow
             model.register_forward_pre_hook(enter, with_kwargs=True, prepend=True)
         )
-        leave = _WeakHook(me, "_on_model_output")
+        leave = _WeakModuleHook(me, "_on_model_output")
         self._model_handles.append(model.register_forward_hook(leave, always_call=True))
         _ATTACHED[model] = me
         # run by close(), or when the engine is collected unclosed: the hooks go either way
@@ -1713,7 +1728,9 @@ class PerSampleStats(StatisticsSource):
         if self._first_reached is None:
             param = self._param_by_name.get(name)
             self._first_reached = (
-                () if param is None else (id(param), param._version, param.grad is None)
+                ()
+                if param is None
+                else (id(param), param._version, param.grad is None, gradients_taken(param))
             )
         identity = self._identity
         if identity is not None and identity.active:
@@ -1779,6 +1796,12 @@ class PerSampleStats(StatisticsSource):
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
         return self._backward_seen
+
+    @property
+    def closed(self) -> bool:
+        """Whether the hooks were removed (``close()``): nothing more is recorded."""
+        detach = getattr(self, "_detach", None)  # none on an inert copy's engine
+        return detach is None or not detach.alive
 
     @property
     def step_inputs(self) -> tuple[torch.Tensor, ...]:

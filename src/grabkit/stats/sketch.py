@@ -678,6 +678,19 @@ class SketchedStats(StatisticsSource):
         return self.engine.generation
 
     @property
+    def model(self) -> nn.Module:
+        """The module the engine hooks (a ``DistributedDataParallel``'s inner module)."""
+        return self.engine.model
+
+    @property
+    def loss_reduction(self) -> str:
+        return self.engine.loss_reduction
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.closed
+
+    @property
     def backward_seen(self) -> bool:
         return self.engine.backward_seen
 

@@ -14,36 +14,70 @@ reads the same hooks as (B, k) sketches). A consumer ``subscribe``s once and get
 
 Subscriptions are independent: two consumers of one source each take every backward. A
 subscription keeps no batch alive: once taken, the batch is the consumer's.
+
+A consumer handed a source that another built (``ExampleGradientNorms(model, stats=sampler.
+stats)``) reads the statistics as that source defines them: its loss reduction and the trainable
+parameters of the model it hooks. ``check_shared`` refuses a consumer asked for another
+definition (a loss reduction, or a model, other than the source's), which it would otherwise
+silently not get.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from grabkit.stats.gradient_batch import GradientBatch
 
-__all__ = ["BackwardMark", "StatisticsSource", "Subscription", "reset_unused"]
+__all__ = [
+    "BackwardMark",
+    "StatisticsSource",
+    "Subscription",
+    "check_shared",
+    "gradients_taken",
+    "note_gradients_taken",
+    "reset_unused",
+]
 
 
 #: (id of the first trainable parameter a step's backwards reached, that parameter's version
-#: counter then, whether its ``.grad`` was empty then)
-BackwardMark = tuple[int, int, bool]
+#: counter then, whether its ``.grad`` was empty then, how many times its ``.grad`` had been
+#: taken away for use then: ``gradients_taken``)
+BackwardMark = tuple[int, int, bool, int]
+
+#: parameter -> how many times a consumer took its ``.grad`` away for use (weakly held)
+_TAKEN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_gradients_taken(params: Iterable[torch.Tensor]) -> None:
+    """Record that the ``.grad`` of ``params`` was taken away to be used (an
+    ``AdaptiveAccumulationWrapper`` folds each microbatch's gradient into its window and
+    clears ``.grad``), so that an empty ``.grad`` afterwards is not read as a reset."""
+    for p in params:
+        _TAKEN[p] = _TAKEN.get(p, 0) + 1
+
+
+def gradients_taken(p: torch.Tensor) -> int:
+    """How many times ``p``'s ``.grad`` was taken away for use (``note_gradients_taken``)."""
+    return _TAKEN.get(p, 0)
 
 
 def reset_unused(earlier: BackwardMark | None, later: BackwardMark | None) -> bool:
     """Whether the gradients of the backward marked ``earlier`` were reset before the backward
     marked ``later`` with no optimizer step between: ``later`` found the same parameter's
-    ``.grad`` empty (``zero_grad``) and the parameter unchanged. Such a backward trained
-    nothing (a GAN generator's step through the model, an FGSM ``loss.backward()`` taken for
-    the input gradient before the adversarial one), so it is no micro-batch of an update.
-    (An optimizer that updates in place without a version bump, a fused one, looks unused
-    too: only a backward followed by another before its statistics were taken is asked.)"""
+    ``.grad`` empty (``zero_grad``), the parameter unchanged and nothing having taken its
+    gradient for use (an accumulation wrapper's fold). Such a backward trained nothing (a GAN
+    generator's step through the model, an FGSM ``loss.backward()`` taken for the input
+    gradient before the adversarial one), so it is no micro-batch of an update. (An optimizer
+    that updates in place without a version bump, a fused one, looks unused too: only a
+    backward followed by another before its statistics were taken is asked.)"""
     if earlier is None or later is None or not later[2]:
         return False
-    return earlier[0] == later[0] and earlier[1] == later[1]
+    return earlier[0] == later[0] and earlier[1] == later[1] and earlier[3] == later[3]
 
 
 class StatisticsSource(ABC):
@@ -59,11 +93,21 @@ class StatisticsSource(ABC):
     step_listeners: list[Callable[[], None]]
     #: changes whenever the recorded statistics change (a gradient arrived, a step began)
     generation: int
+    #: the module whose trainable parameters the statistics describe (None where unknown)
+    model: nn.Module | None = None
+    #: how the batch loss combines the examples' terms, "mean" or "sum" (None where unknown)
+    loss_reduction: str | None = None
 
     @property
     @abstractmethod
     def backward_seen(self) -> bool:
         """Whether a backward ran since this step's first forward (statistics can be read)."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` removed the hooks (nothing more is recorded). Sources that
+        cannot tell say False."""
+        return False
 
     @property
     def parameter_gradients_seen(self) -> bool:
@@ -133,3 +177,52 @@ class Subscription:
         listeners = self.source.step_listeners
         if self.listener is not None and self.listener in listeners:
             listeners.remove(self.listener)
+
+
+def check_shared(
+    stats: StatisticsSource, model: nn.Module | None, loss_reduction: str | None, consumer: str
+) -> str | None:
+    """The loss reduction ``consumer`` reads ``stats`` in, after checking that they describe
+    what it was asked for: the trainable parameters of ``model`` (a wrapper of the source's
+    model, DDP, ``torch.compile`` or a module holding it and nothing more, has the same ones)
+    (None: not given) and ``loss_reduction`` (None: the source's own).
+
+    A source defines its statistics itself; a consumer given another model or reduction would
+    read those of the source's model and reduction without a word (the norms of a submodule's
+    parameters only; B times the norms where a summed loss is read as a mean), so both are
+    refused with a ``ValueError`` naming the difference. What a source does not say (a source
+    of the user's without ``model`` or ``loss_reduction``) is not checked.
+    """
+    own = stats.loss_reduction
+    if loss_reduction is not None and own is not None and loss_reduction != own:
+        raise ValueError(
+            f"{consumer} was given loss_reduction={loss_reduction!r}, but the statistics it "
+            f"reads (stats=, shared with their owner) were built with loss_reduction={own!r}, "
+            f"and it reads them as they are; leave loss_reduction out (the statistics' own "
+            f"is used) or build the statistics' owner with loss_reduction={loss_reduction!r}."
+        )
+    hooked = stats.model
+    if hooked is not None and model is not None:
+        _check_same_parameters(model, hooked, consumer)
+    return own if loss_reduction is None else loss_reduction
+
+
+def _check_same_parameters(model: nn.Module, hooked: nn.Module, consumer: str) -> None:
+    """Refuse ``model`` unless its trainable parameters are those ``hooked`` has."""
+    wanted = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    measured = {id(p): name for name, p in hooked.named_parameters() if p.requires_grad}
+    if wanted.keys() == measured.keys():
+        return
+    missing = [name for key, name in wanted.items() if key not in measured]
+    extra = [name for key, name in measured.items() if key not in wanted]
+    what = (
+        f"{missing[:3]} ({len(missing)} of the model's trainable parameters) are not measured"
+        if missing
+        else f"they measure {extra[:3]} ({len(extra)} parameters), which the model has not"
+    )
+    raise ValueError(
+        f"{consumer} was given a {type(model).__name__} and statistics (stats=) hooked on a "
+        f"{type(hooked).__name__} with other trainable parameters: {what}, so its numbers "
+        f"would describe another model. Pass the module the statistics hook (stats.model), "
+        f"or leave stats= out to hook the model itself."
+    )

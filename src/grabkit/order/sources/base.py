@@ -98,6 +98,10 @@ class GradientSource(ABC):
     def batches(self, grads: Gradients | None) -> list[GradientBatch]:
         """The step's pieces in visit order, each ``dim`` numbers long (when known)."""
 
+    def check_scale(self, factor: float) -> None:  # noqa: B027 (one factor fits by default)
+        """Refuse a loss scale ``factor`` that cannot be that of every piece of the step (called
+        after ``batches``, before anything is balanced)."""
+
     def clear(self) -> None:  # noqa: B027 (nothing kept by default)
         """Forget what was kept for the step (it was balanced)."""
 

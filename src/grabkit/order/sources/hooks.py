@@ -75,6 +75,22 @@ _DISCARDED = (
 )
 
 
+_ONE_SCALE = (
+    "hook mode: step(grad_scale={factor}) divides the {count} backwards since the last step() "
+    "by one loss scale, but an accumulation wrapper (AdaptiveAccumulationWrapper) folded "
+    "their gradients one by one, and a GradScaler driving it updates after every microbatch "
+    "(as does a per-microbatch normalisation), so their scales may differ. Call "
+    "sampler.step(grad_scale=...) after each microbatch's backward, before scaler.update(), "
+    "or step at the window without grad_scale where the loss is not scaled."
+)
+
+
+def _taken_counts(marks: list[BackwardMark | None]) -> int:
+    """How many different counts of gradients taken (``gradients_taken``) the backwards
+    marked ``marks`` found: more than one, and a wrapper folded some of them in between."""
+    return len({mark[3] for mark in marks if mark})
+
+
 def _input_key(inputs: tuple[torch.Tensor, ...]) -> tuple:
     """Where the model's input tensors lie: the same key means the same memory, read while
     the tensors live (views of one tensor with other rows, micro-batches, differ)."""
@@ -108,10 +124,10 @@ class HookGradients(GradientSource):
         #: the tensors themselves (kept alive, so no later tensor takes over their memory)
         self._pending_inputs: list[tuple[tuple, tuple[torch.Tensor, ...]]] = []
         self.subscription: Subscription | None = None
-        #: each pending piece's ``backward_mark``, and how many pieces a later backward found
-        #: reset unused (``grabkit.stats.source.reset_unused``: refused at ``step()``)
+        #: each pending piece's ``backward_mark``, and the pieces a later backward found reset
+        #: unused (``grabkit.stats.source.reset_unused``: refused at ``step()``), by position
         self._marks: list[BackwardMark | None] = []
-        self._discarded = 0
+        self._discarded: set[int] = set()
         #: the exact statistics' trainable parameters the ordering state sums (set at bind)
         self._shapes: Mapping[str, torch.Size] | None = None
 
@@ -138,7 +154,7 @@ class HookGradients(GradientSource):
         if batch is None:
             return
         mark = self._stats.backward_mark
-        self._discarded += sum(reset_unused(kept, mark) for kept in self._marks)
+        self._discarded.update(i for i, kept in enumerate(self._marks) if reset_unused(kept, mark))
         inputs = tuple(self._stats.step_inputs)
         where = _input_key(inputs)
         if check and where and any(where == kept for kept, _ in self._pending_inputs):
@@ -190,7 +206,7 @@ class HookGradients(GradientSource):
             return [as_gradient_batch(self._stats.gradient_batch())]
         self.capture()
         if self._discarded:
-            raise ValueError(_DISCARDED.format(count=self._discarded))
+            raise ValueError(_DISCARDED.format(count=len(self._discarded)))
         if not self.pending:
             raise ValueError(
                 "step() found no loss.backward() since the last step(): hook mode balances the "
@@ -199,9 +215,16 @@ class HookGradients(GradientSource):
             )
         return list(self.pending)
 
+    def check_scale(self, factor: float) -> None:
+        """Refuse one loss scale for pieces an accumulation wrapper folded one by one (their
+        marks count different gradients taken): the wrapper is driven with a
+        ``scaler.update()`` after every microbatch, so their scales may differ."""
+        if _taken_counts(self._marks) > 1:
+            raise ValueError(_ONE_SCALE.format(count=len(self.pending), factor=factor))
+
     def clear(self) -> None:
         self.pending, self._pending_inputs, self._marks = [], [], []
-        self._discarded = 0
+        self._discarded = set()
 
     def unstepped(self) -> int:
         if self.subscription is not None:
