@@ -13,11 +13,19 @@ actually computes with: a forward pre-hook on the parameter's owning module (reg
 FSDP's, so it runs once FSDP has swapped the unsharded parameter in) hooks that tensor, once per
 tensor object (FSDP keeps the same unsharded parameter from step to step). Its gradient is the
 rank's local gradient of the whole parameter, before the reduce-scatter.
+
+A tensor hook also runs in ``torch.autograd.grad`` over the parameter, which accumulates
+nothing (SAM's ascent direction, a look-ahead). Given ``commit``, a plain parameter's tap keeps
+what ``fn`` made of the gradient (a squared norm, not the gradient: holding the gradient would
+make autograd copy it rather than adopt it as ``.grad``) and hands it to ``commit`` from a hook
+that runs only once autograd has accumulated into ``.grad``; a pass that accumulates nothing
+is then never committed. FSDP's unsharded tensors are no leaves, so their taps commit at once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +35,8 @@ from grabkit.sharding import is_sharded
 
 __all__ = ["GradientTaps"]
 
-TapFn = Callable[[int, torch.Tensor], None]
+TapFn = Callable[[int, torch.Tensor], Any]
+CommitFn = Callable[[int, Any], None]
 
 
 class GradientTaps:
@@ -38,6 +47,9 @@ class GradientTaps:
             be those of ``module.named_parameters()``.
         fn: called inside backward, before the gradient is accumulated.
         module: the module owning the parameters; required when they are sharded.
+        commit: given, ``commit(index, fn(index, grad))`` runs once the backward accumulated
+            the gradient into ``.grad`` (see module): passes that accumulate nothing
+            (``torch.autograd.grad``) are left out.
     """
 
     def __init__(
@@ -45,14 +57,21 @@ class GradientTaps:
         named: Sequence[tuple[str, torch.Tensor]],
         fn: TapFn,
         module: nn.Module | None = None,
+        *,
+        commit: CommitFn | None = None,
     ) -> None:
-        self._fn = fn
+        self._fn = fn if commit is None else lambda index, grad: commit(index, fn(index, grad))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         # unsharded tensor -> its hook, by identity; weak: a tensor FSDP drops takes its hook
         self._tapped = WeakIdKeyDictionary()
+        self._pending: dict[int, Any] = {}  # index -> fn's value of the pass not yet accumulated
         plain = [(i, p) for i, (_, p) in enumerate(named) if not is_sharded(p)]
         for index, p in plain:
-            self._handles.append(p.register_hook(self._bind(index)))
+            if commit is None:
+                self._handles.append(p.register_hook(self._bind(index)))
+                continue
+            self._handles.append(p.register_hook(self._hold(index, fn)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._commit(index, commit)))
         sharded = [(i, name) for i, (name, p) in enumerate(named) if is_sharded(p)]
         if sharded:
             if module is None:
@@ -66,6 +85,19 @@ class GradientTaps:
     def _bind(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             self._fn(index, grad)
+
+        return hook
+
+    def _hold(self, index: int, fn: TapFn) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._pending[index] = fn(index, grad)  # replaces a pass that accumulated nothing
+
+        return hook
+
+    def _commit(self, index: int, commit: CommitFn) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if index in self._pending:
+                commit(index, self._pending.pop(index))
 
         return hook
 

@@ -67,3 +67,44 @@ def test_an_estimator_following_a_wrapper_from_mid_window_leaves_that_window_out
     got, want = gns.estimate, fresh.estimate
     torch.testing.assert_close(got.block_grad_norm_sq, want.block_grad_norm_sq)
     torch.testing.assert_close(got.block_trace_sigma, want.block_trace_sigma)
+
+
+def _sam_step(model, x, y, k, ascent_model):
+    """One SAM microbatch: the ascent direction by ``torch.autograd.grad`` (no ``.grad``
+    accumulated), computed on ``ascent_model`` (the model itself, or a copy the estimator does
+    not hook), the weights moved along it, the descent gradient by ``backward()`` there, and
+    the weights moved back."""
+    rows = slice(8 * k, 8 * k + 8)
+    params = list(model.parameters())
+    ascent_params = list(ascent_model.parameters())
+    loss = per_example_loss(ascent_model, x[rows], y[rows]).mean()
+    ascent = torch.autograd.grad(loss, ascent_params)
+    with torch.no_grad():
+        for p, g in zip(params, ascent, strict=True):
+            p.add_(g, alpha=0.05)
+    per_example_loss(model, x[rows], y[rows]).mean().div(3).backward()
+    with torch.no_grad():
+        for p, g in zip(params, ascent, strict=True):
+            p.sub_(g, alpha=0.05)
+
+
+def test_a_sam_ascent_by_autograd_grad_is_not_measured():
+    """SAM's ascent taken by ``torch.autograd.grad`` (the sampler's advice: it leaves ``.grad``
+    alone) is no microbatch: the estimate is that of the descent backwards alone, as with the
+    ascent taken on an unhooked copy. On the old code the tensor hooks saw the ascent too and
+    every microbatch was refused as "more than one backward()"."""
+    prob = problem(10)
+    results = []
+    for on_copy in (False, True):
+        model = make_model(0)
+        gns = AccumulationNoiseScale(model, update_rate=1.0)
+        for k in (0, 1, 2):
+            ascent_model = make_model(0) if on_copy else model
+            if on_copy:
+                ascent_model.load_state_dict(model.state_dict())
+            _sam_step(model, prob.x, prob.y, k, ascent_model)
+            gns.end_microbatch(8)
+        results.append(gns.end_step())
+    got, want = results
+    assert torch.equal(got.block_grad_norm_sq, want.block_grad_norm_sq)
+    assert torch.equal(got.block_trace_sigma, want.block_trace_sigma)

@@ -228,7 +228,10 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         )  # fmt: skip
         self._wrapper = optimizer
         self._taps = GradientTaps(
-            named, self._record, params if isinstance(params, nn.Module) else None
+            named,
+            self._measure,
+            params if isinstance(params, nn.Module) else None,
+            commit=self._record,
         )
         if optimizer is not None:
             self._watch(optimizer)
@@ -253,8 +256,17 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         self._wrapper_handle = optimizer.register_window_observer(self)
 
     # ------------------------------------------------------------------ hooks
-    def _record(self, index: int, grad: torch.Tensor) -> None:
-        """Put |grad|^2 at (row, index); a second one in the same microbatch is an error.
+    def _measure(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        """|grad|^2 of a backward's increment, taken before autograd accumulates it (with
+        ``.grad`` as it was then, at a step's first backward: ``_note_held_gradient``)."""
+        if self._row == 0 and not self._written[index]:
+            self._note_held_gradient(index)
+        return _square_norm(grad)
+
+    def _record(self, index: int, square: torch.Tensor) -> None:
+        """Put |grad|^2 at (row, index) once the backward accumulated it into ``.grad`` (a
+        ``torch.autograd.grad`` pass, such as SAM's ascent, accumulates nothing and is never
+        recorded); a second one in the same microbatch is an error.
 
         Each backward's increment is measured on its own, and |d' + d''|^2 is not
         |d'|^2 + |d''|^2: two backward passes in one microbatch cannot be measured as one.
@@ -262,9 +274,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         if self._written[index]:
             self._repeated = True
             self._repeated_by_groups = in_grouped_run()
-        elif self._row == 0:
-            self._note_held_gradient(index)
-        self._squares[self._row, index] = _square_norm(grad)
+        self._squares[self._row, index] = square
         self._written[index] = True
 
     def _note_held_gradient(self, index: int) -> None:
