@@ -99,3 +99,48 @@ def test_one_scale_for_microbatches_an_accumulation_wrapper_folded_is_refused() 
     with pytest.raises(ValueError, match=r"grad_scale.*after each microbatch"):
         sampler.step(grad_scale=scaler)
     sampler.close()
+
+
+def _amp_loop(
+    read_after_update: bool, statistics: str = "exact", enabled: bool = True
+) -> list[list[int]]:
+    """The AMP recipe (scale, backward, scaler.step, scaler.update) on the CPU with a scale
+    that doubles after every step (growth_interval=1; ``enabled=False``: no scaling), the
+    sampler stepped with the scaler before ``scaler.step`` or after ``scaler.update()``."""
+    torch.manual_seed(0)
+    x, y = torch.randn(N, 5), torch.randint(0, 3, (N,))
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    options = {"statistics": statistics} | ({"sketch_dim": 16} if statistics == "sketch" else {})
+    sampler = GraBSampler(list(range(N)), model=model, batch_size=BATCH, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1, enabled=enabled)
+    seen = []
+    for _ in range(2):
+        order = list(sampler)
+        seen.append(order)
+        for start in range(0, N, BATCH):
+            rows = torch.tensor(order[start : start + BATCH])
+            scaler.scale(F.cross_entropy(model(x[rows]), y[rows])).backward()
+            if not read_after_update:
+                sampler.step(grad_scale=scaler)
+            scaler.step(opt)
+            scaler.update()
+            if read_after_update:
+                sampler.step(grad_scale=scaler)
+            opt.zero_grad()
+    sampler.close()
+    return seen
+
+
+@pytest.mark.parametrize("statistics", ["exact", "sketch"])
+def test_a_scaler_read_after_its_update_is_refused(statistics: str) -> None:
+    """``sampler.step(grad_scale=scaler)`` after ``scaler.update()`` reads the next step's scale
+    (here twice the loss's): the update would be divided out of the examples' gradients as if
+    the loss had been scaled by it (half their size on every growth step, silently). The
+    optimizer has stepped since the backward and the scaler holds no step of it: refused,
+    naming the order; read before ``scaler.update()``, the orders are those of the loop with
+    no scaling at all."""
+    with pytest.raises(ValueError, match=r"scaler\.update\(\)"):
+        _amp_loop(read_after_update=True, statistics=statistics)
+    unscaled = _amp_loop(read_after_update=False, statistics=statistics, enabled=False)
+    assert _amp_loop(read_after_update=False, statistics=statistics) == unscaled

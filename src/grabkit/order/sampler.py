@@ -479,9 +479,11 @@ class GraBSampler(Sampler[int], Stateful):
                 changes then.
         """
         factor = loss_scale(grad_scale)  # checked before anything is taken from the source
-        pieces = self.source.batches(grads)
+        pieces = self.source.batches(grads)  # (kept by the source until the step is balanced)
         if factor != 1.0:
             self.source.check_scale(factor)
+        if isinstance(grad_scale, LossScaler):
+            self.source.check_scaler(grad_scale)
         pieces = [piece.divided(factor) for piece in pieces]
         B = sum(int(piece.size) for piece in pieces)
         start = first_position(

@@ -1821,6 +1821,15 @@ class PerSampleStats(StatisticsSource):
         reset_unused``); None before any backward, or for a sharded parameter."""
         return self._first_reached or None
 
+    @property
+    def stepped_since_backward(self) -> bool:
+        """Whether the parameter of ``backward_mark`` changed in place since that backward."""
+        mark = self._first_reached
+        if not mark:
+            return False
+        param = next((p for _, p in self._params if id(p) == mark[0]), None)
+        return param is not None and param._version != mark[1]
+
     def statistics(self) -> StepStatistics:
         """This step's statistics by parameter name (built on first read, then cached), checked
         by the identity check before they are returned."""

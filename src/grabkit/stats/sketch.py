@@ -706,6 +706,10 @@ class SketchedStats(StatisticsSource):
     def backward_mark(self) -> BackwardMark | None:
         return self.engine.backward_mark
 
+    @property
+    def stepped_since_backward(self) -> bool:
+        return self.engine.stepped_since_backward
+
     def batch_term(self, term: torch.Tensor) -> torch.Tensor:
         """Declare a loss term that is not a sum over examples (``PerSampleStats.batch_term``):
         its gradient is left out of every example's sketch. Returns ``term``."""

@@ -124,6 +124,12 @@ class StatisticsSource(ABC):
         return None
 
     @property
+    def stepped_since_backward(self) -> bool:
+        """Whether the parameter of ``backward_mark`` changed in place since that backward (an
+        optimizer step between the backward and the read); False where unknown."""
+        return False
+
+    @property
     def step_inputs(self) -> tuple[torch.Tensor, ...]:
         """The tensors the model's forward took in this step (its batch), so a consumer can
         tell two backwards over the same batch from two micro-batches; () where unknown."""

@@ -102,6 +102,11 @@ class GradientSource(ABC):
         """Refuse a loss scale ``factor`` that cannot be that of every piece of the step (called
         after ``batches``, before anything is balanced)."""
 
+    def check_scaler(self, scaler: LossScaler) -> None:  # noqa: B027 (nothing known by default)
+        """Refuse a ``torch.amp.GradScaler`` whose scale may no longer be the loss's (read after
+        its ``update()``), where the source can tell (called after ``batches`` and ``check_scale``,
+        before anything is balanced)."""
+
     def clear(self) -> None:  # noqa: B027 (nothing kept by default)
         """Forget what was kept for the step (it was balanced)."""
 

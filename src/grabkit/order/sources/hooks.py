@@ -23,6 +23,7 @@ from grabkit.order.orderings import Ordering
 from grabkit.order.sources.base import (
     Gradients,
     GradientSource,
+    LossScaler,
     StatisticsReader,
     check_dim,
     dense_batch,
@@ -75,6 +76,13 @@ _DISCARDED = (
 )
 
 
+_AFTER_UPDATE = (
+    "hook mode: step(grad_scale=scaler) reads the GradScaler after scaler.update(), which set "
+    "the next iteration's scale (doubled after growth_interval finite steps, halved after an "
+    "overflow), not the one this backward's loss was multiplied by, so the examples' gradients "
+    "would be divided by the wrong factor. Call sampler.step(grad_scale=scaler) after the "
+    "backward and before scaler.update() (before or after scaler.step(optimizer))."
+)
 _ONE_SCALE = (
     "hook mode: step(grad_scale={factor}) divides the {count} backwards since the last step() "
     "by one loss scale, but an accumulation wrapper (AdaptiveAccumulationWrapper) folded "
@@ -221,6 +229,19 @@ class HookGradients(GradientSource):
         ``scaler.update()`` after every microbatch, so their scales may differ."""
         if _taken_counts(self._marks) > 1:
             raise ValueError(_ONE_SCALE.format(count=len(self.pending), factor=factor))
+
+    def check_scaler(self, scaler: LossScaler) -> None:
+        """Refuse a GradScaler read after its ``update()``: the parameters changed since the
+        backward (an optimizer step) while the scaler holds no step of this iteration (its
+        per-optimizer records, filled by ``unscale_`` and ``step``, are emptied by
+        ``update()``), so its scale is the next iteration's, which ``update()`` may have
+        doubled or halved. Read before ``update()``, in any order with ``scaler.step``."""
+        records = getattr(scaler, "_per_optimizer_states", None)
+        enabled = getattr(scaler, "is_enabled", lambda: True)()
+        if records is None or len(records) or not enabled or self._stats is None:
+            return
+        if getattr(self._stats, "stepped_since_backward", False):
+            raise ValueError(_AFTER_UPDATE)
 
     def clear(self) -> None:
         self.pending, self._pending_inputs, self._marks = [], [], []
