@@ -482,7 +482,7 @@ class GraBSampler(Sampler[int], Stateful):
         pieces = self.source.batches(grads)  # (kept by the source until the step is balanced)
         if factor != 1.0:
             self.source.check_scale(factor)
-        if isinstance(grad_scale, LossScaler):
+        if not isinstance(grad_scale, (int, float)):  # a GradScaler (``loss_scale`` checked it)
             self.source.check_scaler(grad_scale)
         pieces = [piece.divided(factor) for piece in pieces]
         B = sum(int(piece.size) for piece in pieces)
