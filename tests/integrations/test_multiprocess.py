@@ -7,7 +7,9 @@ One spawn serves every test here (each rank imports transformers once):
   order of a one-process sketch-mode sampler stepped on the same global microbatches, every
   example is trained once per epoch, the noise scale equals ``MicrobatchNoiseScale`` fed each
   rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, or at an
-  epoch's last step) ends with the uninterrupted run's orders and parameters;
+  epoch's last step) ends with the uninterrupted run's orders and parameters; without
+  accumulation (every microbatch synchronised, the first one included) the noise scale is that
+  estimate too;
 * the README's accelerate multi-process block, run as written on both ranks; without its
   ``shard_by_sampler`` line the first batch is refused, naming it;
 * that recipe on 21 examples in batches of 4 (each rank's share, 11 with one padding example,
@@ -63,13 +65,14 @@ class _Recorder:
         return default_data_collator(rows)
 
 
-def _trainer_run(out: str, resume: str | None = None) -> dict:
+def _trainer_run(out: str, resume: str | None = None, accumulation: int = K) -> dict:
     from transformers import TrainingArguments
 
     from grabkit.integrations.huggingface import GrabkitTrainer
 
     args = TrainingArguments(
-        out, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=EPOCHS,
+        out, per_device_train_batch_size=B, gradient_accumulation_steps=accumulation,
+        num_train_epochs=EPOCHS,
         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         report_to=[], use_cpu=True, save_strategy="steps", save_steps=1, logging_steps=1,
         disable_tqdm=True, seed=0, log_level="error", ddp_backend="gloo",
@@ -179,11 +182,13 @@ def _body(rank: int, world_size: int, root: str) -> dict:
     for step in (steps_per_epoch, steps_per_epoch + 1):
         checkpoint = os.path.join(root, "full", f"checkpoint-{step}")
         resumed[step] = _trainer_run(os.path.join(root, f"resumed{step}"), checkpoint)
+    single = _trainer_run(os.path.join(root, "single"), accumulation=1)
     readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
     refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
     uneven = _uneven_runs(os.path.join(root, "uneven"))
     return {
-        "full": full, "resumed": resumed, "readme": readme, "refused": refused, "uneven": uneven,
+        "full": full, "resumed": resumed, "single": single, "readme": readme, "refused": refused,
+        "uneven": uneven,
     }  # fmt: skip
 
 
@@ -193,10 +198,11 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @functools.cache
-def _reference() -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
+def _reference(k: int = K) -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
     """One process: the sketch-mode sampler stepped on the global microbatches (W * B rows, in
-    the order the ranks visit them together), SGD on their mean; and the DDP noise scale by hand
-    from each rank's local window gradient (mean over its K * B rows) against their average."""
+    the order the ranks visit them together), SGD on the mean of windows of ``k``; and the DDP
+    noise scale by hand from each rank's local window gradient (mean over its k * B rows)
+    against their average."""
     model, data = tiny_bert().double(), dataset()
     probe = tiny_bert().double()  # the noise reference's own backwards, away from the hooks
     sampler = GraBSampler(
@@ -209,22 +215,22 @@ def _reference() -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         order = list(sampler)
-        for start in range(0, N, W * B * K):
+        for start in range(0, N, W * B * k):
             probe.load_state_dict(model.state_dict())
             local = []
             for r in range(W):
-                rows = order[start + r : start + W * B * K : W]
+                rows = order[start + r : start + W * B * k : W]
                 grads = torch.autograd.grad(
                     probe(**batch(data, rows)).loss, list(probe.parameters())
                 )
                 local.append(grads)
             squares = torch.tensor([[g.pow(2).sum() for g in grads] for grads in local])
             average = [(a + b) / 2 for a, b in zip(*local, strict=True)]
-            noise.observe_microbatches(squares, [B * K] * W)
+            noise.observe_microbatches(squares, [B * k] * W)
             noise.observe_step(torch.stack([g.pow(2).sum() for g in average]))
-            for m in range(K):
+            for m in range(k):
                 rows = order[start + m * W * B : start + (m + 1) * W * B]
-                (model(**batch(data, rows)).loss / K).backward()
+                (model(**batch(data, rows)).loss / k).backward()
                 sampler.step()
             opt.step()
             opt.zero_grad()
@@ -249,6 +255,19 @@ def test_trainer_noise_scale_is_the_ddp_estimate_of_the_local_windows(ranks):
     for got in ranks:
         grad_norm_sq, trace_sigma, observations = got["full"]["noise"]
         assert observations == expected.observations == EPOCHS * N // (W * B * K)
+        assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-6)
+        assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
+
+
+def test_trainer_noise_scale_without_accumulation_measures_every_step(ranks):
+    """gradient_accumulation_steps=1: DDP synchronises the run's first backward already, so
+    DDPNoiseScale's hook is on the model before it (it was added after that backward, and the
+    first window raised; so did a resume whose first microbatch closes a window)."""
+    orders, _, expected = _reference(1)
+    for got in ranks:
+        grad_norm_sq, trace_sigma, observations = got["single"]["noise"]
+        assert got["single"]["orders"] == orders
+        assert observations == expected.observations == EPOCHS * N // (W * B)
         assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-6)
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
 

@@ -593,6 +593,8 @@ class GrabkitTrainer(Trainer):
             )
         if wrapper is not None:
             wrapper.default_count = count  # the weight of the step() Trainer calls next
+        if self.noise_scale is not None:  # several processes: DDP's hook must see this backward
+            self.noise_scale.attach(model)
         loss = super().training_step(model, inputs, num_items_in_batch)
         scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
         for callback in self.callback_handler.callbacks:
