@@ -67,7 +67,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.accelerate import grab_sampler_of, shard_by_sampler
 from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
 from grabkit.integrations.grouped_forward import GroupedForward, check_padded_labels
-from grabkit.integrations.resume import adopt_rank, replay_state
+from grabkit.integrations.resume import replay_state
 from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.trainer_noise import TrainerNoiseScale
 from grabkit.order import GraBSampler
@@ -361,7 +361,7 @@ class GrabkitTrainer(Trainer):
             )
         sampler = self.grab_sampler
         state = replay_state(torch.load(path, weights_only=True), sampler.num_samples)
-        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        sampler.load_state_dict(state)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
