@@ -6,8 +6,9 @@ One spawn serves every test here (each rank imports transformers once):
   float64 tiny BERT (so that DDP's averaged update is the one-process update): both ranks hold the
   order of a one-process sketch-mode sampler stepped on the same global microbatches, every
   example is trained once per epoch, the noise scale equals ``MicrobatchNoiseScale`` fed each
-  rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, or at an
-  epoch's last step) ends with the uninterrupted run's orders and parameters; without
+  rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, at an
+  epoch's last step, or the last checkpoint of a one-epoch run continued with a second epoch)
+  ends with the uninterrupted run's orders, parameters and estimate; without
   accumulation (every microbatch synchronised, the first one included) the noise scale is that
   estimate too;
 * the README's accelerate multi-process block, run as written on both ranks; without its
@@ -15,8 +16,9 @@ One spawn serves every test here (each rank imports transformers once):
 * that recipe on 21 examples in batches of 4 (each rank's share, 11 with one padding example,
   ends in a partial batch, which accelerate's default ``even_batches`` would complete with other
   examples): every rank trains the sampler's split, and ``load_state`` of rank 0's state at an
-  epoch's last step or inside an epoch resumes bitwise; ``dispatch_batches=True`` is refused on
-  every rank.
+  epoch's last step, inside an epoch, or saved after a two-epoch run's epoch loop (outside the
+  loader) and continued with a third epoch resumes bitwise; ``dispatch_batches=True`` is refused
+  on every rank.
 """
 
 from __future__ import annotations
@@ -65,14 +67,16 @@ class _Recorder:
         return default_data_collator(rows)
 
 
-def _trainer_run(out: str, resume: str | None = None, accumulation: int = K) -> dict:
+def _trainer_run(
+    out: str, resume: str | None = None, accumulation: int = K, epochs: int = EPOCHS
+) -> dict:
     from transformers import TrainingArguments
 
     from grabkit.integrations.huggingface import GrabkitTrainer
 
     args = TrainingArguments(
         out, per_device_train_batch_size=B, gradient_accumulation_steps=accumulation,
-        num_train_epochs=EPOCHS,
+        num_train_epochs=epochs,
         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         report_to=[], use_cpu=True, save_strategy="steps", save_steps=1, logging_steps=1,
         disable_tqdm=True, seed=0, log_level="error", ddp_backend="gloo",
@@ -113,11 +117,12 @@ def _readme_run(folder: str, keep_split: bool) -> dict:
     }  # fmt: skip
 
 
-def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
+def _uneven_run(root: str, *, epochs=3, save_at=(), resume=None, **loader_config) -> dict:
     """The multi-process recipe on ``UNEVEN`` examples (a small MLP, ``prob_balance`` so that the
     epoch numbers count), 3 epochs: ``save_state`` to ``step_<n>`` after the updates in
-    ``save_at``, or ``load_state`` of ``step_<resume>`` and the epoch loop from
-    ``resume // len(loader)``. ``loader_config``: accelerate's ``DataLoaderConfiguration``."""
+    ``save_at`` (``"end"``: after the epoch loop), or ``load_state`` of ``step_<resume>`` and the
+    epoch loop from ``resume // len(loader)``. ``loader_config``: accelerate's
+    ``DataLoaderConfiguration``."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -146,7 +151,7 @@ def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
     if resume is not None:
         accelerator.load_state(os.path.join(root, f"step_{resume}"))
         updates, first = resume, resume // len(loader)
-    for epoch in range(first, 3):
+    for epoch in range(first, epochs):
         loader.set_epoch(epoch)
         for inputs, labels, index in loader:
             accelerator.backward(torch.nn.functional.cross_entropy(model(inputs), labels))
@@ -157,6 +162,8 @@ def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
             updates += 1
             if updates in save_at:
                 accelerator.save_state(os.path.join(root, f"step_{updates}"))
+    if "end" in save_at:
+        accelerator.save_state(os.path.join(root, f"step_{updates}"))
     return {
         "seen": seen, "orders": sampler.orders_history, "seed": sampler.seed,
         "params": [p.detach().tolist() for p in model.parameters()],
@@ -165,9 +172,11 @@ def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
 
 def _uneven_runs(root: str) -> dict:
     """The uninterrupted run (saving after epoch 0's last update, 3, and inside epoch 1, 5), its
-    two resumes, and the refused ``dispatch_batches=True``."""
+    two resumes, a two-epoch run saved after its loop (6) continued, and the refused
+    ``dispatch_batches=True``."""
     runs = {"full": _uneven_run(root, save_at=(3, 5))}
-    for step in (3, 5):
+    _uneven_run(root, epochs=2, save_at=("end",))
+    for step in (3, 5, 6):
         runs[step] = _uneven_run(root, resume=step)
     runs["dispatch"] = _uneven_run(root, dispatch_batches=True)
     return runs
@@ -182,6 +191,10 @@ def _body(rank: int, world_size: int, root: str) -> dict:
     for step in (steps_per_epoch, steps_per_epoch + 1):
         checkpoint = os.path.join(root, "full", f"checkpoint-{step}")
         resumed[step] = _trainer_run(os.path.join(root, f"resumed{step}"), checkpoint)
+    first = os.path.join(root, "first")  # one epoch, continued from its last checkpoint
+    _trainer_run(first, epochs=1)
+    checkpoint = os.path.join(first, f"checkpoint-{steps_per_epoch}")
+    resumed["end"] = _trainer_run(first, checkpoint)
     single = _trainer_run(os.path.join(root, "single"), accumulation=1)
     readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
     refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
@@ -272,7 +285,7 @@ def test_trainer_noise_scale_without_accumulation_measures_every_step(ranks):
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
 
 
-@pytest.mark.parametrize("step", [2, 3])  # epoch 0's last optimizer step; mid-epoch 1
+@pytest.mark.parametrize("step", [2, 3, "end"])  # epoch 0's last step; mid-epoch 1; a run's end
 def test_trainer_resumed_on_every_rank_from_rank_0s_checkpoint_is_exact(ranks, step):
     for got in ranks:
         full, resumed = got["full"], got["resumed"][step]
@@ -296,8 +309,8 @@ def test_readme_accelerate_recipe_on_two_processes(ranks):
 def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exactly(ranks):
     """Each rank trains its share of the padded epoch in batches of 4, 4 and 3 (accelerate's
     even_batches completed the 3 with the epoch's first example, and the step refused it), and
-    load_state of rank 0's state at epoch 0's last update or inside epoch 1 ends bitwise with
-    the uninterrupted run's orders and parameters on every rank."""
+    load_state of rank 0's state at epoch 0's last update, inside epoch 1, or after a two-epoch
+    run's loop ends bitwise with the uninterrupted run's orders and parameters on every rank."""
     full = [got["uneven"]["full"] for got in ranks]
     orders = full[0]["orders"]
     assert full[1]["orders"] == orders and len({tuple(order) for order in orders}) == 3
@@ -309,7 +322,7 @@ def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exa
             expected += [share[i : i + UB] for i in range(0, len(share), UB)]
         assert got["seen"] == expected
     for got in ranks:
-        for step in (3, 5):
+        for step in (3, 5, 6):  # 6: after a two-epoch run's loop, continued
             resumed = got["uneven"][step]
             assert resumed["seen"] == got["uneven"]["full"]["seen"][step:]
             assert resumed["orders"] == got["uneven"]["full"]["orders"]
