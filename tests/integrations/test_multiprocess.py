@@ -10,7 +10,8 @@ One spawn serves every test here (each rank imports transformers once):
   epoch's last step, or the last checkpoint of a one-epoch run continued with a second epoch)
   ends with the uninterrupted run's orders, parameters and estimate; without
   accumulation (every microbatch synchronised, the first one included) the noise scale is that
-  estimate too;
+  estimate too; accelerate's ``sync_each_batch``, which leaves no rank its own window gradient,
+  is refused at construction;
 * the README's accelerate multi-process block, run as written on both ranks; without its
   ``shard_by_sampler`` line the first batch is refused, naming it;
 * that recipe on 21 examples in batches of 4 (each rank's share, 11 with one padding example,
@@ -97,6 +98,25 @@ def _trainer_run(
         "noise": [result.grad_norm_sq, result.trace_sigma, result.observations],
         "replicas": [trainer.grab_sampler.num_replicas, trainer.grab_sampler.rank],
     }
+
+
+def _sync_each_batch_refusal(out: str) -> str:
+    """The error of a noise-measuring GrabkitTrainer whose accelerate config all-reduces every
+    microbatch (the estimator raised at the first window, naming neither setting)."""
+    from transformers import TrainingArguments
+
+    from grabkit.integrations.huggingface import GrabkitTrainer
+
+    accumulate = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    args = TrainingArguments(
+        out, per_device_train_batch_size=B, gradient_accumulation_steps=K, report_to=[],
+        use_cpu=True, ddp_backend="gloo", accelerator_config=accumulate,
+    )  # fmt: skip
+    try:
+        GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), noise_scale={})
+    except ValueError as error:
+        return str(error)
+    return ""
 
 
 def _readme_run(folder: str, keep_split: bool) -> dict:
@@ -196,6 +216,7 @@ def _body(rank: int, world_size: int, root: str) -> dict:
     checkpoint = os.path.join(first, f"checkpoint-{steps_per_epoch}")
     resumed["end"] = _trainer_run(first, checkpoint)
     single = _trainer_run(os.path.join(root, "single"), accumulation=1)
+    single["sync_each_batch"] = _sync_each_batch_refusal(os.path.join(root, "sync"))
     readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
     refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
     uneven = _uneven_runs(os.path.join(root, "uneven"))
@@ -283,6 +304,11 @@ def test_trainer_noise_scale_without_accumulation_measures_every_step(ranks):
         assert observations == expected.observations == EPOCHS * N // (W * B)
         assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-6)
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
+
+
+def test_trainer_noise_scale_refuses_syncing_each_microbatch(ranks):
+    for got in ranks:
+        assert re.search(r"sync_each_batch.*own window gradient", got["single"]["sync_each_batch"])
 
 
 @pytest.mark.parametrize("step", [2, 3, "end"])  # epoch 0's last step; mid-epoch 1; a run's end

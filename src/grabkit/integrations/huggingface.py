@@ -107,6 +107,13 @@ def _uses_group_by_length(args: Any) -> bool:
     return strategy == "group_by_length" or bool(getattr(args, "group_by_length", False))
 
 
+def _syncs_each_batch(args: Any) -> bool:
+    """accelerate's ``sync_each_batch``: DDP all-reduces every microbatch of a window."""
+    config = getattr(args, "accelerator_config", None)
+    kwargs = getattr(config, "gradient_accumulation_kwargs", None) or {}
+    return bool(kwargs.get("sync_each_batch", False))
+
+
 def _epoch_over(state: Any) -> bool:
     """Trainer has trained its epoch's last batch: ``state.epoch`` (epoch + batches trained /
     batches in the epoch) is whole, and a resume starts the next epoch (``global_step // steps
@@ -301,6 +308,15 @@ class GrabkitTrainer(Trainer):
                 "GrabkitTrainer: noise_scale= measures Trainer's fixed accumulation windows; with "
                 "accumulation= the windows are the wrapper's. Use the wrapper's statistics() (or "
                 "NoiseScaleController) instead."
+            )
+        several = self.args.world_size > 1 and accumulation_steps > 1
+        if noise_scale is not None and several and _syncs_each_batch(self.args):
+            raise ValueError(
+                "GrabkitTrainer: noise_scale= on several processes reads each rank's own window "
+                "gradient in DDP's all-reduce at the window's last microbatch, but "
+                "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}} "
+                "all-reduces every microbatch, so no rank holds its own window gradient; leave "
+                "sync_each_batch off with noise_scale=."
             )
         if noise_scale is not None and accumulation_steps < 2 and self.args.world_size == 1:
             raise ValueError(
