@@ -19,7 +19,10 @@ One spawn serves every test here (each rank imports transformers once):
   examples): every rank trains the sampler's split, and ``load_state`` of rank 0's state at an
   epoch's last step, inside an epoch, or saved after a two-epoch run's epoch loop (outside the
   loader) and continued with a third epoch resumes bitwise; ``dispatch_batches=True`` is refused
-  on every rank.
+  on every rank;
+* ``AccumulationNoiseScale`` following an adaptive wrapper (``adaptive_step``), registered for
+  ``save_state`` with a window open: rank 0's state holds its own microbatches' norms, which
+  rank 1 refuses to take as its own.
 """
 
 from __future__ import annotations
@@ -190,6 +193,45 @@ def _uneven_run(root: str, *, epochs=3, save_at=(), resume=None, **loader_config
     }  # fmt: skip
 
 
+def _noise_state_of_rank_0(root: str) -> str:
+    """An adaptive window (4 microbatches) open after 6 microbatches of each rank when
+    ``save_state`` saves rank 0's estimator; the error of this rank's ``load_state`` (or "")."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from grabkit import OptimizerWrapperGNTS
+    from grabkit.integrations.accelerate import adaptive_step
+    from grabkit.noise import AccumulationNoiseScale
+
+    rows = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(UNEVEN, 5, generator=rows), torch.randint(0, 2, (UNEVEN,)))
+    for load in (False, True):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, project_dir=root)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapper = OptimizerWrapperGNTS(sgd, max_batch_draws=4, norm_threshold=0.0)
+        noise = AccumulationNoiseScale(model, optimizer=wrapper, update_rate=0.5)
+        loader = DataLoader(data, batch_size=UB)
+        model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+        accelerator.register_for_checkpointing(noise)
+        if load:
+            try:
+                accelerator.load_state(os.path.join(root, "state"))
+            except ValueError as error:
+                return str(error)
+            return ""
+        for _ in range(2):
+            for x, y in loader:
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                adaptive_step(optimizer, count=len(y))
+        accelerator.save_state(os.path.join(root, "state"))
+    return ""
+
+
 def _uneven_runs(root: str) -> dict:
     """The uninterrupted run (saving after epoch 0's last update, 3, and inside epoch 1, 5), its
     two resumes, a two-epoch run saved after its loop (6) continued, and the refused
@@ -199,6 +241,7 @@ def _uneven_runs(root: str) -> dict:
     for step in (3, 5, 6):
         runs[step] = _uneven_run(root, resume=step)
     runs["dispatch"] = _uneven_run(root, dispatch_batches=True)
+    runs["noise"] = _noise_state_of_rank_0(os.path.join(root, "noise"))
     return runs
 
 
@@ -353,6 +396,15 @@ def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exa
             assert resumed["seen"] == got["uneven"]["full"]["seen"][step:]
             assert resumed["orders"] == got["uneven"]["full"]["orders"]
             assert resumed["params"] == got["uneven"]["full"]["params"]
+
+
+def test_an_open_noise_window_saved_by_rank_0_is_refused_by_rank_1(ranks):
+    """Each rank's state holds its own microbatches' squared norms while a window is open;
+    rank 1 took rank 0's as its own (the continued estimate silently off: tr(Sigma) 3.58 where
+    the uninterrupted run has 3.67) and now refuses it, naming the fix."""
+    assert ranks[0]["uneven"]["noise"] == ""
+    refusal = ranks[1]["uneven"]["noise"]
+    assert re.search(r"saved by rank 0 inside a step.*rank 1.*own", refusal), refusal
 
 
 def test_accelerate_dispatch_batches_is_refused_on_every_rank(ranks):
