@@ -7,7 +7,8 @@ stepped on the same global microbatches (float64, so DDP's averaged update is th
 update), every example must be visited once per epoch across the ranks, and a resume from
 Lightning's checkpoint (rank 0's callback state, loaded by every rank), mid-epoch or after an
 epoch's last step, must visit the same batches and end with the same orders and parameters as
-the uninterrupted run.
+the uninterrupted run; so must a run whose loader is a ``StatefulDataLoader``, whose snapshot of
+the sampler Lightning saves from rank 0 and restores on every rank.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def sampler_for(net: torch.nn.Module, **topology) -> GraBSampler:
 class Classifier(L.LightningModule):
     """Builds its sampler in ``setup()``; writes what its rank saw to ``out/rank<r>.pt``."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, stateful: bool = False) -> None:
         super().__init__()
-        self.net, self.out, self.seen = network(), out, []
+        self.net, self.out, self.seen, self.stateful = network(), out, [], stateful
 
     def setup(self, stage: str) -> None:
         self.sampler = sampler_for(self.net)  # num_replicas and rank from the process group
 
     def train_dataloader(self) -> DataLoader:
+        if self.stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(data(), sampler=self.sampler, batch_size=B)
         return DataLoader(data(), sampler=self.sampler, batch_size=B)
 
     def training_step(self, batch, batch_idx):
@@ -149,6 +154,23 @@ def test_resume_from_the_lightning_checkpoint_is_exact(full_run, monkeypatch, st
         first = [idx for e, idx in rank["seen"] if e == 1]
         assert [idx for e, idx in again["seen"] if e == 1] == first[done:]
         assert [idx for e, idx in again["seen"] if e == 2] == [i for e, i in rank["seen"] if e == 2]
+        for name, value in rank["params"].items():
+            assert torch.equal(again["params"][name], value), name
+
+
+def test_resume_of_a_stateful_loader_from_rank_0s_snapshot_is_exact(full_run, monkeypatch):
+    """The checkpoint holds rank 0's StatefulDataLoader snapshot, the sampler's state in it
+    (rank=0 in its configuration); rank 1 loads it as its own (it refused it as another
+    configuration's) and both ranks end as the uninterrupted run."""
+    pytest.importorskip("torchdata")
+    out, full = full_run
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    root = out.parent / "stateful"
+    fit(root, module=Classifier(str(root), stateful=True), max_epochs=2)
+    resumed = fit(root / "resumed", ckpt_path=root / "step=4.ckpt",
+                  module=Classifier(str(root / "resumed"), stateful=True))  # fmt: skip
+    for rank, again in zip(full, resumed, strict=True):
+        assert again["orders"] == rank["orders"]
         for name, value in rank["params"].items():
             assert torch.equal(again["params"][name], value), name
 

@@ -6,15 +6,23 @@ One spawn serves every test here (each rank imports transformers once):
   float64 tiny BERT (so that DDP's averaged update is the one-process update): both ranks hold the
   order of a one-process sketch-mode sampler stepped on the same global microbatches, every
   example is trained once per epoch, the noise scale equals ``MicrobatchNoiseScale`` fed each
-  rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, or at an
-  epoch's last step) ends with the uninterrupted run's orders and parameters;
+  rank's local window gradient by hand, and a resume from rank 0's checkpoint (mid-epoch, at an
+  epoch's last step, or the last checkpoint of a one-epoch run continued with a second epoch)
+  ends with the uninterrupted run's orders, parameters and estimate; without
+  accumulation (every microbatch synchronised, the first one included) the noise scale is that
+  estimate too; accelerate's ``sync_each_batch``, which leaves no rank its own window gradient,
+  is refused at construction;
 * the README's accelerate multi-process block, run as written on both ranks; without its
   ``shard_by_sampler`` line the first batch is refused, naming it;
 * that recipe on 21 examples in batches of 4 (each rank's share, 11 with one padding example,
   ends in a partial batch, which accelerate's default ``even_batches`` would complete with other
   examples): every rank trains the sampler's split, and ``load_state`` of rank 0's state at an
-  epoch's last step or inside an epoch resumes bitwise; ``dispatch_batches=True`` is refused on
-  every rank.
+  epoch's last step, inside an epoch, or saved after a two-epoch run's epoch loop (outside the
+  loader) and continued with a third epoch resumes bitwise; ``dispatch_batches=True`` is refused
+  on every rank;
+* ``AccumulationNoiseScale`` following an adaptive wrapper (``adaptive_step``), registered for
+  ``save_state`` with a window open: rank 0's state holds its own microbatches' norms, which
+  rank 1 refuses to take as its own.
 """
 
 from __future__ import annotations
@@ -63,13 +71,16 @@ class _Recorder:
         return default_data_collator(rows)
 
 
-def _trainer_run(out: str, resume: str | None = None) -> dict:
+def _trainer_run(
+    out: str, resume: str | None = None, accumulation: int = K, epochs: int = EPOCHS
+) -> dict:
     from transformers import TrainingArguments
 
     from grabkit.integrations.huggingface import GrabkitTrainer
 
     args = TrainingArguments(
-        out, per_device_train_batch_size=B, gradient_accumulation_steps=K, num_train_epochs=EPOCHS,
+        out, per_device_train_batch_size=B, gradient_accumulation_steps=accumulation,
+        num_train_epochs=epochs,
         learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0,
         report_to=[], use_cpu=True, save_strategy="steps", save_steps=1, logging_steps=1,
         disable_tqdm=True, seed=0, log_level="error", ddp_backend="gloo",
@@ -92,6 +103,25 @@ def _trainer_run(out: str, resume: str | None = None) -> dict:
     }
 
 
+def _sync_each_batch_refusal(out: str) -> str:
+    """The error of a noise-measuring GrabkitTrainer whose accelerate config all-reduces every
+    microbatch (the estimator raised at the first window, naming neither setting)."""
+    from transformers import TrainingArguments
+
+    from grabkit.integrations.huggingface import GrabkitTrainer
+
+    accumulate = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    args = TrainingArguments(
+        out, per_device_train_batch_size=B, gradient_accumulation_steps=K, report_to=[],
+        use_cpu=True, ddp_backend="gloo", accelerator_config=accumulate,
+    )  # fmt: skip
+    try:
+        GrabkitTrainer(tiny_bert(), args, train_dataset=dataset(), noise_scale={})
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def _readme_run(folder: str, keep_split: bool) -> dict:
     code = _readme_block()
     if not keep_split:
@@ -110,11 +140,12 @@ def _readme_run(folder: str, keep_split: bool) -> dict:
     }  # fmt: skip
 
 
-def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
+def _uneven_run(root: str, *, epochs=3, save_at=(), resume=None, **loader_config) -> dict:
     """The multi-process recipe on ``UNEVEN`` examples (a small MLP, ``prob_balance`` so that the
     epoch numbers count), 3 epochs: ``save_state`` to ``step_<n>`` after the updates in
-    ``save_at``, or ``load_state`` of ``step_<resume>`` and the epoch loop from
-    ``resume // len(loader)``. ``loader_config``: accelerate's ``DataLoaderConfiguration``."""
+    ``save_at`` (``"end"``: after the epoch loop), or ``load_state`` of ``step_<resume>`` and the
+    epoch loop from ``resume // len(loader)``. ``loader_config``: accelerate's
+    ``DataLoaderConfiguration``."""
     from accelerate import Accelerator, DataLoaderConfiguration
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -143,7 +174,7 @@ def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
     if resume is not None:
         accelerator.load_state(os.path.join(root, f"step_{resume}"))
         updates, first = resume, resume // len(loader)
-    for epoch in range(first, 3):
+    for epoch in range(first, epochs):
         loader.set_epoch(epoch)
         for inputs, labels, index in loader:
             accelerator.backward(torch.nn.functional.cross_entropy(model(inputs), labels))
@@ -154,19 +185,63 @@ def _uneven_run(root: str, *, save_at=(), resume=None, **loader_config) -> dict:
             updates += 1
             if updates in save_at:
                 accelerator.save_state(os.path.join(root, f"step_{updates}"))
+    if "end" in save_at:
+        accelerator.save_state(os.path.join(root, f"step_{updates}"))
     return {
         "seen": seen, "orders": sampler.orders_history, "seed": sampler.seed,
         "params": [p.detach().tolist() for p in model.parameters()],
     }  # fmt: skip
 
 
+def _noise_state_of_rank_0(root: str) -> str:
+    """An adaptive window (4 microbatches) open after 6 microbatches of each rank when
+    ``save_state`` saves rank 0's estimator; the error of this rank's ``load_state`` (or "")."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from grabkit import OptimizerWrapperGNTS
+    from grabkit.integrations.accelerate import adaptive_step
+    from grabkit.noise import AccumulationNoiseScale
+
+    rows = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(UNEVEN, 5, generator=rows), torch.randint(0, 2, (UNEVEN,)))
+    for load in (False, True):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, project_dir=root)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapper = OptimizerWrapperGNTS(sgd, max_batch_draws=4, norm_threshold=0.0)
+        noise = AccumulationNoiseScale(model, optimizer=wrapper, update_rate=0.5)
+        loader = DataLoader(data, batch_size=UB)
+        model, optimizer, loader = accelerator.prepare(model, wrapper, loader)
+        accelerator.register_for_checkpointing(noise)
+        if load:
+            try:
+                accelerator.load_state(os.path.join(root, "state"))
+            except ValueError as error:
+                return str(error)
+            return ""
+        for _ in range(2):
+            for x, y in loader:
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                adaptive_step(optimizer, count=len(y))
+        accelerator.save_state(os.path.join(root, "state"))
+    return ""
+
+
 def _uneven_runs(root: str) -> dict:
     """The uninterrupted run (saving after epoch 0's last update, 3, and inside epoch 1, 5), its
-    two resumes, and the refused ``dispatch_batches=True``."""
+    two resumes, a two-epoch run saved after its loop (6) continued, and the refused
+    ``dispatch_batches=True``."""
     runs = {"full": _uneven_run(root, save_at=(3, 5))}
-    for step in (3, 5):
+    _uneven_run(root, epochs=2, save_at=("end",))
+    for step in (3, 5, 6):
         runs[step] = _uneven_run(root, resume=step)
     runs["dispatch"] = _uneven_run(root, dispatch_batches=True)
+    runs["noise"] = _noise_state_of_rank_0(os.path.join(root, "noise"))
     return runs
 
 
@@ -179,11 +254,18 @@ def _body(rank: int, world_size: int, root: str) -> dict:
     for step in (steps_per_epoch, steps_per_epoch + 1):
         checkpoint = os.path.join(root, "full", f"checkpoint-{step}")
         resumed[step] = _trainer_run(os.path.join(root, f"resumed{step}"), checkpoint)
+    first = os.path.join(root, "first")  # one epoch, continued from its last checkpoint
+    _trainer_run(first, epochs=1)
+    checkpoint = os.path.join(first, f"checkpoint-{steps_per_epoch}")
+    resumed["end"] = _trainer_run(first, checkpoint)
+    single = _trainer_run(os.path.join(root, "single"), accumulation=1)
+    single["sync_each_batch"] = _sync_each_batch_refusal(os.path.join(root, "sync"))
     readme = _readme_run(os.path.join(root, f"readme{rank}"), keep_split=True)
     refused = _readme_run(os.path.join(root, f"refused{rank}"), keep_split=False)
     uneven = _uneven_runs(os.path.join(root, "uneven"))
     return {
-        "full": full, "resumed": resumed, "readme": readme, "refused": refused, "uneven": uneven,
+        "full": full, "resumed": resumed, "single": single, "readme": readme, "refused": refused,
+        "uneven": uneven,
     }  # fmt: skip
 
 
@@ -193,10 +275,11 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 @functools.cache
-def _reference() -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
+def _reference(k: int = K) -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
     """One process: the sketch-mode sampler stepped on the global microbatches (W * B rows, in
-    the order the ranks visit them together), SGD on their mean; and the DDP noise scale by hand
-    from each rank's local window gradient (mean over its K * B rows) against their average."""
+    the order the ranks visit them together), SGD on the mean of windows of ``k``; and the DDP
+    noise scale by hand from each rank's local window gradient (mean over its k * B rows)
+    against their average."""
     model, data = tiny_bert().double(), dataset()
     probe = tiny_bert().double()  # the noise reference's own backwards, away from the hooks
     sampler = GraBSampler(
@@ -209,22 +292,22 @@ def _reference() -> tuple[list[list[int]], dict[str, torch.Tensor], object]:
     for epoch in range(EPOCHS):
         sampler.set_epoch(epoch)
         order = list(sampler)
-        for start in range(0, N, W * B * K):
+        for start in range(0, N, W * B * k):
             probe.load_state_dict(model.state_dict())
             local = []
             for r in range(W):
-                rows = order[start + r : start + W * B * K : W]
+                rows = order[start + r : start + W * B * k : W]
                 grads = torch.autograd.grad(
                     probe(**batch(data, rows)).loss, list(probe.parameters())
                 )
                 local.append(grads)
             squares = torch.tensor([[g.pow(2).sum() for g in grads] for grads in local])
             average = [(a + b) / 2 for a, b in zip(*local, strict=True)]
-            noise.observe_microbatches(squares, [B * K] * W)
+            noise.observe_microbatches(squares, [B * k] * W)
             noise.observe_step(torch.stack([g.pow(2).sum() for g in average]))
-            for m in range(K):
+            for m in range(k):
                 rows = order[start + m * W * B : start + (m + 1) * W * B]
-                (model(**batch(data, rows)).loss / K).backward()
+                (model(**batch(data, rows)).loss / k).backward()
                 sampler.step()
             opt.step()
             opt.zero_grad()
@@ -253,7 +336,25 @@ def test_trainer_noise_scale_is_the_ddp_estimate_of_the_local_windows(ranks):
         assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
 
 
-@pytest.mark.parametrize("step", [2, 3])  # epoch 0's last optimizer step; mid-epoch 1
+def test_trainer_noise_scale_without_accumulation_measures_every_step(ranks):
+    """gradient_accumulation_steps=1: DDP synchronises the run's first backward already, so
+    DDPNoiseScale's hook is on the model before it (it was added after that backward, and the
+    first window raised; so did a resume whose first microbatch closes a window)."""
+    orders, _, expected = _reference(1)
+    for got in ranks:
+        grad_norm_sq, trace_sigma, observations = got["single"]["noise"]
+        assert got["single"]["orders"] == orders
+        assert observations == expected.observations == EPOCHS * N // (W * B)
+        assert grad_norm_sq == pytest.approx(expected.grad_norm_sq, rel=1e-6)
+        assert trace_sigma == pytest.approx(expected.trace_sigma, rel=1e-6)
+
+
+def test_trainer_noise_scale_refuses_syncing_each_microbatch(ranks):
+    for got in ranks:
+        assert re.search(r"sync_each_batch.*own window gradient", got["single"]["sync_each_batch"])
+
+
+@pytest.mark.parametrize("step", [2, 3, "end"])  # epoch 0's last step; mid-epoch 1; a run's end
 def test_trainer_resumed_on_every_rank_from_rank_0s_checkpoint_is_exact(ranks, step):
     for got in ranks:
         full, resumed = got["full"], got["resumed"][step]
@@ -277,8 +378,8 @@ def test_readme_accelerate_recipe_on_two_processes(ranks):
 def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exactly(ranks):
     """Each rank trains its share of the padded epoch in batches of 4, 4 and 3 (accelerate's
     even_batches completed the 3 with the epoch's first example, and the step refused it), and
-    load_state of rank 0's state at epoch 0's last update or inside epoch 1 ends bitwise with
-    the uninterrupted run's orders and parameters on every rank."""
+    load_state of rank 0's state at epoch 0's last update, inside epoch 1, or after a two-epoch
+    run's loop ends bitwise with the uninterrupted run's orders and parameters on every rank."""
     full = [got["uneven"]["full"] for got in ranks]
     orders = full[0]["orders"]
     assert full[1]["orders"] == orders and len({tuple(order) for order in orders}) == 3
@@ -290,11 +391,20 @@ def test_accelerate_partial_last_batches_train_the_samplers_split_and_resume_exa
             expected += [share[i : i + UB] for i in range(0, len(share), UB)]
         assert got["seen"] == expected
     for got in ranks:
-        for step in (3, 5):
+        for step in (3, 5, 6):  # 6: after a two-epoch run's loop, continued
             resumed = got["uneven"][step]
             assert resumed["seen"] == got["uneven"]["full"]["seen"][step:]
             assert resumed["orders"] == got["uneven"]["full"]["orders"]
             assert resumed["params"] == got["uneven"]["full"]["params"]
+
+
+def test_an_open_noise_window_saved_by_rank_0_is_refused_by_rank_1(ranks):
+    """Each rank's state holds its own microbatches' squared norms while a window is open;
+    rank 1 took rank 0's as its own (the continued estimate silently off: tr(Sigma) 3.58 where
+    the uninterrupted run has 3.67) and now refuses it, naming the fix."""
+    assert ranks[0]["uneven"]["noise"] == ""
+    refusal = ranks[1]["uneven"]["noise"]
+    assert re.search(r"saved by rank 0 inside a step.*rank 1.*own", refusal), refusal
 
 
 def test_accelerate_dispatch_batches_is_refused_on_every_rank(ranks):

@@ -3,8 +3,10 @@
 Every rank sketches its local batch from the hooks on DDP's inner module, the ranks all-gather
 the (B, k) sketches, and every rank decides as one process does on the global batch: the orders
 must equal a one-process run on the same global batches (same model, same maps), on every rank,
-with every example visited once per epoch, also across a mid-epoch resume from each rank's
-``state_dict`` and with micro-batches accumulated under ``no_sync``.
+with every example visited once per epoch, also across a mid-epoch resume of every rank from
+rank 0's ``state_dict`` (frameworks save that one: Lightning's checkpoint holds rank 0's
+``StatefulDataLoader`` snapshot, the sampler's state in it) and with micro-batches accumulated
+under ``no_sync``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tests.support.distributed import run_distributed
 from torch import nn
@@ -28,7 +31,7 @@ CONFIGS = [
     {"balance_type": "sign"},
     {"balance_type": "mean", "accumulate": True},
 ]
-SNAPSHOT = (1, 1)  # (epoch, steps taken in it) at which config 0 saves every rank's state
+SNAPSHOT = (1, 1)  # (epoch, steps taken in it) at which config 0 saves rank 0's state
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,8 +95,10 @@ def rank_body(rank: int, world_size: int, payload: None) -> dict:
         )
         sampler.close()
         entry = {"orders": orders, "yielded": yielded}
-        if snapshot is not None:  # resume every rank from its own state, finish the run
-            saved = torch.load(io.BytesIO(snapshot), weights_only=True)
+        if snapshot is not None:  # resume every rank from rank 0's state, finish the run
+            shared = [snapshot]
+            dist.broadcast_object_list(shared, src=0)
+            saved = torch.load(io.BytesIO(shared[0]), weights_only=True)
             net = make_model()
             net.load_state_dict(saved["model"])
             model = DistributedDataParallel(net)

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
-from grabkit.integrations.resume import adopt_rank, rewound_state
+from grabkit.integrations.resume import rewound_state
 from grabkit.integrations.wiring import check_not_dispatched
 from grabkit.order import GraBBatchSampler, GraBSampler
 
@@ -172,7 +172,7 @@ class SamplerCheckpoint:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples)  # "ended" at an epoch's end
-        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        sampler.load_state_dict(state)
         # its next iter() refuses accelerate's skip_first_batches (wiring.check_not_skipped)
         sampler.resumes_untrained_rest = True
 

@@ -67,7 +67,7 @@ from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.accelerate import grab_sampler_of, shard_by_sampler
 from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
 from grabkit.integrations.grouped_forward import GroupedForward, check_padded_labels
-from grabkit.integrations.resume import adopt_rank, replay_state
+from grabkit.integrations.resume import replay_state
 from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.trainer_noise import TrainerNoiseScale
 from grabkit.order import GraBSampler
@@ -105,6 +105,13 @@ def microbatch_count(inputs: Mapping[str, Any], count: str, shifted: bool = Fals
 def _uses_group_by_length(args: Any) -> bool:
     strategy = getattr(args, "train_sampling_strategy", None)
     return strategy == "group_by_length" or bool(getattr(args, "group_by_length", False))
+
+
+def _syncs_each_batch(args: Any) -> bool:
+    """accelerate's ``sync_each_batch``: DDP all-reduces every microbatch of a window."""
+    config = getattr(args, "accelerator_config", None)
+    kwargs = getattr(config, "gradient_accumulation_kwargs", None) or {}
+    return bool(kwargs.get("sync_each_batch", False))
 
 
 def _epoch_over(state: Any) -> bool:
@@ -303,6 +310,15 @@ class GrabkitTrainer(Trainer):
                 "accumulation= the windows are the wrapper's. Use the wrapper's statistics() (or "
                 "NoiseScaleController) instead."
             )
+        several = self.args.world_size > 1 and accumulation_steps > 1
+        if noise_scale is not None and several and _syncs_each_batch(self.args):
+            raise ValueError(
+                "GrabkitTrainer: noise_scale= on several processes reads each rank's own window "
+                "gradient in DDP's all-reduce at the window's last microbatch, but "
+                "accelerator_config={'gradient_accumulation_kwargs': {'sync_each_batch': True}} "
+                "all-reduces every microbatch, so no rank holds its own window gradient; leave "
+                "sync_each_batch off with noise_scale=."
+            )
         if noise_scale is not None and accumulation_steps < 2 and self.args.world_size == 1:
             raise ValueError(
                 "GrabkitTrainer: noise_scale= on one process compares microbatch gradients with "
@@ -362,7 +378,7 @@ class GrabkitTrainer(Trainer):
             )
         sampler = self.grab_sampler
         state = replay_state(torch.load(path, weights_only=True), sampler.num_samples)
-        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        sampler.load_state_dict(state)
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -594,6 +610,8 @@ class GrabkitTrainer(Trainer):
             )
         if wrapper is not None:
             wrapper.default_count = count  # the weight of the step() Trainer calls next
+        if self.noise_scale is not None:  # several processes: DDP's hook must see this backward
+            self.noise_scale.attach(model)
         loss = super().training_step(model, inputs, num_items_in_batch)
         scaler = getattr(self.accelerator, "scaler", None)  # fp16: the scale divided out
         for callback in self.callback_handler.callbacks:

@@ -49,7 +49,7 @@ from torch.utils.data import DistributedSampler
 from grabkit.accumulate.wrapper import AdaptiveAccumulationWrapper
 from grabkit.integrations.example_norms import DEFAULT_QUANTILES, ExampleGradientNorms
 from grabkit.integrations.grouped_forward import GroupedForward
-from grabkit.integrations.resume import adopt_rank, rewound_state
+from grabkit.integrations.resume import rewound_state
 from grabkit.integrations.scaled_step import step_sampler
 from grabkit.integrations.schedule import RealUpdateSchedule
 from grabkit.integrations.trainer_noise import TrainerNoiseScale
@@ -491,7 +491,7 @@ class GraBCallback(Callback):
     def _load(self, state_dict: dict[str, Any]) -> None:
         sampler = self.sampler
         state = rewound_state(state_dict["sampler"], sampler.num_samples)  # "ended" at epoch end
-        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        sampler.load_state_dict(state)
         self._resumed_at_epoch_end = bool(state.get("ended"))
         self._pending = None
         self._loaded = state
@@ -511,7 +511,7 @@ class GraBCallback(Callback):
             return  # over already, or saved before its epoch began (the Tuner's): nothing to end
         sampler = self.sampler
         state = rewound_state(state, sampler.num_samples, ended=True)
-        sampler.load_state_dict(adopt_rank(state, sampler.num_replicas, sampler.rank))
+        sampler.load_state_dict(state)
 
 
 def _warn_resume_inside_window(callback: str, open_microbatches: int, consequence: str) -> None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from grabkit.order.state import adopt_rank
+
 __all__ = ["adopt_rank", "replay_state", "rewound_state"]
 
 
@@ -103,19 +105,4 @@ def replay_state(
     if not ended and bool(state["started"]):
         state["yielded"] = 0
     state["ended"] = ended
-    return state
-
-
-def adopt_rank(state: Mapping[str, Any], num_replicas: int, rank: int) -> dict[str, Any]:
-    """Rank 0's state made this rank's: frameworks save one copy and every rank loads it.
-
-    Under several processes each ``step()`` is a collective (the ranks gather their sketches and
-    check that they stepped alike), so the position, order and ordering state of every rank are
-    the same; only the ``rank`` in the recorded configuration differs. A state of another
-    ``num_replicas`` is returned unchanged (``load_state_dict`` refuses it, naming both).
-    """
-    state = dict(state)
-    config = state.get("config")
-    if isinstance(config, Mapping) and config.get("num_replicas") == num_replicas:
-        state["config"] = {**config, "rank": rank}
     return state

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from grabkit.integrations.wiring import check_wiring
@@ -162,7 +163,8 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
     Its state is the averages and the step in progress: a checkpoint between microbatches (or
     between a backward and its ``end_microbatch``) resumes to the same estimate. The step's
     accumulated ``.grad`` is the model's, not this object's: to resume in mid-step, save and
-    restore it too. With several ranks each saves its own.
+    restore it too. With several ranks each saves its own (a state that another rank saved
+    inside a step is refused: its microbatch norms are that rank's).
     """
 
     def __init__(
@@ -224,6 +226,11 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
         # the wrapper's agreed count per microbatch (states saved before it was kept lack it)
         self.add_state(
             "window_counts", [], attribute="_window_counts", save=list, load=_floats,
+            optional=True,
+        )  # fmt: skip
+        # the rank that saved the state: the open step's rows are that rank's own microbatches
+        self.add_state(
+            "rank", 0, attribute="_saved_rank", save=lambda _: self._rank(), load=int,
             optional=True,
         )  # fmt: skip
         self._wrapper = optimizer
@@ -456,6 +463,9 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
     def _world(self) -> int:
         return world_size(self.process_group)
 
+    def _rank(self) -> int:
+        return dist.get_rank(self.process_group) if self._world() > 1 else 0
+
     def _true_squares(self) -> torch.Tensor:
         """(K, P) squares of the closed microbatches with each one's loss scale divided out."""
         scale_sq = to_device(torch.tensor(self._micro_scales_sq, dtype=torch.float64), self._device)
@@ -548,6 +558,7 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
             state
         ):
             self._check_fits(state)
+            self._check_own_step(state)
         super().load_state_dict(state)
 
     def _check_fits(self, state: Mapping[str, Any]) -> None:
@@ -565,6 +576,27 @@ class AccumulationNoiseScale(NoiseEstimator, Stateful):
                 f"AccumulationNoiseScale state does not fit {blocks} blocks: squares of shape "
                 f"{tuple(squares.shape)} for {len(counts)} closed microbatches"
             )
+
+    def _check_own_step(self, state: Mapping[str, Any]) -> None:
+        """Refuse another rank's state inside a step: its rows are that rank's own microbatch
+        norms, which this rank would fold in as its own (accelerate's ``save_state`` writes rank
+        0's state of a registered estimator, and every rank loads it). Between steps the state
+        is the ranks' combined averages, the same on every rank, and any rank's loads."""
+        if "rank" not in state:  # saved before the rank was kept
+            return
+        saved, rank = int(state["rank"]), self._rank()
+        closed = len(state["counts"])
+        if saved == rank or self._world() == 1 or not (closed or any(state["written"])):
+            return
+        raise ValueError(
+            f"AccumulationNoiseScale.load_state_dict: this state was saved by rank {saved} "
+            f"inside a step ({closed} microbatch(es) closed), whose squared norms are rank "
+            f"{saved}'s own microbatches; rank {rank} would measure them as its own and the "
+            "estimate would be silently off. Save where the step is closed (after end_step(), "
+            "or after the wrapper applied its window: the state is then every rank's), or "
+            "save and load each rank's own state (accelerate's save_state writes rank 0's "
+            "state of a registered object only)."
+        )
 
     def after_load(self) -> None:
         self._row = len(self._micro_counts)

@@ -58,7 +58,7 @@ from grabkit.order.sources import (
     StatisticsReader,
     loss_scale,
 )
-from grabkit.order.state import BATCHING_KEYS, plain_config, read_state
+from grabkit.order.state import BATCHING_KEYS, adopt_rank, plain_config, read_state
 from grabkit.order.topology import Setting, Topology, dataset_size
 from grabkit.order.transforms import Chain, GatherAcrossRanks, Rows, Transform
 from grabkit.state import Stateful
@@ -601,7 +601,9 @@ class GraBSampler(Sampler[int], Stateful):
         """Restore a ``state_dict()``; the next ``iter()`` yields the rest of its epoch (an
         empty pass when the whole epoch had been yielded, as ``RandomSampler`` does), or starts
         the next epoch when the state says its epoch ``"ended"`` (a state taken at an epoch's
-        last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``)."""
+        last optimizer step: ``grabkit.integrations.resume``; see ``grabkit.order.state``).
+        Several processes: any rank's state is every rank's (``adopt_rank``)."""
+        state = adopt_rank(state, self.num_replicas, self.rank)
         if any(key in state.get("config", {}) for key in BATCHING_KEYS):  # the batch form's
             config = {k: v for k, v in state["config"].items() if k not in BATCHING_KEYS}
             state = {**state, "config": config}

@@ -35,6 +35,7 @@ import torch
 
 __all__ = [
     "BATCHING_KEYS",
+    "adopt_rank",
     "check_config",
     "check_positions",
     "detached_copy",
@@ -127,6 +128,22 @@ def check_positions(
                 f"load_state_dict: the saved position {count} lies outside [0, {limit}]; the "
                 "state is corrupted."
             )
+
+
+def adopt_rank(state: Mapping[str, Any], num_replicas: int, rank: int) -> dict[str, Any]:
+    """Another rank's state made this rank's: frameworks save one copy (rank 0's, a Lightning
+    checkpoint's ``StatefulDataLoader`` snapshot included) and every rank loads it.
+
+    Under several processes each ``step()`` is a collective (the ranks gather their sketches and
+    check that they stepped alike), so the position, order and ordering state of every rank are
+    the same; only the ``rank`` in the recorded configuration differs. A state of another
+    ``num_replicas`` is returned unchanged (``load_state_dict`` refuses it, naming both).
+    """
+    state = dict(state)
+    config = state.get("config")
+    if isinstance(config, Mapping) and config.get("num_replicas") == num_replicas:
+        state["config"] = {**config, "rank": rank}
+    return state
 
 
 def detached_copy(tree: Any) -> Any:
