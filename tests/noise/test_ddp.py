@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.noise.ddp_bodies import train_and_measure
+from tests.noise.ddp_bodies import alf_resume_per_rank, train_and_measure
 from tests.noise.helpers import digits, make_model, per_example_loss
 from tests.support.distributed import run_distributed
 
@@ -70,3 +70,23 @@ def test_ddp_estimates_equal_the_single_process_computation(world_size, microbat
 def test_ddp_estimator_rejects_a_plain_module():
     with pytest.raises(TypeError, match="DistributedDataParallel"):
         DDPNoiseScale(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.distributed
+def test_alf_estimator_resumes_per_rank_and_refuses_another_ranks_state(monkeypatch):
+    """Each rank's ALF estimator measures its own batches: its state is that rank's. Resumed
+    from its own state every rank continues its uninterrupted estimates bitwise; rank 0's state
+    (what a checkpoint only rank 0 writes holds) is refused on rank 1, naming both ranks."""
+    monkeypatch.syspath_prepend(REPO_ROOT)
+    x, y = digits()
+    index = torch.randint(x.shape[0], (5, 2, 8), generator=torch.Generator().manual_seed(5))
+    payload = {"x": x[index], "y": y[index], "seed": 3, "lr": 0.5, "update_rate": 0.3, "cut": 3}
+    per_rank = run_distributed(alf_resume_per_rank, 2, payload)
+    assert per_rank[0]["whole"] != per_rank[1]["whole"]  # the ranks' estimates differ
+    for got in per_rank:
+        assert got["resumed"] == got["whole"]
+        assert got["same_result"]
+    assert per_rank[0]["refused"] is None
+    message = per_rank[1]["refused"]
+    assert message is not None
+    assert "rank 0" in message and "rank 1" in message and "own state" in message

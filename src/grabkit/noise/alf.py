@@ -20,6 +20,11 @@ each ("paper" mode: a small part of ``batch_size_ratio`` and the rest; "alternat
 As in ALF, each quantity is averaged with a bias-corrected EMA of rate ``update_rate``, a
 negative estimate returns the last non-negative one, and ``gradient_norm_clip`` clips each part's
 gradient before measuring it (which biases the estimate: leave it None for a faithful number).
+
+Under torch.distributed nothing is combined across ranks, as in ALF: each rank splits and measures
+its own batch and keeps its own averages, so each rank's estimate is B_simple estimated from that
+rank's batches alone (the ranks' values differ). Its state is that rank's: save each rank's own;
+another rank's state with averages in it is refused on load.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from grabkit.noise.averaging import BiasCorrectedEMA
@@ -35,7 +41,7 @@ from grabkit.noise.estimator import NoiseEstimator
 from grabkit.noise.identities import two_batch_estimates
 from grabkit.noise.result import NoiseScaleResult
 from grabkit.noise.tracker import NoiseScaleTracker
-from grabkit.sharding import is_sharded, refuse_flat_parameters
+from grabkit.sharding import is_sharded, refuse_flat_parameters, world_size
 from grabkit.state import Stateful
 from grabkit.validation import check_positive
 
@@ -93,6 +99,12 @@ class GradientNoiseScaleEstimator(nn.Module, NoiseEstimator):
             measuring (ALF's behaviour; it biases the estimate).
         mode: "paper" or "alternative".
         name: a label, as in ALF.
+
+    Under several processes each rank measures its own batch and keeps its own averages (nothing
+    is all-reduced, as in ALF): each rank's estimate is from its batches alone. ``state_dict()``
+    records the saving rank, and a state with averages saved by another rank is refused, since
+    this rank would continue that rank's averages as its own: save and load each rank's state
+    (a checkpoint that only rank 0 writes holds rank 0's).
     """
 
     def __init__(
@@ -262,10 +274,18 @@ class _Averages(Stateful):
         self.add_state("gradient_norm", BiasCorrectedEMA(update_rate))
         self.add_state("var_trace", BiasCorrectedEMA(update_rate))
         self.add_state("tracker", None, save=_tracker_state, load=self._tracker_from)
+        # the rank that saved the averages (None in one process); states saved before lack it
+        self.add_state("rank", None, attribute="_saved_rank", save=lambda _: _rank(), optional=True)
 
     @property
     def state_owner(self) -> str:
         return "GradientNoiseScaleEstimator"
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict()`` once it was found to be this rank's (or one process's)."""
+        if isinstance(state, Mapping):
+            _check_own_rank(state)
+        super().load_state_dict(state)
 
     def _tracker_from(self, saved: dict[str, Any] | None) -> NoiseScaleTracker | None:
         if saved is None:
@@ -277,3 +297,29 @@ class _Averages(Stateful):
 
 def _tracker_state(tracker: NoiseScaleTracker | None) -> dict[str, Any] | None:
     return None if tracker is None else tracker.state_dict()
+
+
+def _rank() -> int | None:
+    """This process's rank in the default group, None in one process."""
+    return dist.get_rank() if world_size() > 1 else None
+
+
+def _check_own_rank(state: Mapping[str, Any]) -> None:
+    """Refuse averages that another rank saved: they are of that rank's batches, and this rank
+    would continue them as its own (every rank loading the checkpoint that rank 0 writes)."""
+    saved, rank = state.get("rank"), _rank()
+    averages = state.get("gradient_norm")
+    if saved is None or rank is None or saved == rank:
+        return
+    if not (isinstance(averages, Mapping) and averages.get("mean") is not None):
+        return  # nothing measured yet: the same on every rank
+    raise ValueError(
+        f"GradientNoiseScaleEstimator.load_state_dict: this state was saved by rank {saved}, "
+        f"whose averages are of rank {saved}'s own batches (each rank's estimator measures its "
+        f"own batches and keeps its own averages); rank {rank} would continue them as its own "
+        "and its estimate would silently differ from the uninterrupted run's. Save and load "
+        "each rank's own state (e.g. torch.save(estimator.state_dict(), f'gns-rank{rank}.pt')); "
+        "a checkpoint that only rank 0 writes (accelerate's save_state of a registered object, "
+        "Lightning's checkpoint, a model state_dict with the estimator inside) holds rank 0's: "
+        "keep the estimator out of it, or build this rank's estimator afresh."
+    )
