@@ -295,7 +295,7 @@ def test_sign_balance_rejects_non_finite_and_changes_nothing(bad):
         ({"ema_decay": 0.2}, "ema_decay"),
         ({"prob_balance": True}, "probabilistic"),
         ({"drop_last": True, "num_replicas": 2, "rank": 0}, "drop_last"),
-        ({"rank": 1, "num_replicas": 2}, "rank"),
+        ({"rank": 0, "num_replicas": 3}, "num_replicas"),
         ({"projection": "gaussian", "projection_dim": 2}, "projection"),
         ({"normalize": True}, "normalize"),
     ],
@@ -307,6 +307,22 @@ def test_load_refuses_another_configuration(change, name):
     saved = GraBSampler(range(9), **base).state_dict()
     with pytest.raises(ValueError, match=f"{name}="):
         GraBSampler(range(9), **{**base, **change}).load_state_dict(saved)
+
+
+def test_another_rank_s_state_of_the_same_world_size_is_adopted():
+    """Frameworks save one copy of a sampler's state (rank 0's) and every rank loads it. Every
+    step() of several ranks is collective, so the ranks' states differ only in the recorded
+    rank: rank 1 loading rank 0's state is rank 1 loading its own (another world size is
+    refused above)."""
+    base = {"balance_type": "recursive", "num_replicas": 2}
+    zero, one = GraBSampler(range(9), **base, rank=0), GraBSampler(range(9), **base, rank=1)
+    list(zero), list(one)
+    adopted = GraBSampler(range(9), **base, rank=1)
+    adopted.load_state_dict(zero.state_dict())
+    own = GraBSampler(range(9), **base, rank=1)
+    own.load_state_dict(one.state_dict())
+    assert adopted.state_dict()["config"] == own.state_dict()["config"]
+    assert list(adopted) == list(own)
 
 
 def test_load_refuses_a_corrupted_order_or_position():
