@@ -361,7 +361,7 @@ class _ModelBatch:
 
     def _is_shared(self, x: torch.Tensor) -> bool:
         """A tensor made outside autograd and not a view of the model's inputs."""
-        return x.grad_fn is None and x.untyped_storage().data_ptr() not in self._storages
+        return x.grad_fn is None and not self.holds_input(x)
 
     def rows_in_doubt(self, x: Any) -> bool:
         """Whether the layer input ``x`` (as the model passed it, not detached), taken to hold
@@ -811,7 +811,8 @@ class PerSampleStats(StatisticsSource):
         self._handles: list[Any] = []
         self._enter_handles: list[Any] = []
         #: id of a replayed layer running on an output whose rows are in doubt -> (the layer
-        #: in doubt, its input's shape), for its own output (``_on_replayed_layer_enter``)
+        #: in doubt, its input's shape, whether its guard is strict), for its own output
+        #: (``_on_replayed_layer_enter``)
         self._doubt_carried: dict[int, tuple[str, torch.Size, bool] | None] = {}
         self._grad_nodes: list[Any] = []
         self._warned: set[nn.Module] = set()
@@ -1827,7 +1828,7 @@ class PerSampleStats(StatisticsSource):
         mark = self._first_reached
         if not mark:
             return False
-        param = next((p for _, p in self._params if id(p) == mark[0]), None)
+        param = self._param_by_name.get(self._param_names.get(mark[0], ""))
         return param is not None and param._version != mark[1]
 
     def statistics(self) -> StepStatistics:

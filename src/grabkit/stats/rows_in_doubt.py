@@ -57,7 +57,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from grabkit.stats.shared_inputs import ELEMENTWISE_OPS, ROW_WISE_OPS, BatchExpanded, op_name
+from grabkit.stats.shared_inputs import (
+    ELEMENTWISE_OPS,
+    MATMUL_OPS,
+    ROW_WISE_OPS,
+    BatchExpanded,
+    einsum_terms,
+    first_of,
+    op_name,
+)
 
 __all__ = ["RowsInDoubt", "guard_rows"]
 
@@ -68,7 +76,7 @@ _MOVES = frozenset(
     {"permute", "transpose", "swapaxes", "swapdims", "movedim", "t", "T", "mT", "H", "mH"}
 )
 #: ops that combine the rows with other tensors along dims they name (``_combined``)
-_MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm"})
+_MATMULS = MATMUL_OPS | {"bmm"}
 _COMBINING = _MATMULS | {"einsum", "cat", "concat", "concatenate"}
 
 
@@ -94,7 +102,7 @@ class RowsInDoubt(torch.Tensor):
             return _beside_expanded(name, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        guarded = _first_guarded(args)
+        guarded = first_of(RowsInDoubt, args)
         if guarded is None or not isinstance(out, torch.Tensor):
             return out
         if name in ELEMENTWISE_OPS:
@@ -311,30 +319,15 @@ def _rows_placed(
 
 def _einsum_rows(guarded: RowsInDoubt, args: tuple) -> list[torch.Tensor] | str | None:
     """``_rows_placed`` for ``einsum(equation, *operands)`` with an explicit output."""
-    equation, operands = args[0], list(args[1:])
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+    parsed = einsum_terms(args)
+    if parsed is None:
         return None
-    inputs, output = equation.replace(" ", "").split("->")
-    terms = inputs.split(",")
+    operands, terms, output = parsed
     at = next((i for i, t in enumerate(operands) if t is guarded), None)
-    if at is None or len(terms) != len(operands) or not terms[at]:
+    if at is None or not terms[at]:
         return None
     letter = terms[at][0]
     if output[:1] != letter:
         where = f"dim {output.index(letter)}" if letter in output else "a sum over it"
         return f"'einsum', which takes its dim 0 to {where} of the result"
     return [t for i, t in enumerate(operands) if i != at and terms[i][:1] == letter]
-
-
-def _first_guarded(args: tuple) -> RowsInDoubt | None:
-    """The first guarded tensor among ``args``, also inside a list or tuple (``torch.cat``)."""
-    for a in args:
-        if isinstance(a, RowsInDoubt):
-            return a
-        if isinstance(a, (list, tuple)):
-            inner = next((b for b in a if isinstance(b, RowsInDoubt)), None)
-            if inner is not None:
-                return inner
-    return None

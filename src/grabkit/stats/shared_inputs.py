@@ -45,11 +45,14 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "ELEMENTWISE_OPS",
+    "MATMUL_OPS",
     "ROW_WISE_OPS",
     "SAME_OPS",
     "UNARY_OPS",
     "BatchExpanded",
+    "einsum_terms",
     "expand_for_batch",
+    "first_of",
     "op_name",
 ]
 
@@ -74,7 +77,8 @@ _HARMLESS = frozenset(
 
 
 _SWAPS = frozenset({"transpose", "swapaxes", "swapdims"})
-_MATMULS = frozenset({"matmul", "__matmul__", "__rmatmul__"})
+#: matrix products whose result shape follows from their operands' by broadcasting
+MATMUL_OPS = frozenset({"matmul", "__matmul__", "__rmatmul__"})
 
 
 def op_name(func: Any) -> str:
@@ -124,7 +128,7 @@ class BatchExpanded(torch.Tensor):
             return args[0]._swapped(args[1:], kwargs)
         if name == "einsum":
             return _batched_einsum(args)
-        guarded = _first_expanded((*args, *kwargs.values()))
+        guarded = first_of(BatchExpanded, (*args, *kwargs.values()))
         with torch._C.DisableTorchFunctionSubclass():
             try:
                 out = func(*args, **kwargs)
@@ -210,7 +214,7 @@ class BatchExpanded(torch.Tensor):
                 return None
         if name == "scaled_dot_product_attention":
             return _attention_result(args, kwargs)
-        if name in _MATMULS and len(args) == 2:
+        if name in MATMUL_OPS and len(args) == 2:
             return _matmul_result(name, args)
         if name in UNARY_OPS and args and args[0] is self:
             return self.grabkit_model_shape
@@ -219,9 +223,24 @@ class BatchExpanded(torch.Tensor):
         return None
 
 
-def _first_expanded(values: tuple) -> BatchExpanded | None:
-    """The first expanded tensor among ``values``, also inside containers (``torch.cat``)."""
-    return next((v for v in tree_leaves(values) if isinstance(v, BatchExpanded)), None)
+def first_of(kind: type[Any], values: tuple) -> Any:
+    """The first ``kind`` among ``values``, also inside containers (``torch.cat``'s list), or
+    None."""
+    return next((v for v in tree_leaves(values) if isinstance(v, kind)), None)
+
+
+def einsum_terms(args: tuple) -> tuple[list[Any], list[str], str] | None:
+    """(operands, their subscript terms, the result's term) of ``einsum(equation, *operands)``
+    (the operands also given as one list), for an equation with an explicit result and no
+    ellipsis; None for any other."""
+    equation, operands = args[0], list(args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+        return None
+    inputs, output = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    return (operands, terms, output) if len(terms) == len(operands) else None
 
 
 def _matmul_result(name: str, args: tuple) -> torch.Size | None:
@@ -244,21 +263,18 @@ def _batched_einsum(args: tuple) -> torch.Tensor:
     not expanded holds B rows under it (``"bqd,qkd->bqk"`` becomes ``"bqd,bqkd->bqk"``). Each
     example then contracts its own copy of the table, which is the model's own result; any
     other equation (no such letter, an ellipsis, an implicit result) is refused."""
-    equation, operands = args[0], list(args[1:])
-    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
-        operands = list(operands[0])
-    guarded = _first_expanded(tuple(operands))
-    if not isinstance(equation, str) or "..." in equation or "->" not in equation:
+    guarded = first_of(BatchExpanded, args[1:])
+    parsed = einsum_terms(args)
+    if parsed is None:
         guarded._refuse("einsum")
-    inputs, output = equation.replace(" ", "").split("->")
-    terms = inputs.split(",")
+    operands, terms, output = parsed
     letter, batch = output[:1], guarded.grabkit_batch
     with torch._C.DisableTorchFunctionSubclass():
         holds = any(
             not isinstance(t, BatchExpanded) and term[:1] == letter and t.shape[0] == batch
-            for t, term in zip(operands, terms, strict=False)
+            for t, term in zip(operands, terms, strict=True)
         )
-        if not letter or not holds or len(terms) != len(operands):
+        if not letter or not holds:
             guarded._refuse("einsum")
         for i, t in enumerate(operands):
             if isinstance(t, BatchExpanded):
